@@ -1,0 +1,34 @@
+"""Engine configuration: one dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str  # local HF directory, a .gguf file, or a name resolved by engine.model_loader
+    dtype: str = "float32"  # fp32 on CPUs without bf16 units; "bfloat16"/"float16" on GPUs
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 2 << 30  # KV budget; blocks are preallocated from it
+    num_kv_blocks: int | None = None  # overrides the budget (tests force preemption with it)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value runs first)
+    max_waiting: int = 1024  # admission bound: beyond it add_request raises QueueFullError
+    attention_backend: str = "torch"
+    quantization: str | None = None  # e.g. "int8" (weight-only, module swap)
+    num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
