@@ -1,0 +1,33 @@
+"""Errors the engine raises at admission; the gateway maps them to OpenAI error JSON."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class for errors caused by a request, not by the engine."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at ``max_waiting``: the caller should retry later (HTTP 429)."""
+
+    def __init__(self, num_waiting: int, retry_after_s: float = 1.0) -> None:
+        super().__init__(f"the server is busy: {num_waiting} requests are already waiting; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class PromptTooLongError(EngineError, ValueError):
+    """Prompt plus requested output does not fit the model's context (HTTP 400)."""
+
+    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the prompt or max_tokens."
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class EngineDeadError(EngineError):
+    """The engine loop crashed; every in-flight request is failed with this (HTTP 500/503)."""
