@@ -50,7 +50,9 @@ class PromptInputs:
             raise ValueError("prompt must contain at least one token")
         for e in self.embeds:
             if e.offset < 0 or e.end > len(self.token_ids):
-                raise ValueError(f"embeddings at [{e.offset}, {e.end}) fall outside the {len(self.token_ids)}-token prompt")
+                raise ValueError(
+                    f"embeddings at [{e.offset}, {e.end}) fall outside the {len(self.token_ids)}-token prompt"
+                )
 
 
 class SequenceStatus(enum.Enum):
@@ -94,6 +96,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        self.num_cached_blocks = 0  # leading blocks already registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

@@ -1,0 +1,189 @@
+"""The synchronous engine: ``add_request`` … ``step()`` where a step is schedule → run → update."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.block_manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.errors import PromptTooLongError, QueueFullError
+from engine.model_adapter import HFCausalLM, ModelAdapter
+from engine.model_runner import ModelRunner
+from engine.output_processor import RequestState
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, PromptInputs, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from engine.model_loader import LoadedModel
+
+Prompt = str | list[int] | PromptInputs
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(loaded.model, "generation_config", None) if loaded.model is not None else None
+    for value in (getattr(gen, "eos_token_id", None), getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+class LLMEngine:
+    """One model, one KV cache, many requests.
+
+    ``adapter`` overrides the model wrapper (toy models in tests, other modalities' decoders);
+    otherwise ``loaded.model`` (or ``config.model`` loaded from disk) is wrapped as a
+    transformers causal LM.
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, adapter: ModelAdapter | None = None):
+        if config.num_threads and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        if loaded is None:
+            from engine.model_loader import load_model
+
+            loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len")
+        if adapter is None:
+            adapter = HFCausalLM(loaded.model)
+            if config.quantization:
+                from engine.quantization import quantize
+
+                quantize(adapter, config.quantization)
+        self.adapter = adapter
+        self.eos_token_ids = _eos_ids(loaded)
+        dtype = getattr(torch, config.dtype)
+        self.runner = ModelRunner(config, adapter, Sampler(self.eos_token_ids), dtype)
+        kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, kv, self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, RequestState] = {}
+        self._aborted: list[RequestState] = []
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # -- admission -----------------------------------------------------------------------------
+    def _to_inputs(self, prompt: Prompt) -> PromptInputs:
+        if isinstance(prompt, PromptInputs):
+            inputs = prompt
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: send token ids")
+            inputs = PromptInputs(self.tokenizer(prompt).input_ids)
+        else:
+            inputs = PromptInputs(list(prompt))
+        vocab = self.adapter.vocab_size
+        bad = [t for t in inputs.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        return inputs
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:
+        """Queue a request. Raises ``ValueError``/``PromptTooLongError`` for bad input and
+        ``QueueFullError`` when the waiting queue is at ``max_waiting``."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(len(self.scheduler.waiting))
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds the server's max_num_seqs={self.config.max_num_seqs}")
+        inputs = self._to_inputs(prompt)
+        num_prompt = len(inputs.token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
+            raise PromptTooLongError(num_prompt, max(max_tokens, 1), self.max_model_len)
+        if params.max_tokens is None:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
+        seqs = [Sequence(request_id, i, inputs, params, priority) for i in range(params.n)]
+        for sibling in seqs[1:]:
+            sibling.status = SequenceStatus.WAITING_FOR_FORK
+        seqs[0].siblings = seqs[1:]
+        self.requests[request_id] = RequestState(request_id, seqs, self.tokenizer)
+        self.scheduler.add(seqs[0])
+        self.num_prompt_tokens += num_prompt
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        self._aborted.append(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule → run → update. Returns outputs of requests that progressed."""
+        outputs = [state.make_output() for state in self._aborted]
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        sampled = self.runner.execute(sched)
+        touched = self.scheduler.update(sched, sampled)
+        progressed: dict[str, RequestState] = {}
+        for seq in touched:
+            state = self.requests[seq.request_id]
+            self.num_generation_tokens += 1
+            stop_str = state.add_token(seq, sampled[seq.seq_id].logprob)
+            if stop_str is not None:
+                self.scheduler.finish(seq, FinishReason.STOP, stop_str)
+            progressed[seq.request_id] = state
+        for request_id, state in progressed.items():
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def generate(
+        self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams], use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate")
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict[str, float]:
+        kv = self.scheduler.kv
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": kv.pool.usage(),
+            "num_kv_blocks": kv.pool.num_blocks,
+            "prefix_cache_hit_rate": kv.prefix_hit_rate,
+            "prefix_cache_queries": kv.query_tokens,
+            "prefix_cache_hits": kv.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generation_tokens,
+        }
