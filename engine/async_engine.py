@@ -1,0 +1,187 @@
+"""Async front of the engine: a background thread steps the engine; asyncio callers get
+per-request output streams. The engine itself is only ever touched by that thread."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Fold two consecutive outputs of one request into one: cumulative fields from ``newer``,
+    deltas concatenated (a slow consumer sees everything it missed in one item)."""
+    for old, new in zip(older.outputs, newer.outputs, strict=True):
+        new.delta_text = old.delta_text + new.delta_text
+        new.delta_token_ids = old.delta_token_ids + new.delta_token_ids
+        if new.delta_logprobs is not None and old.delta_logprobs is not None:
+            new.delta_logprobs = old.delta_logprobs + new.delta_logprobs
+    return newer
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+    stream: _Stream
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    admitted: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def admit(self, error: BaseException | None) -> None:
+        def resolve() -> None:
+            if self.admitted is not None and not self.admitted.done():
+                if error is None:
+                    self.admitted.set_result(None)
+                else:
+                    self.admitted.set_exception(error)
+
+        self.loop.call_soon_threadsafe(resolve)
+
+
+class AsyncEngine:
+    _ids = itertools.count()
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Add | str | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    # forwarded read-only properties
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is not None:
+            self._commands.put(None)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # -- public API ----------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; admission errors are raised before the first item.
+        Leaving the loop early (or cancelling the task) aborts the request in the engine."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+        await self.start()
+        request_id = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, admitted=loop.create_future())
+        self._commands.put(_Add(request_id, prompt, params, priority, stream))
+        finished = False
+        try:
+            await stream.admitted  # type: ignore[misc]
+            while not finished:
+                item = await stream.queue.get()
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt)
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(request_id)  # abort
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(request_id)
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _apply(self, cmd: _Add | str) -> None:
+        if isinstance(cmd, str):
+            self.engine.abort_request(cmd)
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
+        except Exception as exc:  # admission errors go back to the caller
+            cmd.stream.admit(exc)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        cmd.stream.admit(None)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                try:
+                    cmd = self._commands.get(block=block, timeout=None if block else 0)
+                    while True:
+                        if cmd is None:
+                            return
+                        self._apply(cmd)
+                        cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                for out in self.engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+        except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
+            logger.exception("engine loop crashed")
+            self._dead = exc
+            error = EngineDeadError(f"the engine loop crashed: {exc!r}")
+            for stream in self._streams.values():
+                stream.put(error)
+            self._streams.clear()
+            while True:  # fail queued additions too
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add):
+                    cmd.stream.admit(error)
