@@ -1,0 +1,173 @@
+"""OpenAI-shaped errors for every route.
+
+Every error the gateway returns has the body ``{"error": {"message", "type", "param", "code"}}``
+(the shape the official ``openai`` client parses into ``APIStatusError``). User input never
+produces a 500: validation problems are 400, an unknown model 404, a non-JSON body 415, a
+full queue 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
+
+logger = logging.getLogger("mmserve.gateway")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to send to the client as OpenAI error JSON."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def to_dict(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def model_not_found(model: str | None, available: list[str]) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist. Available models: {', '.join(available) or '(none)'}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def from_engine_error(exc: BaseException, param: str | None = None) -> APIError | None:
+    """Map an engine admission error (or a ``ValueError`` about the input) to an ``APIError``;
+    ``None`` for anything else (a bug, which should surface as a 500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param=param, code="context_length_exceeded")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), param=param)
+    return None
+
+
+def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Pydantic puts union-member / function-validator names into ``loc``; keep field names only.
+    parts = [p for p in parts if not p.startswith(("function-", "list[", "str", "int", "dict[", "float", "bool"))]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def _is_json_content_type(value: str | None) -> bool:
+    if not value:
+        return True  # routes are non-strict: a missing content type is parsed as JSON
+    main = value.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
+
+
+def validation_error(request: Request, exc: RequestValidationError) -> APIError:
+    """Turn FastAPI/pydantic validation errors into one readable 400 (or 415 for non-JSON)."""
+    errors = list(exc.errors())
+    content_type = request.headers.get("content-type")
+    if not _is_json_content_type(content_type):
+        return APIError(415, f"unsupported media type {content_type!r}: send the body as application/json")
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        ctx = detail.get("ctx") or {}
+        return APIError(400, f"the request body is not valid JSON: {ctx.get('error', 'decode error')}")
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    param = _loc_to_param(loc)
+    if first.get("type") in ("model_attributes_type", "dict_type") and param is None:
+        return APIError(400, "the request body must be a JSON object")
+    msg = str(first.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    where = f"'{param}'" if param else "the request body"
+    message = f"Invalid value for {where}: {msg}"
+    if first.get("type") == "missing":
+        message = f"Missing required parameter: {where}."
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=param, code="invalid_value" if first.get("type") != "missing" else None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers that render every error as OpenAI JSON."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(request, exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail) if exc.detail else "error"
+        if exc.status_code == 404:
+            message = f"Unknown route {request.method} {request.url.path}"
+        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(QueueFullError)
+    @app.exception_handler(PromptTooLongError)
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(ValueError)
+    async def _engine(request: Request, exc: Exception) -> JSONResponse:
+        mapped = from_engine_error(exc)
+        assert mapped is not None
+        return mapped.response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").response()

@@ -1,0 +1,142 @@
+"""Driving engine generators from HTTP handlers: fan-in of several requests, admission before
+the response starts, abort on client disconnect, and SSE framing.
+
+Every modality's handler follows the same pattern::
+
+    gen = MergedGeneration(request, [engine.generate(rid, prompt, params) for ...])
+    await gen.start()            # admission errors (400/429) raise here, before any byte is sent
+    async for idx, out in gen:   # outputs of all sub-requests, in arrival order
+        ...
+    # gen.aclose() (also called on error, cancellation or client disconnect) aborts the rest
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Generic, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the generation was aborted."""
+
+
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event carrying ``data`` as compact JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_DONE = object()
+
+
+class MergedGeneration(Generic[T]):
+    """Consume several async iterators concurrently and yield ``(source_index, item)``.
+
+    Each source runs in its own task; closing the merger (``aclose``), cancelling the task that
+    iterates it, or the client disconnecting (polled every ``poll_s`` seconds through
+    ``request.is_disconnected()``) cancels those tasks, which closes the sources, which aborts
+    the engine requests behind them.
+    """
+
+    def __init__(self, request: Request | None, sources: list[AsyncIterator[T]], poll_s: float = 0.2) -> None:
+        self._request = request
+        self._sources = sources
+        self._poll_s = poll_s
+        self._queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._buffer: list[tuple[int, Any, BaseException | None]] = []
+        self._remaining = len(sources)
+        self._get: asyncio.Task[Any] | None = None
+        self._closed = False
+        self._last_poll = time.monotonic()
+
+    async def _pump(self, idx: int, source: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if hasattr(source, "aclose"):
+                    stack.push_async_callback(source.aclose)  # type: ignore[attr-defined]
+                async for item in source:
+                    self._queue.put_nowait((idx, item, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            self._queue.put_nowait((idx, _DONE, exc))
+            return
+        self._queue.put_nowait((idx, _DONE, None))
+
+    async def _next_raw(self) -> tuple[int, Any, BaseException | None]:
+        """Next queued event, polling for client disconnect while waiting."""
+        while True:
+            if self._get is None:
+                self._get = asyncio.ensure_future(self._queue.get())
+            wait_s = max(0.0, self._last_poll + self._poll_s - time.monotonic())
+            done, _ = await asyncio.wait({self._get}, timeout=wait_s)
+            if self._request is not None and time.monotonic() - self._last_poll >= self._poll_s:
+                self._last_poll = time.monotonic()
+                if await self._request.is_disconnected():
+                    await self.aclose()
+                    raise ClientDisconnected()
+            if done:
+                event = self._get.result()
+                self._get = None
+                return event
+
+    async def start(self) -> None:
+        """Start every source and wait until each has produced its first item, finished, or
+        failed. A failure (e.g. an admission error) closes the rest and is re-raised here."""
+        self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self._sources)]
+        started: set[int] = set()
+        try:
+            while len(started) < len(self._sources):
+                event = await self._next_raw()
+                if event[2] is not None:
+                    raise event[2]
+                started.add(event[0])
+                self._buffer.append(event)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, T]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[int, T]]:
+        if not self._tasks:
+            await self.start()
+        try:
+            while self._remaining > 0:
+                event = self._buffer.pop(0) if self._buffer else await self._next_raw()
+                idx, item, exc = event
+                if exc is not None:
+                    raise exc
+                if item is _DONE:
+                    self._remaining -= 1
+                    continue
+                yield idx, item
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel every source (aborting its engine request) and wait for them to wind down."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._get is not None:
+            self._get.cancel()
+        pending = [t for t in self._tasks if not t.done()]
+        for t in pending:
+            t.cancel()  # synchronous: the abort happens even if we are cancelled below
+        if pending:
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*pending, return_exceptions=True)

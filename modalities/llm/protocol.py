@@ -1,0 +1,380 @@
+"""OpenAI-compatible request/response models for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Requests accept the OpenAI fields plus vLLM's sampling extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``skip_special_tokens``, ``include_stop_str_in_output``, ``priority``). Unknown fields are
+ignored, as OpenAI does. Documented limitations (rejected with a 400 naming the field):
+``response_format`` other than ``{"type": "text"}`` (no constrained decoding), completions
+``echo`` together with ``logprobs`` (prompt logprobs are not computed), ``suffix``, and
+``best_of`` different from ``n``. Tool calling fields are accepted and ignored unless the chat
+template uses them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Model):
+    type: str = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if len(stops) > 16:
+            raise ValueError(f"at most 16 stop strings are supported, got {len(stops)}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(
+                f"response_format type {v.type!r} is not supported: mmserve has no constrained (JSON) decoding; "
+                "use {'type': 'text'} and ask for JSON in the prompt"
+            )
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        return dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): float(b) for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# /v1/completions
+# --------------------------------------------------------------------------------------------
+
+PromptType = str | list[int] | list[list[int]] | list[str]
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``. ``prompt`` may be a string, a list of strings, a list of token
+    ids or a list of token-id lists; each prompt becomes one engine request with ``n`` samples."""
+
+    prompt: PromptType
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, v: Any) -> Any:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        ok = isinstance(v, str) or (
+            isinstance(v, list) and (is_ids(v) or all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v))
+        )
+        if not ok:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists"
+            )
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: PromptType) -> PromptType:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if any(isinstance(p, list) and not p for p in v):
+                raise ValueError("token-id prompts must not be empty")
+            if any(isinstance(t, int) and t < 0 for t in v):
+                raise ValueError("token ids must be non-negative")
+            if any(isinstance(p, list) and any(t < 0 for t in p) for p in v):
+                raise ValueError("token ids must be non-negative")
+        return v
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("'suffix' is not supported (no fill-in-the-middle)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("'best_of' different from 'n' is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("'echo' together with 'logprobs' is not supported: prompt logprobs are not computed")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (strings or token-id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Engine sampling parameters; ``max_tokens`` defaults to 16 as in OpenAI."""
+        return SamplingParams(**self._sampling_kwargs(), max_tokens=self.max_tokens or 16, logprobs=self.logprobs)
+
+
+class CompletionLogprobs(_Model):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Model):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Usage(_Model):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk of a streamed completion (same shape as the non-streamed response)."""
+
+
+# --------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# --------------------------------------------------------------------------------------------
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str | None:
+        """The content as one string: text parts joined by newlines; other parts are rejected."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content part type {part.type!r} is not supported by this (text-only) model")
+            texts.append(part.text or "")
+        return "\n".join(texts)
+
+    def to_template_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``. The messages are rendered with the tokenizer's own chat
+    template; ``max_tokens`` defaults to the rest of the context window."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # vLLM extras for the template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+        return self
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for ``tokenizer.apply_chat_template``."""
+        return [m.to_template_dict() for m in self.messages]
+
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """Engine sampling parameters; without ``max_tokens`` the rest of the context is allowed."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, max_model_len - num_prompt_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatLogprob] | None = None
+    refusal: list[ChatLogprob] | None = None
+
+
+class ChatResponseMessage(_Model):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Model):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Model):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Model):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# /v1/models
+# --------------------------------------------------------------------------------------------
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
