@@ -1,0 +1,144 @@
+"""The ``mmserve`` command: serve, worker, bench, models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+MODALITIES = ("llm", "vlm", "asr", "tts", "diffusion", "embed")
+
+
+def _comma_list(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in items if v not in MODALITIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modality {', '.join(unknown)}; choose from {', '.join(MODALITIES)}")
+    return items
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import build_app  # the API engineer's module; imported only when serving
+
+    app = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    print(
+        "mmserve worker: Celery workers arrive with the gateway/dispatch issue; "
+        "for now `mmserve serve` runs every modality in one process.",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from engine.model_loader import DEFAULT_LLM, cache_root, gguf_cache_dir, smollm2_gguf_path
+    from engine.tiny_models import ARCHS
+
+    print(f"cache: {cache_root()}  (set MMSERVE_CACHE to move it)")
+    try:
+        gguf = smollm2_gguf_path()
+        cached = gguf_cache_dir(gguf)
+        state = "converted" if cached.is_dir() else "not converted yet (run `mmserve models convert-gguf`)"
+        print(f"llm  {DEFAULT_LLM} (default): {gguf}\n     -> {cached} [{state}]")
+    except FileNotFoundError as exc:
+        print(f"llm  {DEFAULT_LLM} (default): unavailable: {exc}")
+    print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join(ARCHS)}")
+    print("vlm, asr, tts, diffusion, embed: planned")
+    return 0
+
+
+def _models_make_tiny(args: argparse.Namespace) -> int:
+    from engine.tiny_models import make_tiny
+
+    start = time.perf_counter()
+    out = make_tiny(args.arch, args.dir, seed=args.seed)
+    print(f"wrote tiny {args.arch} (seed {args.seed}) to {out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _models_convert_gguf(args: argparse.Namespace) -> int:
+    from engine.model_loader import DEFAULT_LLM, convert_gguf, gguf_cache_dir, gguf_source
+
+    src = gguf_source(args.src or DEFAULT_LLM)
+    if src is None:
+        print(f"not a .gguf file: {args.src}", file=sys.stderr)
+        return 1
+    dst = Path(args.dst) if args.dst else gguf_cache_dir(src)
+    if dst.exists():
+        print(f"{dst} already exists; nothing to do (delete it to convert again)")
+        return 0
+    start = time.perf_counter()
+    out = convert_gguf(src, dst)
+    print(f"converted {src} -> {out} in {time.perf_counter() - start:.1f}s (cold start)")
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        from bench.cli import main as bench_main  # the bench engineer's module
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", "bench.cli"):
+            raise
+        print("mmserve bench: bench/cli.py is not built yet", file=sys.stderr)
+        return 2
+    return int(bench_main(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmserve", description="multimodal inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--llm", default="smollm2", help="'smollm2', a .gguf file or a local HF directory")
+    serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--kv-cache-gb", type=float, default=None)
+    serve.add_argument("--block-size", type=int, default=None)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser("worker", help="run a Celery worker (planned)")
+    worker.set_defaults(func=_worker)
+
+    sub.add_parser("bench", help="benchmarks (see `mmserve bench --help`)", add_help=False)
+
+    models = sub.add_parser("models", help="list, convert and generate models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="default models and where they resolve").set_defaults(func=_models_list)
+    tiny = msub.add_parser("make-tiny", help="write a tiny random model (tests)")
+    tiny.add_argument("arch", choices=["llama", "qwen2", "qwen3", "gemma", "mistral", "phi3"])
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_models_make_tiny)
+    conv = msub.add_parser("convert-gguf", help="dequantize a GGUF file into a safetensors directory")
+    conv.add_argument("src", nargs="?", default=None, help="a .gguf file (default: the smollm2 GGUF)")
+    conv.add_argument("dst", nargs="?", default=None, help="output directory (default: the model cache)")
+    conv.set_defaults(func=_models_convert_gguf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":  # everything after `bench` belongs to bench.cli
+        return _bench(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
