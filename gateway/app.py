@@ -116,8 +116,11 @@ def create_app(
     engines: dict[str, Any],
     api_key: str | None = None,
     routers: Sequence[APIRouter] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> FastAPI:
     """An app serving ``engines`` (served model name -> ``AsyncEngine``).
+
+    ``aliases`` maps extra accepted ``model`` values to served names (not listed in ``/v1/models``).
 
     ``routers`` are the modality routers to mount under the auth dependency (default: the LLM
     router). The lifespan calls ``start()`` on every engine and ``shutdown()`` on exit.
@@ -149,6 +152,7 @@ def create_app(
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     app.state.engines = dict(engines)
+    app.state.aliases = dict(aliases or {})
     app.state.ready = False
     app.state.created = int(time.time())
     app.state.metrics = Metrics()
@@ -186,12 +190,18 @@ def build_app(args: Any) -> FastAPI:
     only = getattr(args, "only", None)
     only_set = {only} if isinstance(only, str) else set(only or [])
     engines: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
     llm = getattr(args, "llm", None)
     llm_models = [llm] if isinstance(llm, str) else list(llm or [])
     if llm_models and (not only_set or "llm" in only_set):
         served = getattr(args, "served_model_name", None)
         served_names = [served] if isinstance(served, str) else list(served or [])
         for i, model in enumerate(llm_models):
-            name = served_names[i] if i < len(served_names) else model
-            engines[name] = AsyncEngine.from_config(_engine_config(args, model))
-    return create_app(engines, api_key=getattr(args, "api_key", None))
+            engine = AsyncEngine.from_config(_engine_config(args, model))
+            name = served_names[i] if i < len(served_names) else engine.model_name
+            engines[name] = engine
+            for alias in (model, engine.model_name):  # also answer to the --llm spec and the model's own name
+                if alias not in engines:
+                    aliases.setdefault(alias, name)
+            logger.info("serving %s as %r (max_model_len %d)", model, name, engine.max_model_len)
+    return create_app(engines, api_key=getattr(args, "api_key", None), aliases=aliases)

@@ -15,168 +15,30 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from gateway.errors import APIError, from_engine_error, model_not_found
-from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, MergedGeneration, sse
-from modalities.llm.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from engine.outputs import CompletionOutput
+from gateway.errors import APIError, from_engine_error
+from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, sse
+from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
+from modalities.llm.serving import (
+    Tracker,
+    admit_error,
+    chat_logprobs,
+    collect,
+    completion_logprobs,
+    disconnected_response,
+    resolve_engine,
+    start_generation,
+    validate_ids,
 )
 
 router = APIRouter(tags=["llm"], strict_content_type=False)
 
 
 # --------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------
-
-
-def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
-    """``(served_name, engine)`` for ``model``; the only engine when ``model`` is omitted."""
-    engines: dict[str, Any] = request.app.state.engines
-    if model is None:
-        if len(engines) == 1:
-            return next(iter(engines.items()))
-        raise APIError(400, "you must provide a model parameter", param="model")
-    if model not in engines:
-        raise model_not_found(model, list(engines))
-    return model, engines[model]
-
-
-def _token_text(tokenizer: Any, token_id: int, cache: dict[int, str]) -> str:
-    text = cache.get(token_id)
-    if text is None:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        cache[token_id] = text
-    return text
-
-
-def _validate_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is out of range for a vocabulary of {vocab_size} tokens", param=param)
-
-
-def _admit_error(exc: BaseException, param: str) -> BaseException:
-    mapped = from_engine_error(exc, param=param)
-    return mapped if mapped is not None else exc
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-class _Tracker:
-    """Per-response bookkeeping: token counts, finished choices, metrics."""
-
-    def __init__(self, request: Request, model: str, endpoint: str, n: int, num_prompts: int) -> None:
-        self.metrics = getattr(request.app.state, "metrics", None)
-        self.model, self.endpoint, self.n = model, endpoint, n
-        self.start = time.monotonic()
-        self.first_token: float | None = None
-        self.prompt_tokens = [0] * num_prompts
-        self.completion_tokens = [0] * (num_prompts * n)
-        self.finished: set[int] = set()
-
-    def update(self, prompt_idx: int, out: RequestOutput) -> None:
-        self.prompt_tokens[prompt_idx] = len(out.prompt_token_ids)
-        for co in out.outputs:
-            self.completion_tokens[prompt_idx * self.n + co.index] = len(co.token_ids)
-        if self.first_token is None and any(co.token_ids for co in out.outputs):
-            self.first_token = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.observe(
-                    "time_to_first_token_seconds", self.first_token - self.start, help="TTFT", model=self.model
-                )
-
-    def usage(self) -> dict[str, int]:
-        return _usage(sum(self.prompt_tokens), sum(self.completion_tokens))
-
-    def done(self, status: str) -> None:
-        if self.metrics is None:
-            return
-        m = self.metrics
-        m.inc(
-            "requests_total",
-            help="generation requests by outcome",
-            model=self.model,
-            endpoint=self.endpoint,
-            status=status,
-        )
-        m.inc("prompt_tokens_total", sum(self.prompt_tokens), help="prompt tokens", model=self.model)
-        m.inc("generation_tokens_total", sum(self.completion_tokens), help="generated tokens", model=self.model)
-        m.observe(
-            "e2e_request_latency_seconds", time.monotonic() - self.start, help="request latency", model=self.model
-        )
-
-
-async def _start(
-    request: Request,
-    engine: Any,
-    request_ids: list[str],
-    prompts: list[list[int]],
-    params: SamplingParams,
-    priority: int,
-    param: str,
-) -> MergedGeneration[RequestOutput]:
-    sources: list[AsyncIterator[RequestOutput]] = []
-    gen: MergedGeneration[RequestOutput] | None = None
-    try:
-        for rid, ids in zip(request_ids, prompts, strict=True):
-            sources.append(engine.generate(rid, ids, params, priority=priority))
-        gen = MergedGeneration(request, sources)
-        await gen.start()
-    except ClientDisconnected:
-        raise
-    except Exception as exc:
-        if gen is None:
-            for s in sources:
-                if hasattr(s, "aclose"):
-                    await s.aclose()  # type: ignore[attr-defined]
-        raise _admit_error(exc, param) from exc
-    return gen
-
-
-async def _collect(gen: MergedGeneration[RequestOutput], tracker: _Tracker) -> dict[int, RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
-    async for idx, out in gen:
-        tracker.update(idx, out)
-        finals[idx] = out
-    return finals
-
-
-def _disconnected_response() -> JSONResponse:
-    return APIError(499, "client closed the request", type="client_closed_request").response()
-
-
-# --------------------------------------------------------------------------------------------
 # /v1/completions
 # --------------------------------------------------------------------------------------------
-
-
-def _completion_logprobs(
-    tokenizer: Any, lps: list[TokenLogprob] | None, offset: int, cache: dict[int, str]
-) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        tok = _token_text(tokenizer, lp.token_id, cache)
-        top = {_token_text(tokenizer, t, cache): float(v) for t, v in lp.top}
-        top.setdefault(tok, float(lp.logprob))
-        tokens.append(tok)
-        token_lps.append(float(lp.logprob))
-        tops.append(top)
-        offsets.append(offset)
-        offset += len(tok)
-    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
 
 @router.post("/v1/completions")
@@ -193,13 +55,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         ids = list(tokenizer.encode(p)) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", param="prompt")
-        _validate_ids(ids, len(tokenizer), "prompt")
+        validate_ids(ids, len(tokenizer), "prompt")
         prompts.append(ids)
     echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts()] if body.echo else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    tracker = _Tracker(request, model, "completions", body.n, len(prompts))
-    gen = await _start(request, engine, rids, prompts, params, body.priority, "prompt")
+    tracker = Tracker(request, model, "completions", body.n, len(prompts))
+    gen = await start_generation(request, engine, rids, prompts, params, body.priority, "prompt")
     created = int(time.time())
     n = body.n
     cache: dict[int, str] = {}
@@ -224,7 +86,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
                         choice = {
                             "index": ci,
                             "text": text,
-                            "logprobs": _completion_logprobs(tokenizer, co.delta_logprobs, text_len[ci], cache),
+                            "logprobs": completion_logprobs(tokenizer, co.delta_logprobs, text_len[ci], cache),
                             "finish_reason": co.finish_reason,
                             "stop_reason": co.stop_reason,
                         }
@@ -256,13 +118,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     try:
-        finals = await _collect(gen, tracker)
+        finals = await collect(gen, tracker)
     except ClientDisconnected:
         tracker.done("disconnected")
-        return _disconnected_response()
+        return disconnected_response()
     except Exception as exc:
         tracker.done("error")
-        raise _admit_error(exc, "prompt") from exc
+        raise admit_error(exc, "prompt") from exc
     choices = []
     for idx in range(len(prompts)):
         for co in sorted(finals[idx].outputs, key=lambda c: c.index):
@@ -271,7 +133,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
                 {
                     "index": idx * n + co.index,
                     "text": text,
-                    "logprobs": _completion_logprobs(tokenizer, co.logprobs, 0, cache),
+                    "logprobs": completion_logprobs(tokenizer, co.logprobs, 0, cache),
                     "finish_reason": co.finish_reason,
                     "stop_reason": co.stop_reason,
                 }
@@ -321,27 +183,11 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _chat_logprobs(tokenizer: Any, lps: list[TokenLogprob] | None, cache: dict[int, str]) -> dict[str, Any] | None:
-    if lps is None:
-        return None
-    content = []
-    for lp in lps:
-        tok = _token_text(tokenizer, lp.token_id, cache)
-        top = []
-        for t, v in lp.top:
-            s = _token_text(tokenizer, t, cache)
-            top.append({"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8"))})
-        content.append(
-            {"token": tok, "logprob": float(lp.logprob), "bytes": list(tok.encode("utf-8")), "top_logprobs": top}
-        )
-    return {"content": content, "refusal": None}
-
-
 def _chat_choice_chunk(co: CompletionOutput, tokenizer: Any, cache: dict[int, str], want_lp: bool) -> dict[str, Any]:
     return {
         "index": co.index,
         "delta": {"content": co.delta_text},
-        "logprobs": _chat_logprobs(tokenizer, co.delta_logprobs, cache) if want_lp else None,
+        "logprobs": chat_logprobs(tokenizer, co.delta_logprobs, cache) if want_lp else None,
         "finish_reason": co.finish_reason,
         "stop_reason": co.stop_reason,
     }
@@ -358,8 +204,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = _Tracker(request, model, "chat_completions", body.n, 1)
-    gen = await _start(request, engine, [request_id], [prompt_ids], params, body.priority, "messages")
+    tracker = Tracker(request, model, "chat_completions", body.n, 1)
+    gen = await start_generation(request, engine, [request_id], [prompt_ids], params, body.priority, "messages")
     created = int(time.time())
     cache: dict[int, str] = {}
     want_lp = body.logprobs
@@ -406,18 +252,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     try:
-        finals = await _collect(gen, tracker)
+        finals = await collect(gen, tracker)
     except ClientDisconnected:
         tracker.done("disconnected")
-        return _disconnected_response()
+        return disconnected_response()
     except Exception as exc:
         tracker.done("error")
-        raise _admit_error(exc, "messages") from exc
+        raise admit_error(exc, "messages") from exc
     choices = [
         {
             "index": co.index,
             "message": {"role": "assistant", "content": co.text, "refusal": None},
-            "logprobs": _chat_logprobs(tokenizer, co.logprobs, cache) if want_lp else None,
+            "logprobs": chat_logprobs(tokenizer, co.logprobs, cache) if want_lp else None,
             "finish_reason": co.finish_reason,
             "stop_reason": co.stop_reason,
         }
