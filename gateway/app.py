@@ -157,13 +157,14 @@ def create_app(
     app.state.created = int(time.time())
     app.state.metrics = Metrics()
     install_error_handlers(app)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics)
 
     auth = [Depends(_bearer_auth(api_key))]
     app.include_router(_common_router())
     app.include_router(_models_router(), dependencies=auth)
     for router in routers:
         app.include_router(router, dependencies=auth)
+    known_paths = {p for r in app.routes if isinstance(p := getattr(r, "path", None), str)}
+    app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics, paths=known_paths)
     return app
 
 

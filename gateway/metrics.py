@@ -118,10 +118,8 @@ class HTTPMetricsMiddleware:
         try:
             await self.app(scope, receive, _send)
         finally:
-            if self.paths is None or path in self.paths:
-                self.metrics.inc(
-                    "http_requests_total",
-                    help="HTTP responses by path and status",
-                    path=path,
-                    status=str(status["code"]),
-                )
+            if self.paths is not None and path not in self.paths:
+                path = "other"  # bound the label's cardinality (scanners, path parameters)
+            self.metrics.inc(
+                "http_requests_total", help="HTTP responses by path and status", path=path, status=str(status["code"])
+            )

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +235,19 @@ def test_logprobs_shapes(server: Server) -> None:
     )
     streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_concurrent_requests_match_sequential(server: Server) -> None:
+    client = server.client()
+    prompts = [f"Story number {i}:" for i in range(4)]
+
+    def run(prompt: str) -> str:
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+
+    sequential = [run(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        concurrent = list(pool.map(run, prompts))
+    assert concurrent == sequential
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -110,6 +110,8 @@ async def start_generation(
     priority: int,
     param: str,
 ) -> MergedGeneration[RequestOutput]:
+    """Submit one engine request per prompt and wait until all are admitted and producing.
+    Admission errors become ``APIError`` (400/429/503) naming ``param``; the others are aborted."""
     sources: list[AsyncIterator[RequestOutput]] = []
     gen: MergedGeneration[RequestOutput] | None = None
     try:
@@ -117,8 +119,8 @@ async def start_generation(
             sources.append(engine.generate(rid, ids, params, priority=priority))
         gen = MergedGeneration(request, sources)
         await gen.start()
-    except ClientDisconnected:
-        raise
+    except ClientDisconnected as exc:  # gone while queued: nothing to answer, nothing left running
+        raise APIError(499, "client closed the request", type="client_closed_request") from exc
     except Exception as exc:
         if gen is None:
             for s in sources:
