@@ -1,0 +1,56 @@
+"""Shared output helpers: plain-text tables, JSON result files, version stamps."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    cols = [c for c in columns if any(r.get(c) is not None for r in rows)]
+    cells = [[("" if r.get(c) is None else str(r[c])) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = " | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False))
+    print(line)
+    print("-+-".join("-" * w for w in widths))
+    for row in cells:
+        print(" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)))
+
+
+def save_result(obj: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str))
+    return path
+
+
+def versions_of(results: dict[str, dict[str, Any]] | None = None) -> dict[str, str]:
+    out = {"python": platform.python_version(), "machine": platform.machine()}
+    try:
+        import torch
+        import transformers
+
+        out.update(torch=torch.__version__, transformers=transformers.__version__)
+    except ImportError:  # pragma: no cover - the project always has both
+        pass
+    for r in (results or {}).values():
+        if r.get("engine") == "vllm" and r.get("versions"):
+            out["vllm"] = r["versions"].get("vllm", "?")
+            out["vllm_torch"] = r["versions"].get("torch", "?")
+    return out
+
+
+def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """Linear-interpolated percentiles (numpy's default method) without needing numpy."""
+    if not values:
+        return {f"p{p}": None for p in ps} | {"mean": None}
+    xs = sorted(values)
+    out: dict[str, float | None] = {}
+    for p in ps:
+        k = (len(xs) - 1) * p / 100
+        lo = int(k)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{p}"] = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    out["mean"] = sum(xs) / len(xs)
+    return out
