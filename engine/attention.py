@@ -79,7 +79,7 @@ class AttentionBackend(ABC):
 
 @dataclass
 class _TorchState:
-    decode_rows: torch.Tensor | None  # query rows of single-token sequences
+    decode_rows: torch.Tensor | slice | None  # query rows of single-token sequences
     decode_slots: torch.Tensor | None  # [Bd, Lmax] slots to gather
     decode_pos: torch.Tensor | None  # [Bd] position of each decode query
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] valid keys
@@ -122,7 +122,10 @@ class TorchPagedAttention(AttentionBackend):
             for row, i in enumerate(decode_idx):
                 slots[row, : lens[row]] = self._slots(meta.block_tables[i], lens[row])
             lens_t = torch.tensor(lens)
-            state.decode_rows = torch.tensor([meta.query_start[i] for i in decode_idx], device=self.device)
+            rows = [meta.query_start[i] for i in decode_idx]
+            # The runner lays decodes out first: a slice avoids a gather/scatter per layer.
+            contiguous = rows == list(range(len(rows)))
+            state.decode_rows = slice(0, len(rows)) if contiguous else torch.tensor(rows, device=self.device)
             state.decode_slots = slots.to(self.device)
             state.decode_pos = (lens_t - 1).to(self.device)
             state.decode_mask = (torch.arange(lmax)[None, :] < lens_t[:, None]).to(self.device)

@@ -8,7 +8,7 @@ from engine.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMeta
 from engine.config import EngineConfig
 from engine.model_adapter import ModelAdapter
 from engine.sampler import Sampler
-from engine.scheduler import SampledToken, SchedulerOutput
+from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelAdapter, dtype: torch.dtype) -> int:
@@ -43,7 +43,9 @@ class ModelRunner:
         query_start = [0]
         sample_rows: list[int] = []
         sample_seqs = []
-        for item in out.scheduled:
+        # Decodes first: the attention backend then addresses them as one contiguous slice.
+        items = sorted(out.scheduled, key=lambda item: item.num_new_tokens > 1)
+        for item in items:
             seq, start, end = item.seq, item.start, item.start + item.num_new_tokens
             token_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -57,14 +59,14 @@ class ModelRunner:
         dev = self.device
         ids_t = torch.tensor(token_ids, dtype=torch.long, device=dev)
         embeds = self.model.embed(ids_t)
-        self._insert_embeds(embeds, out)
+        self._insert_embeds(embeds, items)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start=query_start,
-            seq_lens=[s.start + s.num_new_tokens for s in out.scheduled],
-            block_tables=[s.seq.block_table for s in out.scheduled],
+            seq_lens=[s.start + s.num_new_tokens for s in items],
+            block_tables=[s.seq.block_table for s in items],
             block_size=bs,
-            encoder_outputs=[s.seq.inputs.encoder_output for s in out.scheduled],
+            encoder_outputs=[s.seq.inputs.encoder_output for s in items],
         )
         self.backend.prepare(meta)
         hidden = self.model(embeds, torch.tensor(positions, dtype=torch.long, device=dev), meta, self.backend)
@@ -76,11 +78,11 @@ class ModelRunner:
             for seq, (tok, lp) in zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True)
         }
 
-    def _insert_embeds(self, embeds: torch.Tensor, out: SchedulerOutput) -> None:
+    def _insert_embeds(self, embeds: torch.Tensor, items: list[ScheduledSeq]) -> None:
         """Overwrite token embeddings with precomputed ones (image/audio features) where the
         scheduled positions overlap a sequence's ``EmbedInput`` spans."""
         row = 0
-        for item in out.scheduled:
+        for item in items:
             start, end = item.start, item.start + item.num_new_tokens
             for e in item.seq.inputs.embeds:
                 lo, hi = max(start, e.offset), min(end, e.end)
