@@ -1,0 +1,43 @@
+"""Int8 weight-only quantization swaps Linear modules and stays close to the fp32 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.quantization import Int8WeightOnlyLinear, quantize
+from engine.sampling_params import SamplingParams
+
+
+def test_int8_linear_error_is_bounded() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    q = Int8WeightOnlyLinear(linear)
+    x = torch.randn(5, 64)
+    # Per-weight rounding error is at most scale/2, so the output error is bounded by it.
+    bound = (q.scales / 2)[None, :] * x.abs().sum(dim=1, keepdim=True)
+    assert q.weight.dtype == torch.int8
+    assert ((q(x) - linear(x)).abs() <= bound + 1e-5).all()
+
+
+def test_quantize_swaps_all_but_head_and_rejects_unknown() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert quantize(model, "int8") == 2
+    assert all(isinstance(model[i], Int8WeightOnlyLinear) for i in (0, 2))
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize(model, "int3")
+
+
+def test_engine_with_int8_weights_tracks_fp32(tiny_model_dir) -> None:
+    model_dir = str(tiny_model_dir("llama"))
+    prompts = [[100 + 7 * i + j for j in range(12 + 5 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    fp32 = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64)).generate(prompts, params)
+    int8_engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, quantization="int8"))
+    assert any(isinstance(m, Int8WeightOnlyLinear) for m in int8_engine.adapter.modules())
+    int8 = int8_engine.generate(prompts, params)
+    agree = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(fp32, int8, strict=True))
+    assert agree >= 5
