@@ -14,10 +14,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     add_offline_args(sub.add_parser("offline", help="throughput: mmserve vs transformers vs vLLM, same workload"))
     add_online_args(sub.add_parser("online", help="latency under Poisson load against an OpenAI-compatible server"))
-    both = sub.add_parser("all", help="offline, then online with --launch for each of --launch-all")
+    from bench.profile_engine import add_profile_args
+
+    add_profile_args(sub.add_parser("profile", help="per-phase time breakdown of mmserve decode steps"))
+    both = sub.add_parser("all", help="offline, then online --launch mmserve,vllm (same workload flags)")
     add_offline_args(both)
     add_online_args(both, with_workload=False)
-    both.add_argument("--launch-all", default="mmserve,vllm", help="servers to launch one after another for online")
     return ap
 
 
@@ -27,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.offline import run_offline
 
         run_offline(args)
+    elif args.cmd == "profile":
+        from bench.profile_engine import run_profile
+
+        run_profile(args)
     elif args.cmd == "online":
         from bench.online import run_online_cli
 
@@ -36,10 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.online import run_online_cli
 
         run_offline(args)
-        for server in [s.strip() for s in args.launch_all.split(",") if s.strip()]:
-            args.launch = server
-            args.base_url = None
-            run_online_cli(args)
+        args.launch = args.launch or "mmserve,vllm"
+        run_online_cli(args)
     return 0
 
 

@@ -145,7 +145,9 @@ def summarize(results: dict[str, dict[str, Any]], reqs_prompt: int, reqs_output:
     for name, r in results.items():
         row: dict[str, Any] = {"engine": name}
         if not r.get("ok"):
-            row["error"] = r.get("error")
+            err = str(r.get("error"))
+            row["error"] = err if len(err) <= 100 else err[:97] + "..."
+
             rows.append(row)
             continue
         tps = reqs_output / r["wall_s"]

@@ -52,7 +52,7 @@ def add_online_args(ap: argparse.ArgumentParser, with_workload: bool = True) -> 
         ap.add_argument("--vllm-venv", type=Path, default=None)
         ap.add_argument("--vllm-bind", default=None)
     ap.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (or use --launch)")
-    ap.add_argument("--launch", choices=["mmserve", "vllm"], default=None, help="start this server on a free port")
+    ap.add_argument("--launch", default=None, help="mmserve, vllm or mmserve,vllm: start each on a free port in turn")
     ap.add_argument("--served-model", default=None, help="model name for requests (default: first of /v1/models)")
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, req/s (inf: all at once)")
     ap.add_argument("--prompt-mode", choices=["ids", "text"], default="ids", help="send token ids or decoded text")
@@ -217,38 +217,24 @@ def _served_model(base_url: str) -> str:
     return str(data["data"][0]["id"])
 
 
-def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
+def _run_one(
+    args: argparse.Namespace, name: str, model_dir: Path, reqs: list[BenchRequest], prompts: list[list[int] | str],
+    run_dir: Path,
+) -> tuple[dict[str, Any], list[RequestResult]]:  # fmt: skip
     import os
 
+    from bench.offline import DEFAULT_VLLM_VENV
     from bench.servers import free_port, launch, server_command
 
-    if not args.base_url and not args.launch:
-        raise SystemExit("give --base-url or --launch mmserve|vllm")
-    model_dir = resolve_model_dir(args.model).resolve()
-    spec = WorkloadSpec(
-        args.num_requests, args.min_prompt_len, args.max_prompt_len, args.min_output_len, args.max_output_len, args.seed
-    )
-    reqs = make_workload(spec, usable_token_ids(model_dir))
-    prompts: list[list[int] | str] = [r.prompt_token_ids for r in reqs]
-    if args.prompt_mode == "text":
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        prompts = [tok.decode(r.prompt_token_ids) for r in reqs]
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = args.launch or "server"
-    run_dir = args.out_dir / f"online-{name}-{stamp}"
-    threads = args.threads or os.cpu_count() or 1
     server = None
     info: dict[str, Any] = {}
-    if args.launch:
-        from bench.offline import DEFAULT_VLLM_VENV
-
+    if name in ("mmserve", "vllm"):
+        threads = args.threads or os.cpu_count() or 1
         cmd, env = server_command(
-            args.launch, model_dir, free_port(), threads, args.max_num_seqs, args.max_num_batched_tokens,
+            name, model_dir, free_port(), threads, args.max_num_seqs, args.max_num_batched_tokens,
             args.kv_cache_gib, args.vllm_venv or DEFAULT_VLLM_VENV, args.vllm_bind,
         )  # fmt: skip
-        server = launch(args.launch, cmd, env, run_dir)
+        server = launch(name, cmd, env, run_dir)
         base_url = server.base_url
         info = {"server_cmd": " ".join(cmd), "startup_s": server.startup_s, "threads": threads}
         info["env"] = {k: v for k, v in env.items() if k.startswith(("VLLM_CPU", "OMP"))}
@@ -263,26 +249,50 @@ def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
         if server is not None:
             server.stop()
     stats = summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-    summary = {
+    summary = {"kind": "online", "server": name, "base_url": base_url, "rate": args.rate, **info, **stats}
+    summary["requests"] = [asdict(r) | {"tpot": r.tpot} for r in results]
+    save_result(summary, run_dir / f"{name}.json")
+    return summary, results
+
+
+def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """``--base-url URL`` benchmarks a running server; ``--launch mmserve,vllm`` starts each in turn."""
+    names = [n.strip() for n in (args.launch or "").split(",") if n.strip()]
+    bad = [n for n in names if n not in ("mmserve", "vllm")]
+    if bad or (not names and not args.base_url):
+        raise SystemExit("give --base-url URL or --launch with a comma list of mmserve,vllm")
+    if not names:
+        names = ["server"]
+    model_dir = resolve_model_dir(args.model).resolve()
+    spec = WorkloadSpec(
+        args.num_requests, args.min_prompt_len, args.max_prompt_len, args.min_output_len, args.max_output_len, args.seed
+    )
+    reqs = make_workload(spec, usable_token_ids(model_dir))
+    prompts: list[list[int] | str] = [r.prompt_token_ids for r in reqs]
+    if args.prompt_mode == "text":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        prompts = [tok.decode(r.prompt_token_ids) for r in reqs]
+    run_dir = args.out_dir / f"online-{'-'.join(names)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    runs = {name: _run_one(args, name, model_dir, reqs, prompts, run_dir) for name in names}
+    summaries = [s for s, _ in runs.values()]
+    summary: dict[str, Any] = {
         "kind": "online",
-        "server": name,
-        "base_url": base_url,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(sys.argv),
         "model": str(model_dir),
         "rate": args.rate,
-        "workload": asdict(spec),
-        "prompt_mode": args.prompt_mode,
+        "workload": asdict(spec) | {"prompt_mode": args.prompt_mode},
         "versions": versions_of(),
-        **info,
-        **stats,
-        "requests": [asdict(r) | {"tpot": r.tpot} for r in results],
+        "servers": [{k: v for k, v in s.items() if k != "requests"} for s in summaries],
     }
-    save_result(summary, run_dir / "summary.json")
     if not args.no_plot:
-        summary["plot"] = str(plot({name: results}, run_dir / "latency.png", f"{name} @ {args.rate} req/s"))
-    print_online([summary])
-    print(f"results: {run_dir / 'summary.json'}")
+        title = f"{' vs '.join(names)} @ {args.rate} req/s, {spec.num_requests} requests"
+        summary["plot"] = str(plot({n: r for n, (_, r) in runs.items()}, run_dir / "latency.png", title))
+    save_result(summary, run_dir / "summary.json")
+    print_online(summaries)
+    print(f"results: {run_dir / 'summary.json'}" + (f", plot: {summary['plot']}" if "plot" in summary else ""))
     return summary
 
 

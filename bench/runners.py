@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--hf-cb-attn", default="sdpa_paged")
+    ap.add_argument("--hf-cb-attn", default=None, help="default: let continuous batching pick (paged|sdpa)")
     args = ap.parse_args(argv)
     _setup_threads(args.threads)
     import torch
