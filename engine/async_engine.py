@@ -119,9 +119,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, admitted=loop.create_future())
         self._commands.put(_Add(request_id, prompt, params, priority, stream))
-        finished = False
+        finished = rejected = False
         try:
-            await stream.admitted  # type: ignore[misc]
+            try:
+                await stream.admitted  # type: ignore[misc]
+            except Exception:
+                rejected = True  # never added: the id may belong to another live request
+                raise
             while not finished:
                 item = await stream.queue.get()
                 while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
@@ -132,7 +136,7 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
+            if not finished and not rejected:
                 self._commands.put(request_id)  # abort
 
     async def abort(self, request_id: str) -> None:

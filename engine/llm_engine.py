@@ -141,7 +141,10 @@ class LLMEngine:
             self.num_generation_tokens += 1
             stop_str = state.add_token(seq, sampled[seq.seq_id].logprob)
             if stop_str is not None:
-                self.scheduler.finish(seq, FinishReason.STOP, stop_str)
+                if seq.finish_reason == FinishReason.LENGTH:  # max_tokens hit on the same token:
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str  # the text was cut
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP, stop_str)
             progressed[seq.request_id] = state
         for request_id, state in progressed.items():
             outputs.append(state.make_output())

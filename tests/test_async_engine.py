@@ -1,0 +1,258 @@
+"""The async front: concurrent streams, admission errors, abandoned streams, explicit aborts
+and priority scheduling, on a tiny random Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.errors import PromptTooLongError, QueueFullError
+from engine.llm_engine import LLMEngine
+from engine.model_loader import LoadedModel, load_model
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 64
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3,",
+    "Llamas are",
+]
+# Long enough to still be running when the test acts on it; it is always aborted early.
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+# Bounds a wait on the engine thread; only reached when the behaviour under test is broken.
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir) -> LoadedModel:
+    return load_model(str(tiny_model_dir("llama")), max_model_len=MAX_MODEL_LEN)
+
+
+def _llm(loaded: LoadedModel, **config) -> LLMEngine:
+    cfg = dict(model=str(loaded.path), max_model_len=MAX_MODEL_LEN, num_kv_blocks=NUM_BLOCKS)
+    return LLMEngine(EngineConfig(**{**cfg, **config}), loaded=loaded)
+
+
+@contextlib.asynccontextmanager
+async def _async_engine(loaded: LoadedModel, **config) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(_llm(loaded, **config))
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+def _kv_all_free(engine: LLMEngine) -> bool:
+    pool = engine.scheduler.kv.pool
+    return pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)
+
+
+async def _until(condition, what: str) -> None:
+    """Poll a condition on the engine thread's state (its loop runs on its own)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not condition():
+        assert loop.time() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _idle(engine: AsyncEngine) -> None:
+    llm = engine.engine
+    await _until(lambda: not llm.has_unfinished_requests() and _kv_all_free(llm), "engine idle, KV all free")
+    assert not llm.requests and not llm.scheduler.running and not llm.scheduler.waiting
+
+
+async def _collect(engine: AsyncEngine, prompt, params: SamplingParams, **kw) -> tuple[list[RequestOutput], str]:
+    outs, text = [], ""
+    async for out in engine.generate(kw.pop("request_id", None), prompt, params, **kw):
+        outs.append(out)
+        text += out.outputs[0].delta_text
+    return outs, text
+
+
+# -- concurrent streams ----------------------------------------------------------------------------
+async def test_concurrent_streams_match_sync_engine(loaded) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    expected = _llm(loaded).generate(PROMPTS, params)
+    async with _async_engine(loaded) as engine:
+        results = await asyncio.gather(*(_collect(engine, p, sp) for p, sp in zip(PROMPTS, params, strict=True)))
+        for (outs, text), ref in zip(results, expected, strict=True):
+            final = outs[-1]
+            assert final.finished and all(not o.finished for o in outs[:-1])
+            o = final.outputs[0]
+            tokens = [t for out in outs for t in out.outputs[0].delta_token_ids]
+            assert text == o.text == ref.outputs[0].text
+            assert tokens == o.token_ids == ref.outputs[0].token_ids
+            assert o.finish_reason == "length"
+            assert final.prompt_token_ids == ref.prompt_token_ids
+        await _idle(engine)
+
+
+# -- admission errors ------------------------------------------------------------------------------
+async def test_admission_errors_raised_from_the_iterator(loaded) -> None:
+    async with _async_engine(loaded) as engine:
+        with pytest.raises(PromptTooLongError) as info:
+            await _collect(engine, list(range(100, 350)), SamplingParams(max_tokens=10))
+        err = info.value
+        assert (err.num_prompt_tokens, err.max_tokens, err.max_model_len) == (250, 10, MAX_MODEL_LEN)
+        assert "250" in str(err) and str(MAX_MODEL_LEN) in str(err)
+
+        vocab = engine.engine.adapter.vocab_size
+        with pytest.raises(ValueError, match=str(vocab + 3)):
+            await _collect(engine, [5, vocab + 3, 7], SamplingParams(max_tokens=4))
+
+        with pytest.raises(ValueError):  # -1 is out of range too
+            await _collect(engine, [-1], SamplingParams(max_tokens=4))
+
+        # Rejections leave no trace, and the engine still serves.
+        outs, text = await _collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=3))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        await _idle(engine)
+
+
+async def test_duplicate_request_id_rejected_without_hurting_the_original(loaded) -> None:
+    async with _async_engine(loaded) as engine:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        original = engine.generate("same", PROMPTS[1], params)
+        first = await original.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(engine, "Hi", SamplingParams(max_tokens=3), request_id="same")
+        outs = [first] + [out async for out in original]
+        o = outs[-1].outputs[0]
+        assert o.finish_reason == "length" and len(o.token_ids) == 12
+        assert o.token_ids == _llm(loaded).generate([PROMPTS[1]], params)[0].outputs[0].token_ids
+        await _idle(engine)
+
+
+async def test_queue_full_raised_from_the_iterator(loaded) -> None:
+    async with _async_engine(loaded, max_waiting=0) as engine:
+        with pytest.raises(QueueFullError) as info:
+            await _collect(engine, "Hello", SamplingParams(max_tokens=4))
+        assert info.value.retry_after_s > 0
+        assert not engine.engine.requests
+
+    # The bound counts waiting requests: max_num_seqs=1 keeps the others waiting.
+    async with _async_engine(loaded, max_waiting=2, max_num_seqs=1) as engine:
+        llm = engine.engine
+        blocker = engine.generate("blocker", "Hello", LONG)
+        await blocker.__anext__()  # running: it occupies the only slot
+        waiters = [engine.generate(f"w{i}", "Hi", SamplingParams(max_tokens=2)) for i in range(2)]
+        tasks = [asyncio.ensure_future(w.__anext__()) for w in waiters]
+        await _until(lambda: len(llm.scheduler.waiting) == 2, "two requests waiting")
+        with pytest.raises(QueueFullError):
+            await _collect(engine, "Hello", SamplingParams(max_tokens=2))
+        await blocker.aclose()  # frees the slot: the waiters run to completion
+        for task, waiter in zip(tasks, waiters, strict=True):
+            await task
+            async for _ in waiter:
+                pass
+        await _idle(engine)
+
+
+# -- abandoning and aborting -----------------------------------------------------------------------
+async def test_abandoned_stream_aborts_the_request(loaded) -> None:
+    async with _async_engine(loaded) as engine:
+        llm = engine.engine
+        seen = 0
+        stream = engine.generate("gone", PROMPTS[2], LONG)
+        async for out in stream:
+            seen += len(out.outputs[0].delta_token_ids)
+            assert not out.finished
+            if seen >= 2:
+                break
+        await stream.aclose()
+        await _idle(engine)
+        assert llm.num_generation_tokens < LONG.max_tokens
+
+        # Cancelling the consuming task aborts it too.
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate("cancelled", PROMPTS[1], LONG):
+                started.set()
+
+        task = asyncio.ensure_future(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _idle(engine)
+
+
+async def test_abort_ends_a_running_stream(loaded) -> None:
+    async with _async_engine(loaded) as engine:
+        other = asyncio.ensure_future(
+            _collect(engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        )
+        outs, text = [], ""
+        async for out in engine.generate("victim", PROMPTS[0], LONG):
+            outs.append(out)
+            text += out.outputs[0].delta_text
+            if len(outs) == 2:
+                await engine.abort("victim")
+        final = outs[-1]
+        assert final.finished and final.outputs[0].finish_reason == "abort"
+        assert 0 < len(final.outputs[0].token_ids) < LONG.max_tokens
+        assert final.outputs[0].text == text
+        # The neighbour is unaffected.
+        other_outs, _ = await other
+        assert other_outs[-1].outputs[0].finish_reason == "length"
+        assert len(other_outs[-1].outputs[0].token_ids) == 8
+        await _idle(engine)
+        # Aborting an unknown or finished request is a no-op.
+        await engine.abort("victim")
+        await engine.abort("no-such-request")
+        outs, _ = await _collect(engine, "Hello", SamplingParams(max_tokens=2))
+        assert outs[-1].finished
+
+
+# -- priority --------------------------------------------------------------------------------------
+async def test_priority_serves_lower_value_first(loaded) -> None:
+    async with _async_engine(loaded, scheduling_policy="priority", max_num_seqs=1) as engine:
+        llm = engine.engine
+        blocker = engine.generate("blocker", "Hello", LONG, priority=-10)
+        await blocker.__anext__()  # running, so everything after it has to wait
+
+        order: list[str] = []
+
+        async def run(name: str, priority: int) -> None:
+            async for out in engine.generate(name, f"Request {name}", SamplingParams(max_tokens=3), priority=priority):
+                if out.outputs[0].token_ids and name not in order:
+                    order.append(name)
+
+        submitted = [("p5", 5), ("p1", 1), ("p3", 3), ("p0", 0)]  # arrival order differs from priority
+        tasks = [asyncio.ensure_future(run(name, prio)) for name, prio in submitted]
+        await _until(lambda: len(llm.scheduler.waiting) == len(submitted), "all requests waiting")
+        assert [s.request_id for s in llm.scheduler.waiting] == ["p0", "p1", "p3", "p5"]
+        await blocker.aclose()
+        await asyncio.gather(*tasks)
+        assert order == ["p0", "p1", "p3", "p5"]
+        await _idle(engine)
+
+
+async def test_fcfs_ignores_priority(loaded) -> None:
+    async with _async_engine(loaded, max_num_seqs=1) as engine:
+        llm = engine.engine
+        blocker = engine.generate("blocker", "Hello", LONG)
+        await blocker.__anext__()
+        gens = [
+            engine.generate(name, "Hi", SamplingParams(max_tokens=2), priority=p) for name, p in [("a", 5), ("b", 1)]
+        ]
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        await _until(lambda: len(llm.scheduler.waiting) == 2, "both waiting")
+        assert [s.request_id for s in llm.scheduler.waiting] == ["a", "b"]
+        await blocker.aclose()
+        for task, g in zip(tasks, gens, strict=True):
+            await task
+            async for _ in g:
+                pass
+        await _idle(engine)
