@@ -64,8 +64,18 @@ class _Item:
     request: _Request = field(compare=False)
 
 
+def default_workers(cpu_threads: int | None = None) -> tuple[int, int]:
+    """``(num_workers, threads_per_worker)`` for ``cpu_threads`` (default: torch's thread count):
+    up to 4 model threads, each with its own share of intra-op threads. Independent batches on
+    independent threads avoid an OpenMP barrier per operator, which costs most with small
+    batches and on a machine shared with other jobs."""
+    total = max(1, cpu_threads or torch.get_num_threads())
+    workers = min(4, total)
+    return workers, max(1, total // workers)
+
+
 class EmbeddingEngine:
-    """Batches ``embed`` calls from any number of coroutines onto one model thread."""
+    """Batches ``embed`` calls from any number of coroutines onto ``num_workers`` model threads."""
 
     def __init__(
         self,
@@ -77,7 +87,8 @@ class EmbeddingEngine:
         max_padding: float = 0.15,
         max_inputs: int = 2048,
         max_pending: int = 65536,
-        num_threads: int | None = None,
+        num_workers: int | None = None,
+        threads_per_worker: int | None = None,
     ) -> None:
         self.model = model
         self.model_name = served_name or model.name
@@ -89,11 +100,13 @@ class EmbeddingEngine:
         self.max_padding = max_padding
         self.max_inputs = max_inputs
         self.max_pending = max_pending
-        self.num_threads = num_threads
+        auto_workers, auto_threads = default_workers()
+        self.num_workers = num_workers or auto_workers
+        self.threads_per_worker = threads_per_worker or (auto_threads if num_workers is None else 0)
         self._pending: list[_Item] = []
         self._cond = threading.Condition()
         self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stopping = False
         self._dead: BaseException | None = None
         self._stats = {"num_batches": 0, "num_inputs": 0, "num_tokens": 0, "num_padded_tokens": 0, "busy_s": 0.0}
@@ -106,11 +119,16 @@ class EmbeddingEngine:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start_sync(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is None or not self._thread.is_alive():
+        """Start the model threads (idempotent)."""
+        with self._cond:
+            if self._threads and all(t.is_alive() for t in self._threads):
+                return
             self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="embed-engine", daemon=True)
-            self._thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            for i in range(len(self._threads), self.num_workers):
+                thread = threading.Thread(target=self._loop, name=f"embed-worker-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     async def start(self) -> None:
         self.start_sync()
@@ -120,8 +138,8 @@ class EmbeddingEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 30)
         self._fail_all(EngineDeadError("the embedding engine was shut down"))
 
     def stats(self) -> dict[str, float]:
@@ -218,8 +236,8 @@ class EmbeddingEngine:
         return batch
 
     def _loop(self) -> None:
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        if self.threads_per_worker:
+            torch.set_num_threads(self.threads_per_worker)  # this thread's intra-op pool only
         try:
             while True:
                 with self._cond:
