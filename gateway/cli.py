@@ -50,7 +50,13 @@ def _models_list(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"llm  {DEFAULT_LLM} (default): unavailable: {exc}")
     print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join(ARCHS)}")
-    print("vlm, asr, tts, diffusion, embed: planned")
+    try:
+        from modalities.embed.model import DEFAULT_EMBED, default_embed_path
+
+        print(f"embed {DEFAULT_EMBED} (default): {default_embed_path()}")
+    except FileNotFoundError as exc:
+        print(f"embed: unavailable: {exc}")
+    print("vlm, asr, tts, diffusion: planned")
     return 0
 
 
