@@ -243,3 +243,13 @@ def test_build_app_only_embed() -> None:
     app = build_app(args)
     assert list(app.state.engines) == [MODEL]
     assert app.state.aliases[f"sentence-transformers/{MODEL}"] == MODEL
+
+
+def test_chat_routes_refuse_an_embedding_model(server: Server) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = f"{server.base_url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    # No LLM is served: omitting the model is a 400, naming the embedding model too.
+    _error(httpx.post(url, json={"messages": messages}, headers=headers), 400)
+    err = _error(httpx.post(url, json={"model": MODEL, "messages": messages}, headers=headers), 400)
+    assert err["param"] == "model"

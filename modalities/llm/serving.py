@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, from_engine_error, model_not_found
@@ -17,17 +18,21 @@ from gateway.streaming import ClientDisconnected, MergedGeneration
 
 
 def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
-    """``(served_name, engine)`` for ``model``; the only engine when ``model`` is omitted."""
+    """``(served_name, engine)`` for ``model``; the only LLM engine when ``model`` is omitted.
+    Naming a model of another modality (e.g. an embedding model) is a 400."""
     engines: dict[str, Any] = request.app.state.engines
+    llms = {name: e for name, e in engines.items() if isinstance(e, AsyncEngine)}
     if model is None:
-        if len(engines) == 1:
-            return next(iter(engines.items()))
+        if len(llms) == 1:
+            return next(iter(llms.items()))
         raise APIError(400, "you must provide a model parameter", param="model")
     if model not in engines:
         model = getattr(request.app.state, "aliases", {}).get(model, model)
     if model not in engines:
         raise model_not_found(model, list(engines))
-    return model, engines[model]
+    if model not in llms:
+        raise APIError(400, f"model {model!r} does not generate text", param="model")
+    return model, llms[model]
 
 
 def token_text(tokenizer: Any, token_id: int, cache: dict[int, str]) -> str:
