@@ -187,7 +187,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "kind": "offline",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(sys.argv),
+        "command": getattr(args, "command_line", " ".join(sys.argv)),
         "model": str(model),
         "workload": vars(spec) | {"prompt_tokens": n_prompt, "output_tokens": n_out},
         "threads": args.threads,

@@ -280,7 +280,7 @@ def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "kind": "online",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(sys.argv),
+        "command": getattr(args, "command_line", " ".join(sys.argv)),
         "model": str(model_dir),
         "rate": args.rate,
         "workload": asdict(spec) | {"prompt_mode": args.prompt_mode},

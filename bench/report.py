@@ -26,7 +26,7 @@ def save_result(obj: dict[str, Any], path: Path) -> Path:
 
 
 def versions_of(results: dict[str, dict[str, Any]] | None = None) -> dict[str, str]:
-    out = {"python": platform.python_version(), "machine": platform.machine()}
+    out = {"python": platform.python_version(), "machine": platform.machine(), "git": git_rev()}
     try:
         import torch
         import transformers
@@ -39,6 +39,24 @@ def versions_of(results: dict[str, dict[str, Any]] | None = None) -> dict[str, s
             out["vllm"] = r["versions"].get("vllm", "?")
             out["vllm_torch"] = r["versions"].get("torch", "?")
     return out
+
+
+def git_rev() -> str:
+    """Short HEAD of the checkout, with ``+dirty`` when tracked files under engine/ or bench/ changed."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "engine", "bench"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout
+    except OSError:
+        return "unknown"
+    return rev.strip() + ("+dirty" if dirty.strip() else "")
 
 
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
