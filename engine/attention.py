@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +79,17 @@ class AttentionBackend(ABC):
 
 
 @dataclass
+class _GatherPlan:
+    slots: torch.Tensor  # [Bd, Lmax] cache slots of each decode sequence, padded
+    pos: torch.Tensor  # [Bd] position of each decode query
+    mask: torch.Tensor  # [Bd, Lmax] valid keys
+
+
+@dataclass
 class _TorchState:
-    decode_rows: torch.Tensor | slice | None  # query rows of single-token sequences
-    decode_slots: torch.Tensor | None  # [Bd, Lmax] slots to gather
-    decode_pos: torch.Tensor | None  # [Bd] position of each decode query
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] valid keys
     prefills: list[tuple[int, int, int, torch.Tensor | None]]  # (q_start, q_end, seq_len, slots or None)
+    decode_rows: torch.Tensor | slice | None = None  # query rows of single-token sequences
+    decode: Any = None  # what _prepare_decode built for them
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -94,8 +100,8 @@ class TorchPagedAttention(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -114,21 +120,15 @@ class TorchPagedAttention(AttentionBackend):
             else:
                 fresh = qe - qs == n  # no cached context: attend to this chunk's own K/V
                 prefills.append((qs, qe, n, None if fresh else self._slots(meta.block_tables[i], n).to(self.device)))
-        state = _TorchState(None, None, None, None, prefills)
+        state = _TorchState(prefills)
         if decode_idx:
-            lens = [meta.seq_lens[i] for i in decode_idx]
-            lmax = max(lens)
-            slots = torch.zeros(len(decode_idx), lmax, dtype=torch.long)
-            for row, i in enumerate(decode_idx):
-                slots[row, : lens[row]] = self._slots(meta.block_tables[i], lens[row])
-            lens_t = torch.tensor(lens)
             rows = [meta.query_start[i] for i in decode_idx]
             # The runner lays decodes out first: a slice avoids a gather/scatter per layer.
             contiguous = rows == list(range(len(rows)))
             state.decode_rows = slice(0, len(rows)) if contiguous else torch.tensor(rows, device=self.device)
-            state.decode_slots = slots.to(self.device)
-            state.decode_pos = (lens_t - 1).to(self.device)
-            state.decode_mask = (torch.arange(lmax)[None, :] < lens_t[:, None]).to(self.device)
+            state.decode = self._prepare_decode(
+                [meta.seq_lens[i] for i in decode_idx], [meta.block_tables[i] for i in decode_idx]
+            )
         meta.backend_state = state
 
     def forward(
@@ -143,14 +143,14 @@ class TorchPagedAttention(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         if softcap is not None:
-            raise NotImplementedError("the torch paged backend does not implement attention logit soft-capping")
+            raise NotImplementedError(f"the {self.name} paged backend does not implement attention logit soft-capping")
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         kc.index_copy_(0, meta.slot_mapping, k)
         vc.index_copy_(0, meta.slot_mapping, v)
         state: _TorchState = meta.backend_state  # type: ignore[assignment]
         out = torch.empty_like(q)
         if state.decode_rows is not None:
-            out[state.decode_rows] = self._decode(q, kc, vc, state, scale, sliding_window)
+            out[state.decode_rows] = self._decode(q[state.decode_rows], kc, vc, state.decode, scale, sliding_window)
         for qs, qe, n, slots in state.prefills:
             if slots is None:
                 keys, values = k[qs:qe], v[qs:qe]
@@ -159,25 +159,28 @@ class TorchPagedAttention(AttentionBackend):
             out[qs:qe] = self._prefill(q[qs:qe], keys, values, n, scale, sliding_window)
         return out
 
-    @staticmethod
+    def _prepare_decode(self, lens: list[int], tables: list[list[int]]) -> Any:
+        lmax = max(lens)
+        slots = torch.zeros(len(lens), lmax, dtype=torch.long)
+        for row, (n, table) in enumerate(zip(lens, tables, strict=True)):
+            slots[row, :n] = self._slots(table, n)
+        lens_t = torch.tensor(lens)
+        mask = torch.arange(lmax)[None, :] < lens_t[:, None]
+        return _GatherPlan(slots.to(self.device), (lens_t - 1).to(self.device), mask.to(self.device))
+
     def _decode(
-        q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, st: _TorchState, scale: float, window: int | None
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: Any, scale: float, window: int | None
     ) -> torch.Tensor:
-        bd, lmax = st.decode_slots.shape  # type: ignore[union-attr]
-        flat = st.decode_slots.flatten()  # type: ignore[union-attr]
+        """q: [Bd, H, D] (one query per sequence) → [Bd, H, D]."""
+        bd, lmax = plan.slots.shape
+        flat = plan.slots.flatten()
         keys = kc.index_select(0, flat).view(bd, lmax, *kc.shape[1:]).transpose(1, 2)
         values = vc.index_select(0, flat).view(bd, lmax, *vc.shape[1:]).transpose(1, 2)
-        mask = st.decode_mask
+        mask = plan.mask
         if window is not None:
-            mask = mask & (torch.arange(lmax, device=q.device)[None, :] > (st.decode_pos[:, None] - window))  # type: ignore[index]
-        query = q[st.decode_rows].unsqueeze(2)  # [Bd, H, 1, D]
+            mask = mask & (torch.arange(lmax, device=q.device)[None, :] > (plan.pos[:, None] - window))
         out = F.scaled_dot_product_attention(
-            query,
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,  # type: ignore[index]
-            enable_gqa=True,
+            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
         )
         return out.squeeze(2)
 
@@ -208,4 +211,55 @@ class TorchPagedAttention(AttentionBackend):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedAttention}
+class NativeCPUPagedAttention(TorchPagedAttention):
+    """CPU backend: decode attention by a C kernel that reads K/V in place from the paged cache
+    (see ``engine/csrc/paged_decode.c``); prefill chunks as in the PyTorch backend."""
+
+    name = "native"
+
+    @staticmethod
+    def available(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
+        from engine.native import paged_decode_kernel
+
+        return (
+            torch.device(device).type == "cpu"
+            and dtype == torch.float32
+            and head_dim % 16 == 0
+            and (paged_decode_kernel() is not None)
+        )
+
+    def _prepare_decode(self, lens: list[int], tables: list[list[int]]) -> Any:
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        return padded, torch.tensor(lens, dtype=torch.long)
+
+    def _decode(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: Any, scale: float, window: int | None
+    ) -> torch.Tensor:
+        from engine.native import paged_decode
+
+        tables, lens = plan
+        return paged_decode(q.contiguous(), kc, vc, tables, lens, self.block_size, scale, window)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchPagedAttention,
+    "native": NativeCPUPagedAttention,
+}
+
+
+def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int) -> type[AttentionBackend]:
+    """``auto``: the native CPU kernel where it can run, else the portable PyTorch backend."""
+    if name == "auto":
+        return (
+            NativeCPUPagedAttention
+            if NativeCPUPagedAttention.available(device, dtype, head_dim)
+            else TorchPagedAttention
+        )
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(ATTENTION_BACKENDS)}")
+    if name == "native" and not NativeCPUPagedAttention.available(device, dtype, head_dim):
+        raise ValueError(
+            "the native attention backend needs an x86 CPU with AVX2/FMA, fp32, a C compiler and head_dim % 16 == 0"
+        )
+    return ATTENTION_BACKENDS[name]

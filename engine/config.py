@@ -20,7 +20,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value runs first)
     max_waiting: int = 1024  # admission bound: beyond it add_request raises QueueFullError
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto", "torch" (portable) or "native" (CPU C kernel)
     quantization: str | None = None  # e.g. "int8" (weight-only, module swap)
     num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
     seed: int = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import ATTENTION_BACKENDS, AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.config import EngineConfig
 from engine.model_adapter import ModelAdapter
 from engine.sampler import Sampler
@@ -27,7 +27,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(config.device)
         self.num_blocks = num_kv_blocks(config, model, dtype)
-        backend_cls = ATTENTION_BACKENDS[config.attention_backend]
+        backend_cls = select_backend(config.attention_backend, self.device, dtype, model.head_dim)
         self.backend: AttentionBackend = backend_cls(
             model.num_layers, self.num_blocks, config.block_size, model.num_kv_heads, model.head_dim, dtype, self.device
         )

@@ -94,3 +94,12 @@ def test_smollm2_matches_transformers(smollm2_dir) -> None:
     got, stats = _run(smollm2_dir, prompts, max_new, max_num_batched_tokens=96, num_kv_blocks=40, block_size=16)
     assert got == expected
     assert stats["after"]["prefix_cache_hits"] > 0
+
+
+def test_portable_torch_backend_matches_transformers(tiny_model_dir) -> None:
+    model_dir = tiny_model_dir("qwen2")
+    prompts = _prompts(49152, seed=5, lengths=[41, 7, 66])
+    max_new = [15, 22, 9, 12, 18]
+    expected = _reference(model_dir, prompts, max_new)
+    got, _ = _run(model_dir, prompts, max_new, attention_backend="torch", max_num_batched_tokens=32, num_kv_blocks=64)
+    assert got == expected
