@@ -1,4 +1,4 @@
-"""``mmserve bench {offline,online,all}``: entry point the gateway CLI forwards to (``bench.cli.main``)."""
+"""``mmserve bench {offline,online,profile,embed,all}``: entry point the gateway CLI forwards to (``bench.cli.main``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.profile_engine import add_profile_args
 
     add_profile_args(sub.add_parser("profile", help="per-phase time breakdown of mmserve decode steps"))
+    sub.add_parser("embed", help="embeddings: engine vs sentence-transformers, HTTP latency (see embed --help)")
     both = sub.add_parser("all", help="offline, then online --launch mmserve,vllm (same workload flags)")
     add_offline_args(both)
     add_online_args(both, with_workload=False)
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "embed":  # embeddings benchmark (bench/embed.py) parses its own flags
+        from bench.embed import main as embed_main
+
+        return int(embed_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     args.command_line = "mmserve bench " + shlex.join(argv)
     if args.cmd == "offline":
