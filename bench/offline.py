@@ -181,6 +181,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     reqs = load_workload(wl_path)
     n_prompt = sum(len(r.prompt_token_ids) for r in reqs)
     n_out = sum(r.max_tokens for r in reqs)
+    git_at_start = versions_of()["git"]  # the engine code the subprocesses import
     results = {e: run_engine(e, model, wl_path, run_dir, args) for e in engines}
     rows = summarize(results, n_prompt, n_out)
     checks = greedy_check(results)
@@ -191,7 +192,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(model),
         "workload": vars(spec) | {"prompt_tokens": n_prompt, "output_tokens": n_out},
         "threads": args.threads,
-        "versions": versions_of(results),
+        "versions": versions_of(results) | {"git": git_at_start},
         "rows": rows,
         "greedy_check": checks,
         "engines": {k: {kk: vv for kk, vv in v.items() if "token_ids" not in kk} for k, v in results.items()},

@@ -275,6 +275,7 @@ def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         prompts = [tok.decode(r.prompt_token_ids) for r in reqs]
     run_dir = args.out_dir / f"online-{'-'.join(names)}-{time.strftime('%Y%m%d-%H%M%S')}"
+    versions = versions_of()  # at start: the engine code a launched mmserve imports
     runs = {name: _run_one(args, name, model_dir, reqs, prompts, run_dir) for name in names}
     summaries = [s for s, _ in runs.values()]
     summary: dict[str, Any] = {
@@ -284,7 +285,7 @@ def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(model_dir),
         "rate": args.rate,
         "workload": asdict(spec) | {"prompt_mode": args.prompt_mode},
-        "versions": versions_of(),
+        "versions": versions,
         "servers": [{k: v for k, v in s.items() if k != "requests"} for s in summaries],
     }
     if not args.no_plot:
