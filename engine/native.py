@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]  # fast-math: vector expf
 
 
 def _cpu_has_avx2_fma() -> bool:
