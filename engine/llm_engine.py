@@ -9,6 +9,7 @@ import torch
 
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
+from engine.cpu_linear import onednn_available, use_onednn_linears
 from engine.errors import PromptTooLongError, QueueFullError
 from engine.model_adapter import HFCausalLM, ModelAdapter
 from engine.model_runner import ModelRunner
@@ -63,6 +64,13 @@ class LLMEngine:
                 from engine.quantization import quantize
 
                 quantize(adapter, config.quantization)
+            if config.cpu_linear == "onednn" or (
+                config.cpu_linear == "auto"
+                and config.device == "cpu"
+                and config.dtype == "float32"
+                and onednn_available()
+            ):
+                use_onednn_linears(adapter)
         self.adapter = adapter
         self.eos_token_ids = _eos_ids(loaded)
         dtype = getattr(torch, config.dtype)

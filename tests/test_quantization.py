@@ -41,3 +41,18 @@ def test_engine_with_int8_weights_tracks_fp32(tiny_model_dir) -> None:
     int8 = int8_engine.generate(prompts, params)
     agree = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(fp32, int8, strict=True))
     assert agree >= 5
+
+
+def test_onednn_linear_swap_keeps_parameters_and_results() -> None:
+    from engine.cpu_linear import OneDNNLinear, onednn_available, use_onednn_linears
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+    x = torch.randn(3, 16)
+    expected = model(x)
+    weight = model[0].weight
+    assert use_onednn_linears(model) == 2
+    assert isinstance(model[0], OneDNNLinear) and model[0].weight is weight  # same Parameter: ties survive
+    got = model(x)
+    if onednn_available():
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,37 @@
+"""oneDNN linear layers for fp32 on CPU, as an in-place module swap (models stay unaware).
+
+torch's default fp32 ``F.linear`` goes through MKL sgemm; oneDNN's matmul, which torch ships
+as ``mkldnn::_linear_pointwise``, uses both cores much better at decode-sized batches
+(measured here at 2 threads: 1.5x at M=26, 2x for the 49k-wide output head).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class OneDNNLinear(nn.Linear):
+    """``nn.Linear`` whose forward runs oneDNN's matmul; same parameters, same results up to
+    fp32 summation order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Turn every plain ``nn.Linear`` of ``model`` into a ``OneDNNLinear`` in place (class swap:
+    parameters and weight tying are untouched). Returns how many were swapped."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = OneDNNLinear
+            count += 1
+    return count
