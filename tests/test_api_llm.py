@@ -5,8 +5,6 @@ included) and raw ``httpx`` for error shapes and disconnects."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,13 +14,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from gateway.app import create_app
+from tests.helpers import serve_app
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -73,23 +71,8 @@ def server() -> Iterator[Server]:
         BUSY: AsyncEngine(LLMEngine(EngineConfig(**common, max_waiting=0), loaded=loaded)),  # always full: 429
     }
     app = create_app(engines, api_key=API_KEY)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", engines)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_app(app) as base_url:
+        yield Server(base_url, engines)
 
 
 def _assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:

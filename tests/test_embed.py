@@ -7,9 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,10 +15,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 from modalities.embed.engine import EmbeddingEngine, _Item, _Request
 from modalities.embed.model import DEFAULT_EMBED
+from tests.helpers import serve_app
 
 API_KEY = "test-key"
 MODEL = DEFAULT_EMBED
@@ -69,23 +66,8 @@ def server() -> Iterator[Server]:
 
     engine = EmbeddingEngine.from_path(None)
     app = create_app({MODEL: engine}, api_key=API_KEY, aliases={f"sentence-transformers/{MODEL}": MODEL})
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", engine)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serve_app(app) as base_url:
+        yield Server(base_url, engine)
 
 
 @pytest.fixture(scope="module")

@@ -8,27 +8,25 @@ Each completion prompt becomes one engine request; choices are numbered ``prompt
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from engine.outputs import CompletionOutput
-from gateway.errors import APIError, from_engine_error
-from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, sse
+from gateway.errors import APIError
+from gateway.streaming import sse
 from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
 from modalities.llm.serving import (
     Tracker,
-    admit_error,
     chat_logprobs,
-    collect,
+    collect_or_raise,
     completion_logprobs,
     disconnected_response,
     resolve_engine,
+    sse_response,
     start_generation,
     validate_ids,
 )
@@ -68,63 +66,43 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
 
     if body.stream:
 
-        async def stream() -> AsyncIterator[str]:
-            status = "error"
+        async def events() -> AsyncIterator[str]:
             echoed: set[int] = set()
             text_len = [0] * (len(prompts) * n)
-            try:
-                async for idx, out in gen:
-                    tracker.update(idx, out)
-                    for co in out.outputs:
-                        ci = idx * n + co.index
-                        if ci in tracker.finished or not (co.delta_text or co.delta_token_ids or co.finished):
-                            continue
-                        text = co.delta_text
-                        if echo_texts is not None and ci not in echoed:
-                            echoed.add(ci)
-                            text = echo_texts[idx] + text
-                        choice = {
-                            "index": ci,
-                            "text": text,
-                            "logprobs": completion_logprobs(tokenizer, co.delta_logprobs, text_len[ci], cache),
-                            "finish_reason": co.finish_reason,
-                            "stop_reason": co.stop_reason,
-                        }
-                        text_len[ci] += len(text)
-                        if co.finished:
-                            tracker.finished.add(ci)
-                        chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-                        chunk["choices"] = [choice]
-                        if body.include_usage:
-                            chunk["usage"] = None
-                        yield sse(chunk)
-                if body.include_usage:
+            async for idx, out in gen:
+                tracker.update(idx, out)
+                for co in out.outputs:
+                    ci = idx * n + co.index
+                    if ci in tracker.finished or not (co.delta_text or co.delta_token_ids or co.finished):
+                        continue
+                    text = co.delta_text
+                    if echo_texts is not None and ci not in echoed:
+                        echoed.add(ci)
+                        text = echo_texts[idx] + text
+                    choice = {
+                        "index": ci,
+                        "text": text,
+                        "logprobs": completion_logprobs(tokenizer, co.delta_logprobs, text_len[ci], cache),
+                        "finish_reason": co.finish_reason,
+                        "stop_reason": co.stop_reason,
+                    }
+                    text_len[ci] += len(text)
+                    if co.finished:
+                        tracker.finished.add(ci)
                     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-                    yield sse({**chunk, "choices": [], "usage": tracker.usage()})
-                status = "ok"
-                yield SSE_DONE
-            except (ClientDisconnected, asyncio.CancelledError, GeneratorExit) as exc:
-                status = "disconnected"
-                if not isinstance(exc, ClientDisconnected):
-                    raise
-            except Exception as exc:  # after the headers went out: report in-band
-                mapped = from_engine_error(exc) or APIError(500, f"internal error: {type(exc).__name__}")
-                yield sse(mapped.to_dict())
-                yield SSE_DONE
-            finally:
-                await gen.aclose()
-                tracker.done(status)
+                    chunk["choices"] = [choice]
+                    if body.include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if body.include_usage:
+                chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+                yield sse({**chunk, "choices": [], "usage": tracker.usage()})
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return sse_response(events(), gen, tracker)
 
-    try:
-        finals = await collect(gen, tracker)
-    except ClientDisconnected:
-        tracker.done("disconnected")
+    finals = await collect_or_raise(gen, tracker, "prompt")
+    if finals is None:
         return disconnected_response()
-    except Exception as exc:
-        tracker.done("error")
-        raise admit_error(exc, "prompt") from exc
     choices = []
     for idx in range(len(prompts)):
         for co in sorted(finals[idx].outputs, key=lambda c: c.index):
@@ -219,46 +197,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 out["usage"] = None
             return out
 
-        async def stream() -> AsyncIterator[str]:
-            status = "error"
-            try:
-                for i in range(body.n):
-                    role = {"role": "assistant", "content": ""}
-                    yield sse(chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
-                async for idx, out in gen:
-                    tracker.update(idx, out)
-                    for co in out.outputs:
-                        if co.index in tracker.finished or not (co.delta_text or co.delta_token_ids or co.finished):
-                            continue
-                        if co.finished:
-                            tracker.finished.add(co.index)
-                        yield sse(chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp)]))
-                if body.include_usage:
-                    yield sse({**chunk([]), "usage": tracker.usage()})
-                status = "ok"
-                yield SSE_DONE
-            except (ClientDisconnected, asyncio.CancelledError, GeneratorExit) as exc:
-                status = "disconnected"
-                if not isinstance(exc, ClientDisconnected):
-                    raise
-            except Exception as exc:
-                mapped = from_engine_error(exc) or APIError(500, f"internal error: {type(exc).__name__}")
-                yield sse(mapped.to_dict())
-                yield SSE_DONE
-            finally:
-                await gen.aclose()
-                tracker.done(status)
+        async def events() -> AsyncIterator[str]:
+            for i in range(body.n):
+                role = {"role": "assistant", "content": ""}
+                yield sse(chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
+            async for idx, out in gen:
+                tracker.update(idx, out)
+                for co in out.outputs:
+                    if co.index in tracker.finished or not (co.delta_text or co.delta_token_ids or co.finished):
+                        continue
+                    if co.finished:
+                        tracker.finished.add(co.index)
+                    yield sse(chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp)]))
+            if body.include_usage:
+                yield sse({**chunk([]), "usage": tracker.usage()})
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return sse_response(events(), gen, tracker)
 
-    try:
-        finals = await collect(gen, tracker)
-    except ClientDisconnected:
-        tracker.done("disconnected")
+    finals = await collect_or_raise(gen, tracker, "messages")
+    if finals is None:
         return disconnected_response()
-    except Exception as exc:
-        tracker.done("error")
-        raise admit_error(exc, "messages") from exc
     choices = [
         {
             "index": co.index,

@@ -3,18 +3,19 @@ bookkeeping, and OpenAI logprob formatting."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, from_engine_error, model_not_found
-from gateway.streaming import ClientDisconnected, MergedGeneration
+from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, MergedGeneration, sse
 
 
 def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
@@ -141,6 +142,47 @@ async def collect(gen: MergedGeneration[RequestOutput], tracker: Tracker) -> dic
         tracker.update(idx, out)
         finals[idx] = out
     return finals
+
+
+async def collect_or_raise(
+    gen: MergedGeneration[RequestOutput], tracker: Tracker, param: str
+) -> dict[int, RequestOutput] | None:
+    """Final outputs of a non-streamed request; None when the client went away; engine errors
+    are mapped to their OpenAI error (``param`` names the offending field)."""
+    try:
+        return await collect(gen, tracker)
+    except ClientDisconnected:
+        tracker.done("disconnected")
+        return None
+    except Exception as exc:
+        tracker.done("error")
+        raise admit_error(exc, param) from exc
+
+
+def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker: Tracker) -> StreamingResponse:
+    """Stream ``events`` as SSE, then ``[DONE]``. Errors after the headers went out are reported
+    in-band; whatever happens, the engine requests are closed and the tracker told how it ended."""
+
+    async def stream() -> AsyncIterator[str]:
+        status = "error"
+        try:
+            async for event in events:
+                yield event
+            status = "ok"
+            yield SSE_DONE
+        except (ClientDisconnected, asyncio.CancelledError, GeneratorExit) as exc:
+            status = "disconnected"
+            if not isinstance(exc, ClientDisconnected):
+                raise
+        except Exception as exc:
+            mapped = from_engine_error(exc) or APIError(500, f"internal error: {type(exc).__name__}")
+            yield sse(mapped.to_dict())
+            yield SSE_DONE
+        finally:
+            await gen.aclose()
+            tracker.done(status)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def disconnected_response() -> JSONResponse:
