@@ -21,6 +21,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value runs first)
     max_waiting: int = 1024  # admission bound: beyond it add_request raises QueueFullError
     attention_backend: str = "auto"  # "auto", "torch" (portable) or "native" (CPU C kernel)
+    model_impl: str = "auto"  # "auto": lean Llama-family path where it applies; "hf": transformers modules
     cpu_linear: str = "auto"  # "auto"/"onednn": oneDNN matmuls for fp32 on CPU; "torch": plain F.linear
     quantization: str | None = None  # e.g. "int8" (weight-only, module swap)
     num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import fast_decoder
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.cpu_linear import onednn_available, use_onednn_linears
@@ -59,18 +60,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len")
         if adapter is None:
-            adapter = HFCausalLM(loaded.model)
-            if config.quantization:
-                from engine.quantization import quantize
-
-                quantize(adapter, config.quantization)
-            if config.cpu_linear == "onednn" or (
-                config.cpu_linear == "auto"
-                and config.device == "cpu"
-                and config.dtype == "float32"
-                and onednn_available()
-            ):
-                use_onednn_linears(adapter)
+            adapter = self._make_adapter(config, loaded.model)
         self.adapter = adapter
         self.eos_token_ids = _eos_ids(loaded)
         dtype = getattr(torch, config.dtype)
@@ -81,6 +71,28 @@ class LLMEngine:
         self._aborted: list[RequestState] = []
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    @staticmethod
+    def _make_adapter(config: EngineConfig, model: torch.nn.Module) -> ModelAdapter:
+        """The lean Llama-family path where it applies, else transformers' own modules; then the
+        module swaps (quantization, oneDNN linears) the config asks for."""
+        onednn = config.cpu_linear == "onednn" or (
+            config.cpu_linear == "auto" and config.device == "cpu" and config.dtype == "float32" and onednn_available()
+        )
+        if config.model_impl not in ("auto", "fast", "hf"):
+            raise ValueError(f"model_impl must be 'auto', 'fast' or 'hf', got {config.model_impl!r}")
+        if config.model_impl != "hf" and not config.quantization and fast_decoder.supports(model):
+            return fast_decoder.FastDecoderLM(model, use_onednn=onednn)
+        if config.model_impl == "fast":
+            raise ValueError(f"no fast path for model type {model.config.model_type!r} (or with quantization)")
+        adapter = HFCausalLM(model)
+        if config.quantization:
+            from engine.quantization import quantize
+
+            quantize(adapter, config.quantization)
+        if onednn:
+            use_onednn_linears(adapter)
+        return adapter
 
     # -- admission -----------------------------------------------------------------------------
     def _to_inputs(self, prompt: Prompt) -> PromptInputs:

@@ -82,6 +82,7 @@ def test_no_chunked_prefill_and_no_prefix_cache(tiny_model_dir) -> None:
         enable_prefix_caching=False,
         max_num_batched_tokens=2048,
         max_model_len=2048,
+        model_impl="hf",  # transformers' own modules for a Llama too (the lean path is the default)
     )
     assert got == expected
     assert stats["prefix_cache_hits"] == 0
