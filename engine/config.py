@@ -30,6 +30,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.model_impl not in ("auto", "fast", "hf"):
+            raise ValueError(f"model_impl must be 'auto', 'fast' or 'hf', got {self.model_impl!r}")
+        if self.cpu_linear not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_linear must be 'auto', 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

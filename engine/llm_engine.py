@@ -42,8 +42,8 @@ class LLMEngine:
     """One model, one KV cache, many requests.
 
     ``adapter`` overrides the model wrapper (toy models in tests, other modalities' decoders);
-    otherwise ``loaded.model`` (or ``config.model`` loaded from disk) is wrapped as a
-    transformers causal LM.
+    otherwise ``loaded.model`` (or ``config.model`` loaded from disk) is wrapped by
+    ``_make_adapter``.
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, adapter: ModelAdapter | None = None):
@@ -79,8 +79,6 @@ class LLMEngine:
         onednn = config.cpu_linear == "onednn" or (
             config.cpu_linear == "auto" and config.device == "cpu" and config.dtype == "float32" and onednn_available()
         )
-        if config.model_impl not in ("auto", "fast", "hf"):
-            raise ValueError(f"model_impl must be 'auto', 'fast' or 'hf', got {config.model_impl!r}")
         if config.model_impl != "hf" and not config.quantization and fast_decoder.supports(model):
             return fast_decoder.FastDecoderLM(model, use_onednn=onednn)
         if config.model_impl == "fast":
