@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from gateway.errors import APIError, install_error_handlers, model_not_found
+from gateway.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from gateway.metrics import HTTPMetricsMiddleware, Metrics
 
 logger = logging.getLogger("mmserve.gateway")
@@ -117,8 +118,11 @@ def create_app(
     api_key: str | None = None,
     routers: Sequence[APIRouter] | None = None,
     aliases: dict[str, str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """An app serving ``engines`` (served model name -> ``AsyncEngine``).
+
+    Request bodies over ``max_body_bytes`` are answered 413 before any route reads them.
 
     ``aliases`` maps extra accepted ``model`` values to served names (not listed in ``/v1/models``).
 
@@ -165,6 +169,7 @@ def create_app(
     for router in routers:
         app.include_router(router, dependencies=auth)
     known_paths = {p for r in app.routes if isinstance(p := getattr(r, "path", None), str)}
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics, paths=known_paths)
     return app
 
@@ -207,7 +212,9 @@ def build_app(args: Any) -> FastAPI:
                     aliases.setdefault(alias, name)
             logger.info("serving %s as %r (max_model_len %d)", model, name, engine.max_model_len)
     _add_embed_engine(args, only_set, engines, aliases)
-    return create_app(engines, api_key=getattr(args, "api_key", None), aliases=aliases)
+    max_body_mb = getattr(args, "max_body_mb", None)
+    max_body = int(max_body_mb * (1 << 20)) if max_body_mb else DEFAULT_MAX_BODY_BYTES
+    return create_app(engines, api_key=getattr(args, "api_key", None), aliases=aliases, max_body_bytes=max_body)
 
 
 def _add_embed_engine(args: Any, only_set: set[str], engines: dict[str, Any], aliases: dict[str, str]) -> None:

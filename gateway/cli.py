@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--embed", default=None, help="embedding model: a local sentence-transformers/HF directory")
     serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    serve.add_argument("--max-body-mb", type=float, default=None, help="largest request body accepted (default 32)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
