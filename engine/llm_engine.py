@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -151,6 +152,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
+        now = time.time()
+        for item in sched.scheduled:
+            state = self.requests.get(item.seq.request_id)
+            if state is not None and state.scheduled_time is None:
+                state.scheduled_time = now
         sampled = self.runner.execute(sched)
         touched = self.scheduler.update(sched, sampled)
         progressed: dict[str, RequestState] = {}

@@ -34,6 +34,7 @@ class RequestState:
         self.seqs = seqs
         self.texts = [_SeqText(s, tokenizer) for s in seqs]
         self.arrival_time = time.time()
+        self.scheduled_time: float | None = None  # first time any of its tokens ran
         self.first_token_time: float | None = None
 
     @property
@@ -85,6 +86,8 @@ class RequestState:
             outputs.append(out)
         seq0 = self.seqs[0]
         metrics = {"arrival_time": self.arrival_time}
+        if self.scheduled_time is not None:
+            metrics["scheduled_time"] = self.scheduled_time
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
         return RequestOutput(

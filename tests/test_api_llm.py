@@ -352,3 +352,20 @@ def test_non_stream_disconnect_aborts(server: Server) -> None:
             c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     assert server.wait_idle(timeout=5), server.engines[MODEL].stats()
     assert _disconnected(server) == before + 1
+
+
+def test_server_timing_header(server: Server) -> None:
+    with server.http() as c:
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4}),
+            (
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            ),
+        ):
+            resp = c.post(path, json=body)
+            assert resp.status_code == 200
+            parts = dict(p.strip().split(";dur=") for p in resp.headers["server-timing"].split(","))
+            assert set(parts) == {"queue", "inference", "total"}
+            queue, inference, total = (float(parts[k]) for k in ("queue", "inference", "total"))
+            assert 0 <= queue and 0 < inference and inference <= total

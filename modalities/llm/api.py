@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from engine.outputs import CompletionOutput
 from gateway.errors import APIError
@@ -40,7 +40,7 @@ router = APIRouter(tags=["llm"], strict_content_type=False)
 
 
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, request: Request) -> Any:
+async def create_completion(body: CompletionRequest, request: Request, response: Response) -> Any:
     """OpenAI ``POST /v1/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
@@ -103,6 +103,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     finals = await collect_or_raise(gen, tracker, "prompt")
     if finals is None:
         return disconnected_response()
+    response.headers["Server-Timing"] = tracker.server_timing(list(finals.values()))
     choices = []
     for idx in range(len(prompts)):
         for co in sorted(finals[idx].outputs, key=lambda c: c.index):
@@ -172,7 +173,7 @@ def _chat_choice_chunk(co: CompletionOutput, tokenizer: Any, cache: dict[int, st
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, response: Response) -> Any:
     """OpenAI ``POST /v1/chat/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
@@ -217,6 +218,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     finals = await collect_or_raise(gen, tracker, "messages")
     if finals is None:
         return disconnected_response()
+    response.headers["Server-Timing"] = tracker.server_timing(list(finals.values()))
     choices = [
         {
             "index": co.index,

@@ -86,6 +86,16 @@ class Tracker:
                     "time_to_first_token_seconds", self.first_token - self.start, help="TTFT", model=self.model
                 )
 
+    def server_timing(self, finals: list[RequestOutput]) -> str:
+        """``Server-Timing`` value: queue (arrival → first scheduled, worst prompt), inference
+        (first scheduled → now) and total (request received → now), in ms."""
+        now = time.time()
+        scheduled = [o.metrics.get("scheduled_time", now) for o in finals]
+        queue = max((s - o.metrics.get("arrival_time", s) for s, o in zip(scheduled, finals, strict=True)), default=0.0)
+        inference = now - min(scheduled, default=now)
+        total = time.monotonic() - self.start
+        return f"queue;dur={queue * 1e3:.1f}, inference;dur={inference * 1e3:.1f}, total;dur={total * 1e3:.1f}"
+
     def usage(self) -> dict[str, int]:
         return usage_dict(sum(self.prompt_tokens), sum(self.completion_tokens))
 
