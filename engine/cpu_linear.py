@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` through oneDNN's matmul (fp32 CPU tensors)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class OneDNNLinear(nn.Linear):
     """``nn.Linear`` whose forward runs oneDNN's matmul; same parameters, same results up to
     fp32 summation order."""
@@ -19,7 +24,7 @@ class OneDNNLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.dtype != torch.float32:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias)
 
 
 def onednn_available() -> bool:

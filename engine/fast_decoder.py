@@ -17,7 +17,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.cpu_linear import onednn_available
+from engine.cpu_linear import onednn_available, onednn_linear
 from engine.model_adapter import ModelAdapter
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -92,7 +92,7 @@ class FastDecoderLM(ModelAdapter):
                 )
             )
         onednn = use_onednn and onednn_available() and self.lm_head.dtype == torch.float32
-        self.linear: Callable[..., torch.Tensor] = _onednn_linear if onednn else F.linear
+        self.linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm, op for op (fp32 statistics), so results match exactly.
@@ -133,7 +133,3 @@ class FastDecoderLM(ModelAdapter):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
-
-
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

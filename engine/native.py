@@ -34,7 +34,9 @@ def _cpu_has_avx2_fma() -> bool:
 
 
 def _build(src: Path) -> Path:
-    root = Path(os.environ.get("MMSERVE_CACHE") or Path.home() / ".cache" / "mmserve").expanduser()
+    from engine.model_loader import cache_root
+
+    root = cache_root()
     digest = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
     lib = root / "native" / f"{src.stem}-{digest}.so"
     if not lib.exists():
