@@ -10,7 +10,9 @@ Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.p
 - optionally ``add_models_commands(subparsers)``: extra ``mmserve models`` subcommands;
 - optionally ``TINY_ARCHS``: ``{arch: make(dir, seed) -> Path}`` for ``mmserve models make-tiny``.
 
-Adding a modality means writing its plugin module; no gateway file changes.
+Adding a modality means writing its plugin module; no gateway file changes. Services that are
+not modalities (batch jobs, speech pipelines) use the same hooks from ``EXTRA_PLUGINS``; they
+usually have a router and no engines.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 MODALITIES = ("llm", "vlm", "asr", "tts", "diffusion", "embed")
+EXTRA_PLUGINS = ("workers.jobs.plugin", "pipelines.plugin")
 
 
 @dataclass
@@ -33,13 +36,14 @@ class Built:
 
 
 def load_plugins() -> dict[str, ModuleType]:
-    """The plugin module of every modality that has one, in ``MODALITIES`` order."""
+    """The plugin module of every modality that has one (``MODALITIES`` order), then the extras
+    (keyed by module path)."""
     plugins: dict[str, ModuleType] = {}
-    for name in MODALITIES:
+    for key, module in [*((m, f"modalities.{m}.plugin") for m in MODALITIES), *((e, e) for e in EXTRA_PLUGINS)]:
         try:
-            plugins[name] = importlib.import_module(f"modalities.{name}.plugin")
+            plugins[key] = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != f"modalities.{name}.plugin":
+            if exc.name is None or not module.startswith(exc.name):
                 raise
     return plugins
 
