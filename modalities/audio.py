@@ -1,0 +1,167 @@
+"""Shared audio I/O for the speech modalities: decode any upload to mono float32 at a target rate,
+resample, and encode PCM for responses.
+
+Decoding tries ``soundfile`` first (wav, flac, ogg/vorbis, ogg/opus via libsndfile) and falls back
+to PyAV (bundled ffmpeg: mp3, m4a, webm, ...). Resampling uses ``soxr`` (no torchaudio). Every
+decoding failure is an ``AudioDecodeError`` so routes can answer 400.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+ASR_RATE = 16_000
+
+
+class AudioDecodeError(ValueError):
+    """The bytes are not audio we can read (or contain no samples)."""
+
+
+@dataclass
+class Audio:
+    """Mono float32 samples in [-1, 1] at ``rate`` Hz."""
+
+    samples: np.ndarray
+    rate: int
+
+    @property
+    def duration(self) -> float:
+        return len(self.samples) / self.rate if self.rate else 0.0
+
+
+def _to_mono_f32(data: np.ndarray) -> np.ndarray:
+    data = np.asarray(data)
+    if data.dtype.kind == "i":  # integer PCM -> [-1, 1]
+        data = data.astype(np.float32) / float(np.iinfo(data.dtype).max + 1)
+    elif data.dtype.kind == "u":
+        info = np.iinfo(data.dtype)
+        data = (data.astype(np.float32) - (info.max + 1) / 2) / ((info.max + 1) / 2)
+    data = data.astype(np.float32, copy=False)
+    if data.ndim == 2:
+        data = data.mean(axis=1)
+    return np.ascontiguousarray(data)
+
+
+def _decode_soundfile(data: bytes) -> Audio | None:
+    import soundfile as sf
+
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception:  # noqa: BLE001 - libsndfile cannot read it: let PyAV try
+        return None
+    return Audio(_to_mono_f32(samples), int(rate))
+
+
+def _decode_av(data: bytes) -> Audio:
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            streams = container.streams.audio
+            if not streams:
+                raise AudioDecodeError("the file has no audio stream")
+            stream = streams[0]
+            rate = stream.codec_context.sample_rate or stream.rate
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+            chunks: list[np.ndarray] = []
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+            for out in resampler.resample(None):
+                chunks.append(out.to_ndarray().reshape(-1))
+    except AudioDecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any ffmpeg failure means unreadable input
+        raise AudioDecodeError(f"could not decode audio: {exc}") from exc
+    if not rate:
+        raise AudioDecodeError("could not determine the sample rate")
+    samples = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
+    return Audio(samples, int(rate))
+
+
+def resample(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
+    """Mono float32 resampling with soxr (high quality); a no-op when the rates match."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if src_rate == dst_rate or samples.size == 0:
+        return samples
+    import soxr
+
+    return soxr.resample(samples, src_rate, dst_rate, quality="HQ").astype(np.float32, copy=False)
+
+
+def decode_audio(data: bytes, rate: int | None = ASR_RATE) -> Audio:
+    """Decode an audio file's bytes to mono float32, resampled to ``rate`` (``None``: native
+    rate). Raises ``AudioDecodeError`` for unreadable or empty input."""
+    if not data:
+        raise AudioDecodeError("the audio file is empty")
+    audio = _decode_soundfile(data) or _decode_av(data)
+    if audio.samples.size == 0:
+        raise AudioDecodeError("the audio file contains no samples")
+    if not np.isfinite(audio.samples).all():
+        raise AudioDecodeError("the audio contains non-finite samples")
+    if rate is not None and audio.rate != rate:
+        audio = Audio(resample(audio.samples, audio.rate, rate), rate)
+    return audio
+
+
+def load_audio(path: str, rate: int | None = ASR_RATE) -> Audio:
+    """``decode_audio`` of a file on disk."""
+    with open(path, "rb") as f:
+        return decode_audio(f.read(), rate)
+
+
+# -- encoders -----------------------------------------------------------------------------------
+def to_pcm16(samples: np.ndarray) -> bytes:
+    """Little-endian signed 16-bit PCM (clipped)."""
+    clipped = np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)
+    return (clipped * 32767.0).round().astype("<i2").tobytes()
+
+
+def from_pcm16(data: bytes) -> np.ndarray:
+    """Inverse of ``to_pcm16`` (float32 in [-1, 1))."""
+    return np.frombuffer(data[: len(data) // 2 * 2], dtype="<i2").astype(np.float32) / 32768.0
+
+
+def encode_audio(samples: np.ndarray, rate: int, fmt: str) -> bytes:
+    """Whole-file encoding: ``wav`` (PCM16), ``flac``, ``ogg`` (vorbis) via soundfile; ``pcm``
+    (raw PCM16); ``mp3``/``opus``/``aac`` via PyAV."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if fmt == "pcm":
+        return to_pcm16(samples)
+    if fmt in ("wav", "flac", "ogg"):
+        import soundfile as sf
+
+        buf = io.BytesIO()
+        subtype = {"wav": "PCM_16", "flac": "PCM_16", "ogg": "VORBIS"}[fmt]
+        sf.write(buf, np.clip(samples, -1, 1), rate, format=fmt.upper(), subtype=subtype)
+        return buf.getvalue()
+    if fmt in ("mp3", "opus", "aac"):
+        return _encode_av(samples, rate, fmt)
+    raise ValueError(f"unsupported audio format {fmt!r}")
+
+
+def _encode_av(samples: np.ndarray, rate: int, fmt: str) -> bytes:
+    import av
+
+    codec, container_fmt = {"mp3": ("libmp3lame", "mp3"), "opus": ("libopus", "ogg"), "aac": ("aac", "adts")}[fmt]
+    out_rate = 48_000 if fmt == "opus" else rate  # opus only runs at 8/12/16/24/48 kHz
+    data = np.clip(resample(samples, rate, out_rate), -1, 1)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container_fmt) as container:
+        stream = container.add_stream(codec, rate=out_rate)
+        stream.layout = "mono"
+        # The encoder's own sample format and frame size; the resampler re-frames for us.
+        resampler = av.AudioResampler(
+            format=stream.codec_context.format.name, layout="mono", rate=out_rate, frame_size=stream.frame_size or None
+        )
+        frame = av.AudioFrame.from_ndarray(data[None, :], format="flt", layout="mono")
+        frame.sample_rate = out_rate
+        for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+            for packet in stream.encode(chunk):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buf.getvalue()
