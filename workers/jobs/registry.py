@@ -1,0 +1,172 @@
+"""Job kinds: the one place modalities plug long work (diffusion, bulk embeddings, audio pipelines)
+into the batch/long-job system.
+
+A modality registers a kind at import time of its ``plugin.py`` (both ``mmserve serve`` and
+``mmserve worker`` import every plugin, so the kind exists wherever a job may run)::
+
+    from workers.jobs import JobContext, register_job_kind
+
+    def run(params: dict, ctx: JobContext) -> dict:        # or ``async def``
+        engine = ctx.engines["tiny-sd"]                     # the engines of the process running the job
+        for i in range(steps):
+            ctx.check_cancelled()                           # raises JobCancelled once cancelled
+            ...
+            ctx.progress(i + 1, steps, preview=png if ctx.wants_preview else None)
+        url = ctx.store.put(ctx.job_id, "image-0.png", png_bytes, "image/png")
+        return {"images": [url]}                            # JSON-serialisable, becomes the job's ``result``
+
+    register_job_kind("image.generate", "diffusion", run, validate=check_params)
+
+Contract of ``run(params, ctx)``:
+
+- ``params`` is the JSON object the client posted (after ``validate``, if given); plain data only.
+- A sync ``run`` runs on a worker thread; an ``async`` one on the event loop that owns the
+  engines (so it may ``await engine.run(...)``). Keep heavy imports (torch, diffusers) inside it.
+- Its return value (a JSON-serialisable dict, or ``None``) is stored as the job's ``result``.
+  Every ``ctx.store.put`` is also listed in the job's ``files`` with its URL.
+- Raising ``JobCancelled`` (from ``check_cancelled``) ends the job as ``cancelled``; any other
+  exception fails the attempt (``failed`` with the message, or retried when ``retry_on_error``).
+- Jobs must be idempotent per attempt: a job whose worker died is run again from the start
+  (up to the configured max attempts), with ``ctx.attempt`` counting from 1.
+
+``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
+raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
+never costs compute. ``engines`` are the gateway's engines (remote proxies under celery dispatch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+RunFn = Callable[[dict[str, Any], "JobContext"], "dict[str, Any] | None | Awaitable[dict[str, Any] | None]"]
+ValidateFn = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+
+
+class JobCancelled(Exception):
+    """Raised by ``JobContext.check_cancelled`` once the job was cancelled; ends the job as cancelled."""
+
+
+class ResultStore(Protocol):
+    """Where job outputs go (a local directory, or an S3-compatible bucket)."""
+
+    def put(self, job_id: str, name: str, data: bytes, content_type: str) -> str:
+        """Store ``data`` as ``name`` of job ``job_id``; return the URL (gateway-relative path) to fetch it."""
+        ...
+
+    def get(self, job_id: str, name: str) -> tuple[bytes, str]:
+        """``(data, content_type)``; ``FileNotFoundError`` when absent."""
+        ...
+
+    def delete_job(self, job_id: str) -> None:
+        """Remove every file of ``job_id`` (idempotent)."""
+        ...
+
+
+@dataclass(frozen=True)
+class JobKind:
+    """A registered kind: ``run`` does the work on the ``mmserve.<modality>`` queue (celery) or in
+    the gateway (local); at most ``concurrency`` jobs of this kind run at once per process."""
+
+    kind: str
+    modality: str
+    run: RunFn
+    validate: ValidateFn | None = None
+    concurrency: int = 1
+    retry_on_error: bool = False
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.run)
+
+
+_KINDS: dict[str, JobKind] = {}
+_LOCK = threading.Lock()
+
+
+def register_job_kind(
+    kind: str,
+    modality: str,
+    run: RunFn,
+    *,
+    validate: ValidateFn | None = None,
+    concurrency: int = 1,
+    retry_on_error: bool = False,
+) -> JobKind:
+    """Register (or replace: re-imports and tests) the job kind ``kind`` served by ``modality``.
+
+    ``modality`` names the Celery queue (``mmserve.<modality>``) whose workers run it.
+    ``concurrency`` bounds how many jobs of this kind one process runs at once (the rest wait
+    queued). ``retry_on_error``: an exception from ``run`` is retried like a worker death
+    (default off: bugs and bad params fail fast)."""
+    if not kind or not modality:
+        raise ValueError("kind and modality must be non-empty")
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    spec = JobKind(kind, modality, run, validate, concurrency, retry_on_error)
+    with _LOCK:
+        _KINDS[kind] = spec
+    return spec
+
+
+def get_job_kind(kind: str) -> JobKind | None:
+    return _KINDS.get(kind)
+
+
+def job_kinds() -> dict[str, JobKind]:
+    """Every registered kind (a copy)."""
+    with _LOCK:
+        return dict(_KINDS)
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One progress report of a running job (``preview``: optional bytes, e.g. a small PNG)."""
+
+    step: int
+    total: int
+    preview: bytes | None = None
+    preview_type: str | None = None
+
+
+@dataclass
+class JobContext:
+    """What ``run`` gets besides its params. The methods are thread-safe and cheap: call them from a
+    sync ``run`` (a worker thread) or an async one alike.
+
+    - ``engines``: served name -> engine of the process running the job (the gateway's
+      ``app.state.engines`` in local mode, the worker's engines under celery).
+    - ``store``: the result store; ``store.put(job_id, name, data, content_type) -> url``.
+    - ``progress(step, total, preview=None)``: report progress (streamed to SSE/WebSocket clients
+      in order); ``preview`` bytes are kept only when the client asked (``wants_preview``).
+    - ``check_cancelled()``: raises ``JobCancelled`` once the job was cancelled.
+    """
+
+    job_id: str
+    kind: str
+    params: dict[str, Any]
+    engines: dict[str, Any]
+    store: ResultStore
+    attempt: int = 1
+    wants_preview: bool = False
+    on_progress: Callable[[ProgressEvent], None] = field(default=lambda ev: None, repr=False)
+    cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+
+    def progress(self, step: int, total: int, preview: bytes | None = None, preview_type: str = "image/png") -> None:
+        """Report ``step`` of ``total`` done (raises ``JobCancelled`` if the job was cancelled)."""
+        self.check_cancelled()
+        keep = preview if (preview is not None and self.wants_preview) else None
+        self.on_progress(ProgressEvent(int(step), int(total), keep, preview_type if keep is not None else None))
+
+    def check_cancelled(self) -> None:
+        if self.cancel_event.is_set():
+            raise JobCancelled(f"job {self.job_id} was cancelled")
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
