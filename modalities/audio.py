@@ -165,3 +165,121 @@ def _encode_av(samples: np.ndarray, rate: int, fmt: str) -> bytes:
         for packet in stream.encode(None):
             container.mux(packet)
     return buf.getvalue()
+
+
+# -- streaming encoders (TTS responses) ----------------------------------------------------------
+STREAM_FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "ogg": "audio/ogg",
+}
+
+
+def wav_stream_header(rate: int) -> bytes:
+    """A PCM16 mono WAV header for a stream of unknown length (sizes 0xFFFFFFFF, as OpenAI and
+    ffmpeg write for pipes; decoders read to the end of the data)."""
+    import struct
+
+    unknown = 0xFFFFFFFF
+    fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, rate, rate * 2, 2, 16)
+    return b"RIFF" + struct.pack("<I", unknown) + b"WAVE" + fmt + b"data" + struct.pack("<I", unknown)
+
+
+class _Sink:
+    """Write-only file object: ffmpeg muxers see a non-seekable pipe and write streamable output."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buf += data
+        return len(data)
+
+    def take(self) -> bytes:
+        out = bytes(self.buf)
+        self.buf.clear()
+        return out
+
+
+class StreamEncoder:
+    """Incremental encoder: ``encode(chunk)`` returns the bytes ready so far (possibly empty),
+    ``close()`` the rest; their concatenation is one valid file. ``wav`` is a streaming WAV
+    header then PCM16, ``pcm`` raw PCM16; ``flac``/``mp3``/``opus``/``aac`` go through PyAV."""
+
+    def __init__(self, fmt: str, rate: int) -> None:
+        if fmt not in STREAM_FORMATS:
+            raise ValueError(f"unsupported audio format {fmt!r}; choose from {', '.join(STREAM_FORMATS)}")
+        self.fmt, self.rate = fmt, rate
+        self._header = wav_stream_header(rate) if fmt == "wav" else b""
+        self._container = None
+        if fmt in ("flac", "mp3", "opus", "aac"):
+            self._open_av()
+
+    def _open_av(self) -> None:
+        import av
+
+        codec, container_fmt = {
+            "flac": ("flac", "flac"),
+            "mp3": ("libmp3lame", "mp3"),
+            "opus": ("libopus", "ogg"),
+            "aac": ("aac", "adts"),
+        }[self.fmt]
+        self.out_rate = 48_000 if self.fmt == "opus" else self.rate
+        self._sink = _Sink()
+        options = {"page_duration": "20000"} if self.fmt == "opus" else {}  # short ogg pages: low latency
+        self._container = av.open(self._sink, mode="w", format=container_fmt, options=options)
+        self._stream = self._container.add_stream(codec, rate=self.out_rate)
+        self._stream.layout = "mono"
+        self._resampler = av.AudioResampler(
+            format=self._stream.codec_context.format.name,
+            layout="mono",
+            rate=self.out_rate,
+            frame_size=self._stream.frame_size or None,
+        )
+        if self.out_rate != self.rate:
+            import soxr
+
+            self._soxr = soxr.ResampleStream(self.rate, self.out_rate, 1, dtype="float32")
+
+    def _mux(self, frames: list) -> None:
+        for chunk in frames:
+            for packet in self._stream.encode(chunk):
+                self._container.mux(packet)
+
+    def encode(self, samples: np.ndarray) -> bytes:
+        samples = np.asarray(samples, dtype=np.float32)
+        if self._container is None:
+            head, self._header = self._header, b""
+            return head + to_pcm16(samples)
+        import av
+
+        if self.out_rate != self.rate:
+            samples = self._soxr.resample_chunk(samples)
+        if samples.size:
+            frame = av.AudioFrame.from_ndarray(np.clip(samples, -1, 1)[None, :], format="flt", layout="mono")
+            frame.sample_rate = self.out_rate
+            self._mux(self._resampler.resample(frame))
+        return self._sink.take()
+
+    def close(self) -> bytes:
+        if self._container is None:
+            head, self._header = self._header, b""
+            return head
+        import av
+
+        if self.out_rate != self.rate:
+            tail = self._soxr.resample_chunk(np.zeros(0, np.float32), last=True)
+            if tail.size:
+                frame = av.AudioFrame.from_ndarray(np.clip(tail, -1, 1)[None, :], format="flt", layout="mono")
+                frame.sample_rate = self.out_rate
+                self._mux(self._resampler.resample(frame))
+        self._mux(self._resampler.resample(None))
+        self._mux([None])
+        self._container.close()
+        self._container = None
+        return self._sink.take()
