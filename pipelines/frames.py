@@ -1,0 +1,170 @@
+"""Typed frames: the only things that flow between pipeline processors (Pipecat's design).
+
+Data frames (audio, utterances, transcripts, text, speech) are processed in order by each
+processor. System frames (``SystemFrame`` subclasses: speech started/stopped, interrupt, errors) skip
+the queues: a concurrent pipeline hands them to the output at once, and an ``Interrupt`` cancels the
+work in flight of every interruptible processor after the one that emitted it.
+
+Every frame is a picklable dataclass, so frames also travel between Celery stages.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Frame:
+    """Base frame; ``created`` is a ``time.monotonic()`` stamp (latency accounting)."""
+
+    created: float = field(default_factory=time.monotonic, kw_only=True)
+
+
+@dataclass
+class SystemFrame(Frame):
+    """Out-of-band frame: delivered ahead of queued data frames."""
+
+
+# -- audio in -------------------------------------------------------------------------------------
+
+
+@dataclass
+class AudioFrame(Frame):
+    """A chunk of mono float32 audio in [-1, 1] at ``sample_rate``."""
+
+    samples: np.ndarray
+    sample_rate: int
+
+
+@dataclass
+class CommitFrame(Frame):
+    """End of the user's input: whatever audio is buffered is one utterance (manual turn taking)."""
+
+
+@dataclass
+class ClearFrame(Frame):
+    """Drop the buffered input audio."""
+
+
+@dataclass
+class SpeechStarted(SystemFrame):
+    """The VAD heard speech begin; ``audio_ms`` is its position in the input audio."""
+
+    audio_ms: int
+
+
+@dataclass
+class SpeechStopped(SystemFrame):
+    """The VAD heard speech end (after the silence window); ``audio_ms`` is where speech ended."""
+
+    audio_ms: int
+
+
+@dataclass
+class UserAudio(Frame):
+    """One utterance (16 kHz mono float32), from ``start_ms`` to ``end_ms`` of the input."""
+
+    samples: np.ndarray
+    sample_rate: int
+    start_ms: int = 0
+    end_ms: int = 0
+
+
+# -- text ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Transcript(Frame):
+    """The final transcript of one utterance."""
+
+    text: str
+    start_ms: int = 0
+    end_ms: int = 0
+
+
+@dataclass
+class ResponseRequest(Frame):
+    """Ask the LLM for a reply to the conversation so far (``response.create``)."""
+
+    instructions: str | None = None
+
+
+@dataclass
+class ReplyFrame(Frame):
+    """A frame of one reply; an ``Interrupt`` drops queued reply frames (nobody will hear them)."""
+
+    response_id: str
+
+
+@dataclass
+class LLMStarted(ReplyFrame):
+    """A reply began (``response_id`` names it in every later frame of that reply)."""
+
+
+@dataclass
+class TextDelta(ReplyFrame):
+    """Newly decoded reply text."""
+
+    text: str
+
+
+@dataclass
+class LLMDone(ReplyFrame):
+    """The reply's full text; ``cancelled`` when an interrupt cut it short."""
+
+    text: str
+    cancelled: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Sentence(ReplyFrame):
+    """A complete sentence of the reply, ready to speak."""
+
+    text: str
+    index: int
+
+
+# -- audio out -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TTSAudio(ReplyFrame):
+    """Synthesised speech for sentence ``index`` of a reply (mono float32 at ``sample_rate``)."""
+
+    samples: np.ndarray
+    sample_rate: int
+    index: int
+    text: str = ""
+
+
+@dataclass
+class TTSDone(ReplyFrame):
+    """Every sentence of reply ``response_id`` has been spoken."""
+
+
+# -- control -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Interrupt(SystemFrame):
+    """Barge-in: cancel the reply in flight downstream (LLM decode, TTS) and drop queued work."""
+
+    reason: str = "speech_started"
+
+
+@dataclass
+class ErrorFrame(SystemFrame):
+    """A processor failed on one frame; the pipeline goes on."""
+
+    message: str
+    stage: str = ""
+
+
+@dataclass
+class End(Frame):
+    """No more input: processors flush, then the pipeline stops (in order, after the data)."""

@@ -1,0 +1,184 @@
+"""Processors and pipelines.
+
+A ``Processor`` has one method, ``process(frame)``, an async generator of output frames; frames
+it does not handle it passes through unchanged, so later stages and the output see them in order.
+A ``Pipeline`` is itself a processor (its ``process`` runs a frame through every stage, depth
+first: the batch/Celery mode) and can also run its stages concurrently (``stream``: one task and
+queue per stage, the real-time mode), where:
+
+- system frames (``SystemFrame``) bypass the queues and reach the output at once;
+- an ``Interrupt`` emitted by stage *i* cancels the ``process`` call in flight of every
+  interruptible stage after *i* (closing its async generators, so engine requests are aborted
+  right away), drops queued reply frames everywhere after *i* (output included), and calls
+  ``on_interrupt()`` on every stage after *i*;
+- an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
+- ``End`` flows in order; each stage forwards it after its queued work, then stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+
+from pipelines.frames import End, ErrorFrame, Frame, Interrupt, ReplyFrame, SystemFrame
+
+logger = logging.getLogger("mmserve.pipelines")
+
+
+class Processor:
+    """One step of a pipeline. Subclasses override ``process``; ``interruptible`` stages have
+    their work cancelled by a barge-in."""
+
+    interruptible: bool = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        """Frames produced for ``frame`` (default: ``frame`` itself)."""
+        yield frame
+
+    async def on_interrupt(self) -> None:
+        """Forget per-reply state (called when an upstream stage emits ``Interrupt``)."""
+
+
+class Pipeline(Processor):
+    """Stages in order; a pipeline is a processor, so pipelines nest."""
+
+    def __init__(self, stages: Sequence[Processor]) -> None:
+        self.stages = list(stages)
+
+    @property
+    def interruptible(self) -> bool:  # type: ignore[override]
+        return any(s.interruptible for s in self.stages)
+
+    async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        async for out in self._through(0, frame):
+            yield out
+
+    async def _through(self, i: int, frame: Frame) -> AsyncIterator[Frame]:
+        if i == len(self.stages):
+            yield frame
+            return
+        async for out in self.stages[i].process(frame):
+            if isinstance(out, Interrupt):
+                for later in self.stages[i + 1 :]:
+                    await later.on_interrupt()
+                yield out
+            elif isinstance(out, SystemFrame):
+                yield out
+            else:
+                async for final in self._through(i + 1, out):
+                    yield final
+
+    async def on_interrupt(self) -> None:
+        for stage in self.stages:
+            await stage.on_interrupt()
+
+    async def run_all(self, frames: Sequence[Frame]) -> list[Frame]:
+        """Depth-first run of ``frames`` then ``End``; every output frame (``End`` excluded)."""
+        out: list[Frame] = []
+        for frame in [*frames, End()]:
+            out.extend([f async for f in self.process(frame) if not isinstance(f, End)])
+        return out
+
+    def stream(self, source: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        """Run the stages concurrently over ``source``; yields the output frames (``End`` last)."""
+        return _Concurrent(self.stages).run(source)
+
+
+class _Stage:
+    def __init__(self, proc: Processor) -> None:
+        self.proc = proc
+        self.queue: asyncio.Queue[Frame] = asyncio.Queue()
+        self.current: asyncio.Task[None] | None = None
+
+
+class _Concurrent:
+    def __init__(self, procs: Sequence[Processor]) -> None:
+        self.stages = [_Stage(p) for p in procs]
+        self.out: asyncio.Queue[Frame] = asyncio.Queue()
+
+    def _emit(self, i: int, frame: Frame) -> None:
+        """Route ``frame`` produced by stage ``i`` (-1: the source)."""
+        if isinstance(frame, Interrupt):
+            self._interrupt(i)
+        if isinstance(frame, SystemFrame):
+            self.out.put_nowait(frame)
+        elif i + 1 < len(self.stages):
+            self.stages[i + 1].queue.put_nowait(frame)
+        else:
+            self.out.put_nowait(frame)
+
+    def _interrupt(self, i: int) -> None:
+        for stage in self.stages[i + 1 :]:
+            if stage.proc.interruptible and stage.current is not None:
+                stage.current.cancel()
+            _drop_replies(stage.queue)
+            asyncio.get_running_loop().create_task(stage.proc.on_interrupt())
+        _drop_replies(self.out)
+
+    async def _run_stage(self, i: int) -> None:
+        stage = self.stages[i]
+        while True:
+            frame = await stage.queue.get()
+            stage.current = asyncio.create_task(self._process(i, frame))
+            await asyncio.wait([stage.current])  # a cancelled task here is a barge-in, not our end
+            stage.current = None
+            if isinstance(frame, End):
+                return
+
+    async def _process(self, i: int, frame: Frame) -> None:
+        proc = self.stages[i].proc
+        try:
+            async for out in proc.process(frame):
+                self._emit(i, out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad frame must not stop the pipeline
+            logger.exception("%s failed on %s", proc.name, type(frame).__name__)
+            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", stage=proc.name))
+            if isinstance(frame, End):
+                self._emit(i, frame)
+
+    async def _feed(self, source: AsyncIterator[Frame]) -> None:
+        try:
+            async for frame in source:
+                self._emit(-1, frame)
+                if isinstance(frame, End):
+                    return
+        except Exception as exc:  # noqa: BLE001
+            self._emit(-1, ErrorFrame(f"{type(exc).__name__}: {exc}", stage="source"))
+        self._emit(-1, End())
+
+    async def run(self, source: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+        tasks = [asyncio.create_task(self._run_stage(i)) for i in range(len(self.stages))]
+        tasks.append(asyncio.create_task(self._feed(source)))
+        try:
+            while True:
+                frame = await self.out.get()
+                yield frame
+                if isinstance(frame, End):
+                    return
+        finally:
+            for stage in self.stages:
+                if stage.current is not None:
+                    stage.current.cancel()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+def _drop_replies(q: asyncio.Queue[Frame]) -> None:
+    kept = []
+    while not q.empty():
+        frame = q.get_nowait()
+        if not isinstance(frame, ReplyFrame):
+            kept.append(frame)
+    for frame in kept:
+        q.put_nowait(frame)

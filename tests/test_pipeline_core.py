@@ -1,0 +1,150 @@
+"""Frames-and-processors core: pure logic with toy processors (no models)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from pipelines.frames import End, ErrorFrame, Frame, Interrupt, LLMDone, SpeechStarted, TextDelta, Transcript
+from pipelines.processor import Pipeline, Processor
+
+
+class Upper(Processor):
+    async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        yield Transcript(frame.text.upper()) if isinstance(frame, Transcript) else frame
+
+
+class Split(Processor):
+    """One ``TextDelta`` per word of a transcript, slowly (an interruptible "LLM")."""
+
+    interruptible = True
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.cancelled = 0
+        self.interrupts = 0
+
+    async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        if not isinstance(frame, Transcript):
+            yield frame
+            return
+        try:
+            for word in frame.text.split():
+                await asyncio.sleep(self.delay)
+                yield TextDelta("r1", word)
+            yield LLMDone("r1", frame.text)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def on_interrupt(self) -> None:
+        self.interrupts += 1
+
+
+class Boom(Processor):
+    async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        if isinstance(frame, Transcript) and frame.text == "boom":
+            raise ValueError("bad frame")
+        yield frame
+
+
+async def _source(frames: list[Frame], gap: float = 0.0) -> AsyncIterator[Frame]:
+    for f in frames:
+        await asyncio.sleep(gap)
+        yield f
+
+
+def test_sequential_pipeline_passes_frames_through_in_order() -> None:
+    pipe = Pipeline([Upper(), Split()])
+    out = asyncio.run(pipe.run_all([Transcript("hello big world"), SpeechStarted(5)]))
+    kinds = [(type(f).__name__, getattr(f, "text", None)) for f in out]
+    assert kinds == [
+        ("TextDelta", "HELLO"),
+        ("TextDelta", "BIG"),
+        ("TextDelta", "WORLD"),
+        ("LLMDone", "HELLO BIG WORLD"),
+        ("SpeechStarted", None),
+    ]
+
+
+def test_pipelines_nest() -> None:
+    inner = Pipeline([Upper()])
+    out = asyncio.run(Pipeline([inner, Split()]).run_all([Transcript("a b")]))
+    assert [f.text for f in out] == ["A", "B", "A B"]
+
+
+def test_concurrent_stream_matches_sequential() -> None:
+    frames: list[Frame] = [Transcript("one two"), Transcript("three")]
+
+    async def run() -> list[Frame]:
+        return [f async for f in Pipeline([Upper(), Split()]).stream(_source(frames))]
+
+    out = asyncio.run(run())
+    assert isinstance(out[-1], End)
+    assert [f.text for f in out[:-1]] == ["ONE", "TWO", "ONE TWO", "THREE", "THREE"]
+
+
+def test_interrupt_cancels_work_in_flight_and_drops_queued_replies() -> None:
+    split = Split(delay=0.05)
+
+    async def source() -> AsyncIterator[Frame]:
+        yield Transcript("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")
+        await asyncio.sleep(0.12)  # a couple of words out
+        yield Interrupt()
+        yield Transcript("after")
+
+    async def run() -> list[Frame]:
+        return [f async for f in Pipeline([Upper(), split]).stream(source())]
+
+    out = asyncio.run(run())
+    names = [type(f).__name__ for f in out]
+    cut = names.index("Interrupt")
+    before = [f.text for f in out[:cut]]
+    assert 1 <= len(before) < 10 and "W10" not in before  # the first reply was cut short
+    assert not any(isinstance(f, LLMDone) and "W1" in f.text for f in out)
+    assert [f.text for f in out[cut + 1 : -1]] == ["AFTER", "AFTER"]  # the pipeline goes on
+    assert split.cancelled == 1 and split.interrupts == 1
+
+
+def test_errors_become_error_frames_and_the_stage_keeps_going() -> None:
+    async def run() -> list[Frame]:
+        src = _source([Transcript("boom"), Transcript("ok")])
+        return [f async for f in Pipeline([Boom(), Upper()]).stream(src)]
+
+    out = asyncio.run(run())
+    assert isinstance(out[0], ErrorFrame) and "bad frame" in out[0].message and out[0].stage == "Boom"
+    assert [f.text for f in out if isinstance(f, Transcript)] == ["OK"]
+
+
+def test_sequential_interrupt_reaches_later_stages() -> None:
+    class Barge(Processor):
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            yield Interrupt() if isinstance(frame, SpeechStarted) else frame
+
+    split = Split()
+    out = asyncio.run(Pipeline([Barge(), split]).run_all([SpeechStarted(0)]))
+    assert [type(f) for f in out] == [Interrupt] and split.interrupts == 1
+
+
+def test_leaving_the_stream_early_cancels_the_stages() -> None:
+    split = Split(delay=0.2)
+
+    async def run() -> None:
+        agen = Pipeline([split]).stream(_source([Transcript("a b c d e f")]))
+        first = await agen.__anext__()
+        assert isinstance(first, TextDelta)
+        await agen.aclose()
+
+    asyncio.run(run())
+    assert split.cancelled == 1
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_end_is_last(n: int) -> None:
+    async def run() -> list[Frame]:
+        return [f async for f in Pipeline([Upper()] * n).stream(_source([Transcript("x")]))]
+
+    out = asyncio.run(run())
+    assert isinstance(out[-1], End) and [type(f) for f in out[:-1]] == [Transcript]
