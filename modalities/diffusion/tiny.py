@@ -81,7 +81,7 @@ def _sd_unet(seed: int) -> Any:
             in_channels=4,
             out_channels=4,
             block_out_channels=(32, 64),
-            layers_per_block=2,
+            layers_per_block=1,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             cross_attention_dim=32,
