@@ -64,12 +64,18 @@ def _common_router() -> APIRouter:
 
     @router.get("/ready")
     async def ready(request: Request) -> JSONResponse:
-        """Readiness: every engine started (503 while starting or after shutdown began)."""
+        """Readiness: every engine started (503 while starting or after shutdown began); under
+        ``--dispatch celery`` also Redis reachable and at least one live worker per model."""
         state = request.app.state
         ok = bool(state.ready)
-        return JSONResponse(
-            {"status": "ready" if ok else "starting", "models": list(state.engines)}, status_code=200 if ok else 503
-        )
+        body: dict[str, Any] = {"status": "ready" if ok else "starting", "models": list(state.engines)}
+        cluster = getattr(state, "cluster", None)
+        if cluster is not None:
+            workers = {name: [w.worker_id for w in cluster.live(name)] for name in state.engines}
+            body.update(redis=cluster.redis_ok, workers=workers)
+            if ok and not (cluster.redis_ok and all(workers.values())):
+                ok, body["status"] = False, "redis unreachable" if not cluster.redis_ok else "waiting for workers"
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @router.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
@@ -178,13 +184,21 @@ def build_app(args: Any) -> FastAPI:
     ``args`` (``args.only`` restricts the modalities) and mounts its router."""
     from gateway import plugins
 
-    built = plugins.build_all(args)
+    cluster = None
+    if getattr(args, "dispatch", "local") == "celery":  # proxies to `mmserve worker` processes
+        from workers.proxies import build_remote
+
+        built, cluster = build_remote(args)
+    else:
+        built = plugins.build_all(args)
     max_body_mb = getattr(args, "max_body_mb", None)
     max_body = int(max_body_mb * (1 << 20)) if max_body_mb else DEFAULT_MAX_BODY_BYTES
-    return create_app(
+    app = create_app(
         built.engines,
         api_key=getattr(args, "api_key", None),
         routers=plugins.routers(),
         aliases=built.aliases,
         max_body_bytes=max_body,
     )
+    app.state.cluster = cluster  # /ready reports its workers
+    return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,22 +20,17 @@ def _comma_list(value: str) -> list[str]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from gateway.app import build_app  # the API engineer's module; imported only when serving
+    from gateway.drain import run_server
 
-    app = build_app(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    run_server(build_app(args), args)  # JSON logs, graceful drain on SIGTERM
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
-    print(
-        "mmserve worker: Celery workers arrive with the gateway/dispatch issue; "
-        "for now `mmserve serve` runs every modality in one process.",
-        file=sys.stderr,
-    )
-    return 2
+    from workers.worker import run_worker
+
+    return run_worker(args)
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -103,7 +99,7 @@ def _bench(argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from engine.tiny_models import ARCHS
-    from gateway import plugins
+    from gateway import auth, plugins
 
     parser = argparse.ArgumentParser(prog="mmserve", description="multimodal inference server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,13 +110,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--max-body-mb", type=float, default=None, help="largest request body accepted (default 32)")
+    serve.add_argument(
+        "--dispatch",
+        choices=["local", "celery"],
+        default="local",
+        help="local: engines in this process; celery: forward to `mmserve worker` processes through Redis",
+    )
+    serve.add_argument(
+        "--redis-url",
+        default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis for --dispatch celery (default $MMSERVE_REDIS_URL or local db 0)",
+    )
+    serve.add_argument("--prefix", default="mmserve", help="cluster queue/key prefix (must match the workers')")
     plugins.add_serve_args(serve)
+    auth.add_serve_args(serve)  # --keys-file, --limit, --drain-*, --log-format
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
-    worker = sub.add_parser("worker", help="run a Celery worker (planned)")
+    worker = sub.add_parser("worker", help="run one modality's engines as a Celery worker (--dispatch celery)")
+    from workers.worker import add_worker_args
+
+    add_worker_args(worker)
+    plugins.add_serve_args(worker)
     worker.set_defaults(func=_worker)
 
+    auth.add_keys_command(sub)
     sub.add_parser("bench", help="benchmarks (see `mmserve bench --help`)", add_help=False)
 
     models = sub.add_parser("models", help="list, convert and generate models")

@@ -1,0 +1,175 @@
+"""Proxies the gateway serves under ``--dispatch celery``: the same types and interface as the
+local engines, so the modality routes do not change.
+
+- ``RemoteLLMEngine`` is an ``AsyncEngine``: ``generate`` streams ``RequestOutput`` from a worker
+  (routed by prefix affinity), ``abort`` and early exit abort it there; the tokenizer and context
+  length are loaded locally from the same model path (no weights).
+- ``RemoteEmbeddingEngine`` is an ``EmbeddingEngine``: validation and tokenization run here,
+  ``embed_ids`` on the least-loaded worker.
+- Other modalities get the generic ``RemoteEngine`` once their plugins name their engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from gateway.plugins import Built
+from modalities.embed.engine import EmbeddingEngine
+from workers.remote import Cluster
+from workers.routing import prefix_key
+from workers.wire import END, ITEM
+
+logger = logging.getLogger("mmserve.dispatch")
+
+
+class RemoteLLMEngine(AsyncEngine):
+    """An ``AsyncEngine`` whose requests run on LLM workers (see module docstring)."""
+
+    def __init__(self, cluster: Cluster, name: str, tokenizer: Any, max_model_len: int, block_size: int = 16) -> None:
+        # No local engine: AsyncEngine's state (command queue, thread) is deliberately not set up.
+        self.cluster, self._name, self._tokenizer = cluster, name, tokenizer
+        self._max_model_len, self.block_size = max_model_len, block_size
+        self._calls: dict[str, AsyncIterator[Any]] = {}
+
+    @classmethod
+    def from_args(cls, cluster: Cluster, args: Any, spec: str, served: str | None) -> RemoteLLMEngine:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from engine.model_loader import resolve_model_path, served_name
+
+        path = resolve_model_path(spec)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        context = int(getattr(text, "max_position_embeddings", None) or 2048)
+        limit = getattr(args, "max_model_len", None)
+        context = min(context, limit) if limit else context
+        block = getattr(args, "block_size", None) or 16
+        return cls(cluster, served or served_name(path), tokenizer, context, block)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self._name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self.cluster.redis_ok and bool(self.cluster.live(self._name))
+
+    def stats(self) -> dict[str, float]:
+        return self.cluster.model_stats(self._name)
+
+    async def start(self) -> None:
+        await self.cluster.start()
+
+    async def shutdown(self) -> None:
+        await self.cluster.shutdown()
+
+    async def generate(
+        self, request_id: str | None, prompt: Any, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs from a worker; leaving early aborts it there."""
+        ids = prompt if isinstance(prompt, list) else getattr(prompt, "token_ids", None)
+        if ids is None and isinstance(prompt, str):
+            ids = self._tokenizer.encode(prompt)
+        key = prefix_key(ids or [], self.block_size)
+        replies = self.cluster.call(
+            self._name, "generate", (request_id, prompt, params), {"priority": priority}, key=key
+        )
+        if request_id is not None:
+            self._calls[request_id] = replies
+        try:
+            async for kind, value in replies:
+                if kind == ITEM:
+                    yield value
+                elif kind == END:
+                    return
+        finally:
+            if request_id is not None:
+                self._calls.pop(request_id, None)
+            await replies.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        replies = self._calls.pop(request_id, None)
+        if replies is not None and hasattr(replies, "aclose"):
+            await replies.aclose()  # type: ignore[attr-defined]
+
+
+class RemoteEmbeddingEngine(EmbeddingEngine):
+    """An ``EmbeddingEngine`` that tokenizes and validates here and embeds on workers."""
+
+    def __init__(self, cluster: Cluster, model: Any, served_name: str | None = None) -> None:
+        super().__init__(model, served_name=served_name)
+        self.cluster = cluster
+
+    async def start(self) -> None:
+        await self.cluster.start()
+
+    async def shutdown(self) -> None:
+        await self.cluster.shutdown()
+
+    def stats(self) -> dict[str, float]:
+        return self.cluster.model_stats(self.model_name)
+
+    async def embed_ids(self, ids: list[list[int]]) -> Any:
+        result = None
+        async for kind, value in self.cluster.call(self.model_name, "embed_ids", (ids,)):
+            if kind == END:
+                result = value
+        return result
+
+
+def build_remote(args: Any) -> tuple[Built, Cluster]:
+    """Proxies for the modalities ``args`` enables (``--only``), on one ``Cluster``."""
+    from gateway.plugins import enabled
+
+    url = getattr(args, "redis_url", None) or os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    cluster = Cluster(url, prefix=getattr(args, "prefix", None) or "mmserve")
+    only_raw = getattr(args, "only", None)
+    only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    built = Built()
+    if enabled("llm", only):
+        llm = getattr(args, "llm", None)
+        served = getattr(args, "served_model_name", None)
+        models = [llm] if isinstance(llm, str) else list(llm or [])
+        names = [served] if isinstance(served, str) else list(served or [])
+        for i, spec in enumerate(models):
+            engine = RemoteLLMEngine.from_args(cluster, args, spec, names[i] if i < len(names) else None)
+            built.engines[engine.model_name] = engine
+            if spec != engine.model_name:
+                built.aliases.setdefault(spec, engine.model_name)
+    if enabled("embed", only):
+        from modalities.embed.model import DEFAULT_EMBED, EmbeddingModel
+
+        spec = getattr(args, "embed", None)
+        try:
+            model = EmbeddingModel(spec)
+        except FileNotFoundError:
+            if spec is not None or "embed" in only:
+                raise
+            model = None
+        if model is not None:
+            engine = RemoteEmbeddingEngine(cluster, model)
+            built.engines[engine.model_name] = engine
+            for alias in (spec, DEFAULT_EMBED if spec is None else None, f"sentence-transformers/{engine.model_name}"):
+                if alias and alias != engine.model_name:
+                    built.aliases.setdefault(alias, engine.model_name)
+    for name in only - {"llm", "embed"}:
+        logger.warning("--dispatch celery: no proxy for %s yet; it is not served", name)
+    logger.info("celery dispatch on %s (prefix %s): %s", url, cluster.prefix, ", ".join(built.engines))
+    return built, cluster

@@ -1,0 +1,294 @@
+"""Gateway side of ``--dispatch celery``: the live-worker view and remote engine calls.
+
+``Cluster.call`` sends one engine method call to a chosen worker's queue as a Celery task and
+reads the reply from the call's Redis Stream. Faults:
+
+- the worker stops heartbeating (killed, hung loop, graceful exit) before anything was streamed:
+  the call is resubmitted to another live worker (``max_attempts`` in all);
+- it stops after items were streamed: ``WorkerLostError`` surfaces as a 503 (an SSE error event
+  when the response is already streaming);
+- Redis unreachable: every call fails at once with a 503 (short socket timeouts), and the view
+  recovers by itself when Redis is back;
+- the caller leaves early (client disconnect): the call is aborted on the worker.
+
+``RemoteEngine`` is the generic proxy: ``run(req)`` and ``stream(req)`` (and any other method via
+``call``/``stream_call``) forward to the same-named engine on a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from gateway.errors import APIError
+from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
+from workers.routing import WorkerLoad, choose_worker
+from workers.tasks import ENGINE_CALL
+from workers.wire import END, ERROR, ITEM, START, Call, Keys, WorkerLostError, load, load_error
+
+logger = logging.getLogger("mmserve.dispatch")
+
+
+def broker_down(exc: BaseException) -> APIError:
+    return APIError(
+        503,
+        f"the cluster broker (Redis) is unreachable: {exc}",
+        code="broker_unavailable",
+        headers={"Retry-After": "1"},
+    )
+
+
+class Cluster:
+    """Redis connections, the live-worker view (refreshed every ``refresh_s``) and remote calls."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        refresh_s: float = 0.5,
+        poll_s: float = 0.5,
+        socket_timeout_s: float = 2.0,
+        max_attempts: int = 3,
+    ) -> None:
+        self.redis_url, self.prefix, self.keys = redis_url, prefix, Keys(prefix)
+        self.refresh_s, self.poll_s, self.max_attempts = refresh_s, poll_s, max_attempts
+        self.socket_timeout_s = socket_timeout_s
+        self.celery = make_celery(redis_url, socket_timeout_s=socket_timeout_s)
+        self.redis: aioredis.Redis | None = None
+        self.workers: dict[str, WorkerLoad] = {}
+        self.redis_ok = False
+        self.local_inflight: Counter[str] = Counter()
+        self._refresher: asyncio.Task[None] | None = None
+        self._cleanup: set[asyncio.Task[None]] = set()
+        self._users = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and start the view refresher (idempotent: every proxy calls it)."""
+        self._users += 1
+        if self._refresher is None:
+            self.redis = aioredis.Redis.from_url(
+                self.redis_url,
+                socket_timeout=self.poll_s + self.socket_timeout_s,
+                socket_connect_timeout=self.socket_timeout_s,
+            )
+            await self.refresh()
+            self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def shutdown(self) -> None:
+        self._users -= 1
+        if self._users > 0 or self._refresher is None:
+            return
+        self._refresher.cancel()
+        self._refresher = None
+        if self._cleanup:
+            await asyncio.wait(self._cleanup, timeout=2)
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def refresh(self) -> None:
+        """Re-read every worker's heartbeat (a missing key is a dead worker)."""
+        assert self.redis is not None
+        try:
+            keys = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=500)]
+            values = await self.redis.mget(keys) if keys else []
+        except (redis.exceptions.RedisError, OSError) as exc:
+            if self.redis_ok:
+                logger.warning("Redis unreachable: %r", exc)
+            self.redis_ok, self.workers = False, {}
+            return
+        workers = {}
+        for value in values:
+            if value is None:
+                continue
+            try:
+                w = WorkerLoad.from_heartbeat(json.loads(value))
+            except (ValueError, KeyError, TypeError):
+                continue
+            w.local_inflight = self.local_inflight[w.worker_id]
+            workers[w.worker_id] = w
+        if not self.redis_ok:
+            logger.info("Redis reachable; %d live workers", len(workers))
+        self.redis_ok, self.workers = True, workers
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def live(self, model: str) -> list[WorkerLoad]:
+        """Live workers serving ``model`` (as of the last refresh)."""
+        return [w for w in self.workers.values() if model in w.models]
+
+    def model_stats(self, model: str) -> dict[str, float]:
+        """Engine stats of ``model`` summed over its live workers (rates averaged), plus the count."""
+        workers = self.live(model)
+        total: dict[str, float] = {"num_workers": float(len(workers))}
+        for w in workers:
+            for k, v in w.stats.get(model, {}).items():
+                total[k] = total.get(k, 0.0) + v
+        for k in ("kv_cache_usage", "prefix_cache_hit_rate"):
+            if k in total and workers:
+                total[k] /= len(workers)
+        return total
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    async def call(
+        self,
+        model: str,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        key: str | None = None,
+    ) -> AsyncIterator[tuple[bytes, Any]]:
+        """``(ITEM, chunk)`` per streamed chunk, then ``(END, return value)``. ``key`` is the prefix-
+        affinity key (``workers.routing.prefix_key``). Worker errors are re-raised as themselves."""
+        if not self.redis_ok or self.redis is None:
+            raise broker_down(ConnectionError("no connection"))
+        tried: set[str] = set()
+        for _attempt in range(self.max_attempts):
+            worker = choose_worker(self.live(model), key, exclude=tried)
+            if worker is None:
+                if tried:
+                    raise APIError(
+                        503, f"every worker serving {model!r} was lost during the request", code="worker_lost"
+                    )
+                raise APIError(503, f"no live worker serves {model!r}", code="no_workers", headers={"Retry-After": "1"})
+            tried.add(worker.worker_id)
+            call = Call(uuid.uuid4().hex, model, method, args, kwargs or {})
+            async with contextlib.aclosing(self._call_on(worker.worker_id, call)) as replies:
+                async for kind, value in replies:
+                    if kind is None:  # the worker died before anything was streamed: try another
+                        break
+                    yield kind, value
+                    if kind == END:
+                        return
+            logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
+            self.workers.pop(worker.worker_id, None)
+        raise APIError(503, f"{model!r}: {self.max_attempts} workers were lost during the request", code="worker_lost")
+
+    async def _call_on(self, worker_id: str, call: Call) -> AsyncIterator[tuple[bytes | None, Any]]:
+        """One attempt on one worker; yields ``(None, None)`` when it is lost before any item."""
+        assert self.redis is not None
+        stream = self.keys.stream(call.call_id)
+        done = False
+        self.local_inflight[worker_id] += 1
+        try:
+            try:
+                await asyncio.to_thread(
+                    self.celery.send_task, ENGINE_CALL, args=[call], queue=worker_queue(worker_id, self.prefix)
+                )
+            except Exception as exc:  # kombu wraps the connection error in its own types
+                raise broker_down(exc) from exc
+            last, streamed = "0-0", False
+            while True:
+                try:
+                    reply = await self.redis.xread({stream: last}, count=256, block=int(self.poll_s * 1000))
+                    alive = True if reply else bool(await self.redis.exists(self.keys.worker(worker_id)))
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    raise broker_down(exc) from exc
+                if not alive:
+                    if streamed:
+                        raise WorkerLostError(f"worker {worker_id} stopped while streaming; the reply is incomplete")
+                    done = True
+                    yield None, None
+                    return
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        last = entry_id
+                        kind = fields[b"k"]
+                        if kind == ITEM:
+                            streamed = True
+                            yield ITEM, load(fields[b"d"])
+                        elif kind == END:
+                            done = True
+                            yield END, load(fields[b"d"])
+                            return
+                        elif kind == ERROR:
+                            done = True
+                            raise load_error(fields[b"d"])
+                        elif kind != START:
+                            logger.warning("unknown stream entry %r", kind)
+        finally:
+            self.local_inflight[worker_id] -= 1
+            self._spawn(self._finish(worker_id, call.call_id, aborted=not done))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def _finish(self, worker_id: str, call_id: str, aborted: bool) -> None:
+        """Drop the reply stream; when the caller left early, abort the call on the worker."""
+        assert self.redis is not None
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                if aborted:
+                    pipe.set(self.keys.abort(call_id), b"1", ex=3600)
+                    pipe.publish(self.keys.control(worker_id), call_id.encode())
+                pipe.delete(self.keys.stream(call_id))
+                await pipe.execute()
+        except (redis.exceptions.RedisError, OSError) as exc:
+            logger.warning("could not clean up call %s: %r", call_id, exc)
+
+    async def wait_for_workers(self, model: str, count: int = 1, timeout_s: float = 60.0) -> bool:
+        """True once ``count`` live workers serve ``model`` (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.refresh()
+            if len(self.live(model)) >= count:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+
+class RemoteEngine:
+    """The generic proxy of an engine served by workers: same name, calls forwarded."""
+
+    def __init__(self, cluster: Cluster, name: str, modality: str) -> None:
+        self.cluster, self.model_name, self.modality = cluster, name, modality
+
+    async def start(self) -> None:
+        await self.cluster.start()
+
+    async def shutdown(self) -> None:
+        await self.cluster.shutdown()
+
+    def stats(self) -> dict[str, float]:
+        return self.cluster.model_stats(self.model_name)
+
+    async def call(self, method: str, *args: Any, key: str | None = None, **kwargs: Any) -> Any:
+        """The return value of ``await engine.<method>(*args, **kwargs)`` on a worker."""
+        result = None
+        async for kind, value in self.cluster.call(self.model_name, method, args, kwargs, key=key):
+            if kind == END:
+                result = value
+        return result
+
+    async def stream_call(self, method: str, *args: Any, key: str | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        """The items of ``async for item in engine.<method>(*args, **kwargs)`` on a worker."""
+        async for kind, value in self.cluster.call(self.model_name, method, args, kwargs, key=key):
+            if kind == ITEM:
+                yield value
+
+    async def run(self, req: Any) -> Any:
+        return await self.call("run", req)
+
+    def stream(self, req: Any) -> AsyncIterator[Any]:
+        return self.stream_call("stream", req)

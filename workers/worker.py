@@ -1,0 +1,89 @@
+"""``mmserve worker``: one modality's engines behind a Celery worker.
+
+The engines are built by the modality's plugin from the same options as ``mmserve serve``, so a
+gateway started with the same model options serves them under the same names. The Celery worker
+uses the thread pool (``--concurrency`` calls at once: the engines batch concurrent calls
+themselves, so a thread per call is what keeps their batches full) and consumes the modality
+queue and its own worker queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import uuid
+
+from workers.celery_app import DEFAULT_PREFIX, make_celery, modality_queue, worker_queue
+
+logger = logging.getLogger("mmserve.worker")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """``mmserve worker`` options besides the plugins' model options."""
+    from gateway.plugins import MODALITIES
+
+    parser.add_argument("--modality", required=True, choices=MODALITIES)
+    parser.add_argument("--concurrency", type=int, default=16, help="calls run at once (threads)")
+    parser.add_argument("--redis-url", default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="queue and key prefix (one per cluster)")
+    parser.add_argument("--worker-id", default=None, help="default: <modality>-<host>-<pid>-<random>")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="load report period (TTL: 3x)")
+    parser.add_argument(
+        "--allow-root",
+        action="store_true",
+        help="run as root although tasks are pickled (Celery refuses otherwise; trusted clusters only)",
+    )
+    parser.add_argument("--log-level", default="info")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Build the engines, start them, and consume Celery tasks until told to stop."""
+    from gateway import plugins
+    from workers.runtime import WorkerRuntime
+
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and not os.environ.get("C_FORCE_ROOT"):
+        if not args.allow_root:
+            print(
+                "mmserve worker: refusing to run as root with pickled tasks; run as another user, "
+                "or pass --allow-root if only trusted clients can reach Redis",
+                file=sys.stderr,
+            )
+            return 2
+        os.environ["C_FORCE_ROOT"] = "1"  # Celery's own check; the user accepted it above
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.only = [args.modality]
+    built = plugins.build_all(args)
+    if not built.engines:
+        print(f"mmserve worker: no {args.modality} engine to serve (check the model options)", file=sys.stderr)
+        return 2
+    worker_id = args.worker_id or f"{args.modality}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    rt = WorkerRuntime(
+        worker_id,
+        args.modality,
+        built.engines,
+        args.redis_url,
+        prefix=args.prefix,
+        capacity=args.concurrency,
+        heartbeat_s=args.heartbeat_s,
+    )
+    rt.start()
+    logger.info("worker %s serving %s", worker_id, ", ".join(built.engines))
+    app = make_celery(args.redis_url)
+    worker = app.Worker(
+        hostname=f"{worker_id}@{socket.gethostname()}",
+        queues=[modality_queue(args.modality, args.prefix), worker_queue(worker_id, args.prefix)],
+        pool="threads",
+        concurrency=args.concurrency,
+        loglevel=args.log_level.upper(),
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+    )
+    try:
+        worker.start()
+    finally:
+        rt.stop()
+    return int(worker.exitcode or 0)
