@@ -1,0 +1,1 @@
+"""Context (sequence) parallelism for diffusion transformers. API documented in the full version below."""
