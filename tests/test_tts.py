@@ -1,0 +1,250 @@
+"""TTS with the real Piper voice: text splitting, the engine's streaming and scheduling, and
+``POST /v1/audio/speech`` end to end (real uvicorn server, the official ``openai`` client)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from modalities.audio import decode_audio, from_pcm16
+from modalities.tts.piper_engine import PiperEngine
+from modalities.tts.protocol import TTSInputError, TTSRequest
+from modalities.tts.text import split_text
+from tests.helpers import serve_app
+
+TEXT = "Hello there. The quick brown fox jumps over the lazy dog. How are you today?"
+
+
+class GatedPiper(PiperEngine):
+    """The real engine; pieces starting with "Later" wait for ``gate`` (so a test can observe
+    what happened before they were synthesised) and every piece is logged in run order."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.gate.set()
+        self.events: list[str] = []
+
+    def _synthesize(self, voice: object, text: str, length_scale: float) -> np.ndarray:
+        if text.startswith("Later"):
+            self.events.append("waiting")
+            self.events.append("later_synth" if self.gate.wait(30) else "gate_timeout")
+        self.events.append(f"synth:{text}")
+        return super()._synthesize(voice, text, length_scale)
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+# -- text --------------------------------------------------------------------------------------
+def test_split_text_keeps_words_in_order_and_short_first_piece() -> None:
+    text = "This is a fairly long first sentence, with a clause, that keeps going for a while. Second one! Third?"
+    pieces = split_text(text, max_chars=300, first_chars=40)
+    assert pieces[0] == "This is a fairly long first sentence,"
+    assert " ".join(pieces).split() == text.split()
+    long = "word " * 200
+    assert all(len(p) <= 120 for p in split_text(long, max_chars=120))
+    assert " ".join(split_text(long, max_chars=120)).split() == long.split()
+    assert split_text("  \n ") == []
+
+
+# -- engine ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine() -> Iterator[GatedPiper]:
+    eng = GatedPiper(workers=2, threads=1)
+    run(eng.start())
+    yield eng
+    run(eng.shutdown())
+
+
+def _collect(engine: PiperEngine, req: TTSRequest) -> np.ndarray:
+    async def go() -> np.ndarray:
+        return np.concatenate([c async for c in engine.stream(req)])
+
+    return run(go())  # type: ignore[return-value]
+
+
+def test_engine_streams_one_chunk_per_piece_and_honours_speed_and_rate(engine: GatedPiper) -> None:
+    async def chunks() -> list[np.ndarray]:
+        return [c async for c in engine.stream(TTSRequest(TEXT))]
+
+    parts = run(chunks())
+    assert len(parts) == 3 and all(p.dtype == np.float32 and p.size for p in parts)
+    audio = np.concatenate(parts)
+    seconds = audio.size / engine.sample_rate
+    assert engine.sample_rate == 22050 and 2.0 < seconds < 10.0, seconds
+    assert np.abs(audio).max() <= 1.0 and np.abs(audio).std() > 0.01
+    fast = _collect(engine, TTSRequest(TEXT, speed=2.0)).size
+    slow = _collect(engine, TTSRequest(TEXT, speed=0.5)).size
+    assert 2.5 < slow / fast < 6, (slow, fast)
+    rate_24k = _collect(engine, TTSRequest("Hello there.", sample_rate=24000)).size / 24000
+    assert 0.3 < rate_24k < 2.0
+
+
+def test_engine_rejects_bad_input_before_audio(engine: GatedPiper) -> None:
+    async def first(req: TTSRequest) -> None:
+        async for _ in engine.stream(req):
+            break
+
+    for req, param in [
+        (TTSRequest(""), "input"),
+        (TTSRequest("x" * 5000), "input"),
+        (TTSRequest("hi", voice="nobody"), "voice"),
+        (TTSRequest("hi", speed=9.0), "speed"),
+    ]:
+        with pytest.raises(TTSInputError) as err:
+            run(first(req))
+        assert err.value.param == param
+
+
+def test_first_pieces_of_new_requests_run_before_later_pieces_of_old_ones() -> None:
+    eng = GatedPiper(workers=1, threads=1)
+    eng.gate.clear()
+
+    async def go() -> None:
+        await eng.start()
+        old = eng.stream(TTSRequest("Later A zero. A one. A two."))
+        first = asyncio.ensure_future(old.__anext__())
+        while not eng.events:  # the worker is now blocked inside A's first piece
+            await asyncio.sleep(0.01)
+        new = [asyncio.ensure_future(_drain(eng, TTSRequest(t))) for t in ("B zero. B one.", "C zero.")]
+        await asyncio.sleep(0.05)  # both requests queued behind the gate
+        eng.gate.set()
+        await first
+        await asyncio.gather(*new)
+        rest = [c async for c in old]
+        assert rest
+        await eng.shutdown()
+
+    run(go())
+    order = [e.removeprefix("synth:") for e in eng.events if e.startswith("synth:")]
+    assert order == ["Later A zero.", "B zero.", "C zero.", "A one.", "B one.", "A two."], order
+
+
+async def _drain(eng: PiperEngine, req: TTSRequest) -> int:
+    return sum([c.size async for c in eng.stream(req)])
+
+
+def test_closing_the_stream_drops_queued_pieces() -> None:
+    eng = GatedPiper(workers=1, threads=1)
+    text = " ".join(f"Sentence number {i}." for i in range(12))
+
+    async def go() -> None:
+        await eng.start()
+        gen = eng.stream(TTSRequest(text))
+        await gen.__anext__()
+        await gen.aclose()
+        await asyncio.sleep(0.3)
+        assert eng.stats()["tts_pieces_queued"] == 0
+        await eng.shutdown()
+
+    run(go())
+    assert eng.stats()["tts_pieces_done"] <= 3
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_url(engine: GatedPiper) -> Iterator[str]:
+    from gateway.app import create_app
+    from modalities.tts.api import router
+
+    app = create_app({engine.model_name: engine}, routers=[router], aliases={"piper": engine.model_name})
+    with serve_app(app) as url:
+        yield url
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_openai_client_streams_wav_first_chunk_before_later_text_is_synthesised(
+    base_url: str, engine: GatedPiper
+) -> None:
+    engine.events.clear()
+    engine.gate.clear()
+    text = "Hello from the first piece. Later comes the second piece."
+    client = _client(base_url)
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="alloy", input=text, response_format="wav"
+    ) as resp:
+        assert resp.headers["content-type"] == "audio/wav"
+        chunks = resp.iter_bytes()
+        body = next(chunks)
+        engine.events.append("client_first_chunk")
+        engine.gate.set()
+        body += b"".join(chunks)
+    assert engine.events.index("client_first_chunk") < engine.events.index("later_synth")
+    audio = decode_audio(body, rate=None)
+    assert audio.rate == 22050
+    assert 1.5 < audio.duration < 8.0, audio.duration
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "opus", "aac"])
+def test_compressed_formats_decode(base_url: str, fmt: str) -> None:
+    resp = _client(base_url).audio.speech.create(model="piper", voice="joe", input="Hello there.", response_format=fmt)
+    audio = decode_audio(resp.content, rate=None)
+    assert 0.4 < audio.duration < 3.0
+
+
+def test_pcm_is_24khz_and_sse_carries_the_same_audio(base_url: str) -> None:
+    pcm = _client(base_url).audio.speech.create(model="tts-1", voice="joe", input="Hello there.", response_format="pcm")
+    seconds = len(from_pcm16(pcm.content)) / 24000
+    assert 0.4 < seconds < 3.0
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/audio/speech",
+        json={"input": "Hello there. Bye.", "response_format": "pcm", "stream_format": "sse"},
+        timeout=60,
+    ) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    import base64
+    import json
+
+    events = [json.loads(line[6:]) for line in lines]
+    assert events[-1]["type"] == "speech.audio.done"
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2
+    assert len(b"".join(base64.b64decode(e["audio"]) for e in deltas)) > 24000
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": ""}, 400, "input"),
+        ({"input": "x" * 4097}, 400, "input"),
+        ({"input": "hi", "voice": "nobody"}, 400, "voice"),
+        ({"input": "hi", "response_format": "ogg-vorbis"}, 400, "response_format"),
+        ({"input": "hi", "speed": 0.1}, 400, "speed"),
+        ({"input": "hi", "speed": "fast"}, 400, "speed"),
+        ({"input": "hi", "model": "no-such-model"}, 404, "model"),
+        ({"voice": "joe"}, 400, "input"),
+        ({"input": 5}, 400, "input"),
+    ],
+)
+def test_bad_input_is_openai_error_json(base_url: str, body: dict, status: int, param: str) -> None:
+    resp = httpx.post(f"{base_url}/v1/audio/speech", json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and err["message"]
+
+
+def test_openai_client_raises_bad_request_for_unknown_voice(base_url: str) -> None:
+    with pytest.raises(openai.BadRequestError):
+        _client(base_url).audio.speech.create(model="tts-1", voice="nobody", input="hi")  # type: ignore[arg-type]
+
+
+def test_wav_stream_header_is_readable_by_soundfile(base_url: str) -> None:
+    import soundfile as sf
+
+    resp = httpx.post(f"{base_url}/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"}, timeout=60)
+    data, rate = sf.read(io.BytesIO(resp.content))
+    assert rate == 22050 and len(data) > 2000
