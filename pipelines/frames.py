@@ -43,6 +43,8 @@ class AudioFrame(Frame):
 class CommitFrame(Frame):
     """End of the user's input: whatever audio is buffered is one utterance (manual turn taking)."""
 
+    item_id: str = ""
+
 
 @dataclass
 class ClearFrame(Frame):
@@ -54,6 +56,7 @@ class SpeechStarted(SystemFrame):
     """The VAD heard speech begin; ``audio_ms`` is its position in the input audio."""
 
     audio_ms: int
+    item_id: str = ""
 
 
 @dataclass
@@ -61,16 +64,20 @@ class SpeechStopped(SystemFrame):
     """The VAD heard speech end (after the silence window); ``audio_ms`` is where speech ended."""
 
     audio_ms: int
+    item_id: str = ""
 
 
 @dataclass
 class UserAudio(Frame):
-    """One utterance (16 kHz mono float32), from ``start_ms`` to ``end_ms`` of the input."""
+    """One utterance (16 kHz mono float32), from ``start_ms`` to ``end_ms`` of the input;
+    ``respond``: the LLM answers it as soon as it is transcribed."""
 
     samples: np.ndarray
     sample_rate: int
     start_ms: int = 0
     end_ms: int = 0
+    item_id: str = ""
+    respond: bool = True
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -78,11 +85,13 @@ class UserAudio(Frame):
 
 @dataclass
 class Transcript(Frame):
-    """The final transcript of one utterance."""
+    """The final transcript of one utterance (``respond``: as in ``UserAudio``)."""
 
     text: str
     start_ms: int = 0
     end_ms: int = 0
+    item_id: str = ""
+    respond: bool = True
 
 
 @dataclass
@@ -101,7 +110,10 @@ class ReplyFrame(Frame):
 
 @dataclass
 class LLMStarted(ReplyFrame):
-    """A reply began (``response_id`` names it in every later frame of that reply)."""
+    """A reply began (``response_id`` names it in every later frame of that reply); its text
+    goes into conversation item ``item_id``."""
+
+    item_id: str = ""
 
 
 @dataclass
@@ -119,6 +131,7 @@ class LLMDone(ReplyFrame):
     cancelled: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass

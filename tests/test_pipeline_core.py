@@ -148,3 +148,41 @@ def test_end_is_last(n: int) -> None:
 
     out = asyncio.run(run())
     assert isinstance(out[-1], End) and [type(f) for f in out[:-1]] == [Transcript]
+
+
+def test_sentences_split_first_clause_then_whole_sentences() -> None:
+    from pipelines.frames import LLMStarted, Sentence
+    from pipelines.speech import Sentences
+
+    deltas = ["Paris is the capital", " of France, a big", " country. It has", " 2.1 million people! Bye"]
+    frames: list[Frame] = [LLMStarted("r"), *(TextDelta("r", d) for d in deltas), LLMDone("r", "".join(deltas))]
+    out = asyncio.run(Pipeline([Sentences()]).run_all(frames))
+    said = [f.text for f in out if isinstance(f, Sentence)]
+    assert said == ["Paris is the capital of France,", "a big country.", "It has 2.1 million people!", "Bye"]
+    assert [f.index for f in out if isinstance(f, Sentence)] == [0, 1, 2, 3]
+    assert sum(isinstance(f, TextDelta) for f in out) == 4 and isinstance(out[-1], LLMDone)
+
+
+def test_heard_text_keeps_whole_sentences_then_a_proportional_part() -> None:
+    from pipelines.conversation import Spoken, heard_text
+
+    pieces = [Spoken("One two three.", 1000), Spoken("Four five six seven.", 2000)]
+    assert heard_text(pieces, 0) == ""
+    assert heard_text(pieces, 1000) == "One two three."
+    assert heard_text(pieces, 2000) == "One two three. Four five"
+    assert heard_text(pieces, 5000) == "One two three. Four five six seven."
+
+
+def test_conversation_prompts_extend_each_other() -> None:
+    from pipelines.conversation import Conversation
+
+    class Tok:
+        def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> list[int]:
+            return [ord(c) for m in messages for c in f"<{m['role']}>{m['content']}"] + [0]
+
+    conv = Conversation("sys")
+    conv.add("user", "hi")
+    first = conv.prompt_ids(Tok())
+    conv.add("assistant", "hello")
+    conv.add("user", "again")
+    assert conv.prompt_ids(Tok())[: len(first) - 1] == first[:-1]  # warm prefix across turns

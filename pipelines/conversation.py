@@ -1,0 +1,83 @@
+"""A voice conversation: ordered items rendered through the model's chat template.
+
+Items are only ever appended or (the last assistant item) truncated, and every turn renders the
+whole list with the same template, so turn N's prompt starts with turn N-1's prompt and its reply:
+the engine's prefix cache keeps the conversation warm across turns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two short sentences."
+
+
+@dataclass
+class Item:
+    """One conversation item (OpenAI Realtime ``message``); ``truncated`` freezes ``text``."""
+
+    id: str
+    role: str
+    text: str = ""
+    truncated: bool = False
+
+
+@dataclass
+class Conversation:
+    instructions: str = DEFAULT_INSTRUCTIONS
+    items: list[Item] = field(default_factory=list)
+    _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    def new_id(self, kind: str = "item") -> str:
+        return f"{kind}_{next(self._ids):06d}"
+
+    def add(self, role: str, text: str = "", item_id: str | None = None) -> Item:
+        item = Item(item_id or self.new_id(), role, text)
+        self.items.append(item)
+        return item
+
+    def get(self, item_id: str) -> Item | None:
+        return next((i for i in self.items if i.id == item_id), None)
+
+    def messages(self) -> list[dict[str, str]]:
+        """Chat messages: the instructions as system message, then every non-empty item."""
+        msgs = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        msgs += [{"role": i.role, "content": i.text} for i in self.items if i.text.strip()]
+        return msgs
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        ids: Any = tokenizer.apply_chat_template(
+            self.messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+
+@dataclass
+class Spoken:
+    """One piece of a reply's audio that was sent: its sentence text and duration."""
+
+    text: str
+    ms: float
+
+
+def heard_text(pieces: list[Spoken], audio_end_ms: float) -> str:
+    """The text of the first ``audio_end_ms`` of a reply: whole sentences, then the part of the
+    sentence being spoken in proportion to its duration (at word granularity)."""
+    out: list[str] = []
+    t = 0.0
+    for p in pieces:
+        if t + p.ms <= audio_end_ms:
+            out.append(p.text)
+        else:
+            words = p.text.split()
+            frac = max(0.0, audio_end_ms - t) / p.ms if p.ms > 0 else 0.0
+            part = " ".join(words[: int(len(words) * frac)])
+            if part:
+                out.append(part)
+            break
+        t += p.ms
+    return " ".join(s.strip() for s in out if s.strip())

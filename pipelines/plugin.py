@@ -1,0 +1,36 @@
+"""Speech pipelines plugin: ``/v1/realtime`` (voice sessions over WebSocket) and the uploaded-audio
+chain (VAD → ASR → LLM → TTS) as stages on the modality queues.
+
+Imports stay light: the models are the engines the modality plugins already serve.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, WebSocket
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.websocket("/v1/realtime")
+async def realtime(ws: WebSocket, model: str | None = None) -> None:
+    """An OpenAI Realtime session. ``model`` picks a served LLM (unknown names, e.g. OpenAI's,
+    get the default one); ASR and TTS are the served speech engines."""
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import ServiceMissing, Services
+
+    state = ws.app.state
+    engines, aliases = state.engines, getattr(state, "aliases", {})
+    subprotocol = "realtime" if "realtime" in ws.scope.get("subprotocols", []) else None
+    await ws.accept(subprotocol=subprotocol)
+    try:
+        name = model if model is not None and (aliases.get(model, model) in engines) else None
+        services = Services.from_engines(engines, llm=name, aliases=aliases, need=("llm",))
+    except ServiceMissing as exc:
+        err = {"type": "invalid_request_error", "code": "model_not_found", "message": str(exc), "param": "model"}
+        await ws.send_json({"event_id": "event_000000", "type": "error", "error": err})
+        await ws.close(code=1008)
+        return
+    served = next(n for n, e in engines.items() if e is services.llm)
+    await RealtimeSession(ws, services, served).run()

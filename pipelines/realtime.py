@@ -1,0 +1,397 @@
+"""``/v1/realtime``: one voice session per WebSocket, speaking OpenAI's Realtime events.
+
+The session turns client events into frames for a concurrent pipeline (resample 24 → 16 kHz,
+VAD, ASR, LLM, sentences, TTS at 24 kHz) and the pipeline's output frames into server events.
+Barge-in: the VAD's ``Interrupt`` cancels the LLM and TTS work in flight (the engine requests are
+aborted) and the assistant item is truncated to what the client has played so far, estimated
+from the audio sent and a real-time playback clock (or given by ``conversation.item.truncate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import WebSocket, WebSocketDisconnect
+
+from modalities.audio import ASR_RATE, from_pcm16, to_pcm16
+from pipelines.conversation import Conversation, Spoken, heard_text
+from pipelines.frames import (
+    AudioFrame,
+    ClearFrame,
+    CommitFrame,
+    End,
+    ErrorFrame,
+    Frame,
+    Interrupt,
+    LLMDone,
+    LLMStarted,
+    ResponseRequest,
+    SpeechStarted,
+    SpeechStopped,
+    TextDelta,
+    Transcript,
+    TTSAudio,
+    TTSDone,
+)
+from pipelines.processor import Pipeline
+from pipelines.realtime_events import RATE, EventError, SessionConfig, decode_audio_b64, message_text
+from pipelines.services import Services
+from pipelines.speech import ASR, LLM, TTS, VAD, LLMOptions, Resample, Sentences, TTSOptions
+from pipelines.vad import VADConfig
+
+logger = logging.getLogger("mmserve.realtime")
+_sessions = itertools.count(1)
+
+
+@dataclass
+class Reply:
+    """Book-keeping of one response for events, truncation and usage."""
+
+    id: str
+    item_id: str
+    audio: bool
+    text: str = ""
+    spoken: list[Spoken] = field(default_factory=list)
+    audio_ms: float = 0.0
+    first_audio: float | None = None  # monotonic time the first audio delta was sent
+    done: bool = False
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def played_ms(self) -> float:
+        """How much the client can have played: real-time clock since the first chunk, capped."""
+        if self.first_audio is None:
+            return 0.0
+        return min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
+
+    def playing(self) -> bool:
+        return self.audio and self.played_ms() < self.audio_ms
+
+
+class RealtimeSession:
+    def __init__(self, ws: WebSocket, services: Services, model: str) -> None:
+        self.ws, self.services = ws, services
+        self.id = f"sess_{next(_sessions):06d}"
+        self.config = SessionConfig(model, modalities=["text", "audio"] if services.tts is not None else ["text"])
+        self.conv = Conversation(self.config.instructions)
+        self.vad_config = VADConfig()
+        self.llm_options = LLMOptions()
+        self.tts_options = TTSOptions()
+        self._apply_config()
+        self.inbox: asyncio.Queue[Frame] = asyncio.Queue()
+        self.pipeline = Pipeline(
+            [
+                Resample(ASR_RATE),
+                VAD(self.vad_config),
+                ASR(services),
+                LLM(services, self.conv, self.llm_options),
+                Sentences(),
+                TTS(services, self.tts_options),
+            ]
+        )
+        self.reply: Reply | None = None  # the latest response (active until done)
+        self.requested = False  # a response.create is queued
+        self.appended_ms = 0.0  # audio appended since the last turn boundary
+        self._event_ids = itertools.count(1)
+        self._send_lock = asyncio.Lock()
+
+    # -- configuration ------------------------------------------------------------------------
+    def _apply_config(self) -> None:
+        c = self.config
+        td = c.turn_detection
+        self.vad_config.server_vad = td is not None
+        if td is not None:
+            self.vad_config.threshold = float(td["threshold"])
+            self.vad_config.prefix_padding_ms = int(td["prefix_padding_ms"])
+            self.vad_config.silence_duration_ms = int(td["silence_duration_ms"])
+            self.vad_config.create_response = bool(td.get("create_response", True))
+        self.llm_options.temperature = c.temperature
+        self.llm_options.max_tokens = (
+            256 if c.max_response_output_tokens == "inf" else int(c.max_response_output_tokens)
+        )
+        self.tts_options.enabled = "audio" in c.modalities and self.services.tts is not None
+        self.tts_options.voice = c.voice
+        self.tts_options.sample_rate = RATE
+        self.conv.instructions = c.instructions
+
+    @property
+    def active(self) -> bool:
+        return self.requested or (self.reply is not None and not self.reply.done)
+
+    # -- sending ------------------------------------------------------------------------------
+    async def send(self, type_: str, **fields: Any) -> None:
+        event = {"event_id": f"event_{next(self._event_ids):06d}", "type": type_, **fields}
+        async with self._send_lock:
+            await self.ws.send_text(json.dumps(event))
+
+    async def send_error(
+        self, message: str, code: str = "invalid_value", param: str | None = None, **extra: Any
+    ) -> None:
+        err = {"type": "invalid_request_error", "code": code, "message": message, "param": param, **extra}
+        await self.send("error", error=err)
+
+    # -- main loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.send("session.created", session=self.config.to_dict(self.id))
+        writer = asyncio.create_task(self._write())
+        try:
+            while True:
+                raw = await self.ws.receive_text()
+                await self._handle(raw)
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # client gone
+        finally:
+            writer.cancel()  # closes the pipeline: engine requests in flight are aborted
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await writer
+
+    async def _source(self) -> AsyncIterator[Frame]:
+        while True:
+            frame = await self.inbox.get()
+            yield frame
+            if isinstance(frame, End):
+                return
+
+    async def _write(self) -> None:
+        try:
+            async for frame in self.pipeline.stream(self._source()):
+                await self._on_frame(frame)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+
+    # -- client events ------------------------------------------------------------------------
+    async def _handle(self, raw: str) -> None:
+        event_id = None
+        try:
+            try:
+                event = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise EventError(f"the event is not valid JSON: {exc.msg}", code="invalid_json") from exc
+            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                raise EventError("an event must be a JSON object with a string 'type'", param="type")
+            event_id = event.get("event_id")
+            handler = getattr(self, "_ev_" + event["type"].replace(".", "_"), None)
+            if handler is None:
+                raise EventError(f"unknown or unsupported event type {event['type']!r}", param="type")
+            await handler(event)
+        except EventError as exc:
+            await self.send_error(str(exc), exc.code, exc.param, event_id=event_id)
+
+    async def _ev_session_update(self, event: dict[str, Any]) -> None:
+        self.config.update(event.get("session", {}))
+        if "audio" in self.config.modalities and self.services.tts is None:
+            self.config.modalities = ["text"]
+        self._apply_config()
+        await self.send("session.updated", session=self.config.to_dict(self.id))
+
+    async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
+        data = decode_audio_b64(event.get("audio"))
+        if self.services.asr is None:
+            raise EventError("this server has no speech recognition model; send text items", code="unsupported")
+        if data:
+            self.appended_ms += len(data) / 2 / RATE * 1000
+            await self.inbox.put(AudioFrame(from_pcm16(data), RATE))
+
+    async def _ev_input_audio_buffer_commit(self, event: dict[str, Any]) -> None:
+        if self.appended_ms < 100:
+            raise EventError(
+                f"buffer too small: expected at least 100ms of audio, got {self.appended_ms:.0f}ms",
+                code="input_audio_buffer_commit_empty",
+            )
+        self.appended_ms = 0.0
+        item_id = self.conv.new_id("item_in")
+        await self.inbox.put(CommitFrame(item_id=item_id))
+        await self._user_item_created(item_id)
+
+    async def _ev_input_audio_buffer_clear(self, event: dict[str, Any]) -> None:
+        self.appended_ms = 0.0
+        await self.inbox.put(ClearFrame())
+        await self.send("input_audio_buffer.cleared")
+
+    async def _ev_conversation_item_create(self, event: dict[str, Any]) -> None:
+        role, text = message_text(event.get("item"))
+        previous = self.conv.items[-1].id if self.conv.items else None
+        item = self.conv.add(role, text)
+        await self.send(
+            "conversation.item.created",
+            previous_item_id=previous,
+            item=_item(item.id, role, [{"type": "input_text" if role != "assistant" else "text", "text": text}]),
+        )
+
+    async def _ev_response_create(self, event: dict[str, Any]) -> None:
+        if self.active:
+            raise EventError(
+                "the conversation already has an active response", code="conversation_already_has_active_response"
+            )
+        response = event.get("response") or {}
+        instructions = response.get("instructions") if isinstance(response, dict) else None
+        if instructions is not None and not isinstance(instructions, str):
+            raise EventError("response.instructions must be a string", param="response.instructions")
+        self.requested = True
+        await self.inbox.put(ResponseRequest(instructions))
+
+    async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
+        if not self.active:
+            raise EventError("there is no active response to cancel", code="response_cancel_not_active")
+        await self.inbox.put(Interrupt("client_cancelled"))
+
+    async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
+        reply, end_ms = self.reply, event.get("audio_end_ms")
+        if reply is None or event.get("item_id") != reply.item_id:
+            raise EventError("item_id must be the latest assistant item", code="item_not_found", param="item_id")
+        if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+            raise EventError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+        if end_ms > reply.audio_ms + 1:
+            raise EventError(
+                f"audio_end_ms {end_ms} is past the item's audio ({reply.audio_ms:.0f} ms)", param="audio_end_ms"
+            )
+        await self._truncate(reply, end_ms)
+
+    # -- pipeline output ----------------------------------------------------------------------
+    async def _user_item_created(self, item_id: str) -> None:
+        previous = self.conv.items[-1].id if self.conv.items else None
+        await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
+        content = [{"type": "input_audio", "transcript": None}]
+        await self.send("conversation.item.created", previous_item_id=previous, item=_item(item_id, "user", content))
+
+    async def _truncate(self, reply: Reply, audio_end_ms: float) -> None:
+        item = self.conv.get(reply.item_id)
+        if item is not None:
+            item.text = heard_text(reply.spoken, audio_end_ms) if reply.audio else item.text
+            item.truncated = True
+        await self.send(
+            "conversation.item.truncated", item_id=reply.item_id, content_index=0, audio_end_ms=int(audio_end_ms)
+        )
+
+    async def _on_frame(self, frame: Frame) -> None:
+        r = self.reply
+        if isinstance(frame, SpeechStarted):
+            await self.send("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=frame.item_id)
+        elif isinstance(frame, SpeechStopped):
+            self.appended_ms = 0.0
+            await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
+            await self._user_item_created(frame.item_id)
+        elif isinstance(frame, Transcript):
+            await self.send(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=frame.item_id,
+                content_index=0,
+                transcript=frame.text,
+            )
+        elif isinstance(frame, Interrupt):
+            await self._interrupted(frame)
+        elif isinstance(frame, ErrorFrame):
+            await self.send(
+                "error", error={"type": "server_error", "code": None, "message": frame.message, "param": None}
+            )
+        elif isinstance(frame, LLMStarted):
+            await self._started(frame)
+        elif r is None or getattr(frame, "response_id", None) != r.id or r.done:
+            return  # a frame of a cancelled reply
+        elif isinstance(frame, TextDelta):
+            r.text += frame.text
+            kind = "response.audio_transcript.delta" if r.audio else "response.text.delta"
+            await self.send(kind, **self._where(r), delta=frame.text)
+        elif isinstance(frame, TTSAudio):
+            pcm = to_pcm16(frame.samples)
+            ms = len(frame.samples) / frame.sample_rate * 1000
+            if frame.text or not r.spoken:
+                r.spoken.append(Spoken(frame.text, 0.0))
+            r.spoken[-1].ms += ms
+            r.audio_ms += ms
+            if r.first_audio is None:
+                r.first_audio = time.monotonic()
+            await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
+        elif isinstance(frame, LLMDone):
+            r.text = frame.text
+            cached = frame.cached_tokens
+            r.usage = {
+                "total_tokens": frame.prompt_tokens + frame.completion_tokens,
+                "input_tokens": frame.prompt_tokens,
+                "output_tokens": frame.completion_tokens,
+                "input_token_details": {"cached_tokens": cached, "text_tokens": frame.prompt_tokens, "audio_tokens": 0},
+                "output_token_details": {"text_tokens": frame.completion_tokens, "audio_tokens": 0},
+            }
+        elif isinstance(frame, TTSDone):
+            await self._finish(r, "completed")
+
+    def _where(self, r: Reply) -> dict[str, Any]:
+        return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+
+    async def _started(self, frame: LLMStarted) -> None:
+        self.requested = False
+        audio = self.tts_options.enabled
+        self.reply = r = Reply(frame.response_id, frame.item_id, audio)
+        await self.send("response.created", response=_response(r, "in_progress", []))
+        item = _item(r.item_id, "assistant", [], status="in_progress")
+        await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
+        previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
+        await self.send("conversation.item.created", previous_item_id=previous, item=item)
+        part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
+        await self.send("response.content_part.added", **self._where(r), part=part)
+
+    def _part(self, r: Reply) -> dict[str, Any]:
+        item = self.conv.get(r.item_id)
+        text = item.text if item is not None else r.text
+        return {"type": "audio", "transcript": text} if r.audio else {"type": "text", "text": text}
+
+    async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
+        r.done = True
+        where = self._where(r)
+        part = self._part(r)
+        if status == "completed":
+            if r.audio:
+                await self.send("response.audio.done", **where)
+                await self.send("response.audio_transcript.done", **where, transcript=part["transcript"])
+            else:
+                await self.send("response.text.done", **where, text=part["text"])
+            await self.send("response.content_part.done", **where, part=part)
+        item = _item(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
+        await self.send("response.output_item.done", response_id=r.id, output_index=0, item=item)
+        await self.send("response.done", response=_response(r, status, [item], reason))
+
+    async def _interrupted(self, frame: Interrupt) -> None:
+        r = self.reply
+        self.requested = False
+        if r is None:
+            return
+        if not r.done:
+            if r.audio:
+                await self._truncate(r, r.played_ms())
+            elif (item := self.conv.get(r.item_id)) is not None:
+                item.truncated = True  # text only: the client saw every delta sent
+            reason = "turn_detected" if frame.reason == "speech_started" else "client_cancelled"
+            await self._finish(r, "cancelled", reason)
+        elif r.playing():  # finished sending but still playing on the client: cut what is unheard
+            await self._truncate(r, r.played_ms())
+
+
+def _item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": status,
+        "role": role,
+        "content": content,
+    }
+
+
+def _response(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
+    details = {"type": status, "reason": reason} if reason else None
+    return {
+        "id": r.id,
+        "object": "realtime.response",
+        "status": status,
+        "status_details": details,
+        "output": output,
+        "usage": r.usage or None,
+    }

@@ -1,0 +1,157 @@
+"""OpenAI Realtime wire format: validation of client events and the session object.
+
+Only the subset mmserve serves is accepted; anything else is an ``EventError`` that the session
+reports as an ``error`` event (the connection stays usable).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelines.conversation import DEFAULT_INSTRUCTIONS
+
+RATE = 24_000  # pcm16 in and out, as OpenAI sends it
+MAX_APPEND_BYTES = 15 * (1 << 20)
+
+
+class EventError(ValueError):
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass
+class SessionConfig:
+    """The ``session`` object (the fields mmserve honours)."""
+
+    model: str
+    modalities: list[str] = field(default_factory=lambda: ["text", "audio"])
+    instructions: str = DEFAULT_INSTRUCTIONS
+    voice: str | None = None
+    turn_detection: dict[str, Any] | None = field(
+        default_factory=lambda: {
+            "type": "server_vad",
+            "threshold": 0.5,
+            "prefix_padding_ms": 300,
+            "silence_duration_ms": 500,
+            "create_response": True,
+        }
+    )
+    temperature: float = 0.8
+    max_response_output_tokens: int | str = "inf"
+
+    def to_dict(self, session_id: str) -> dict[str, Any]:
+        return {
+            "id": session_id,
+            "object": "realtime.session",
+            "model": self.model,
+            "modalities": self.modalities,
+            "instructions": self.instructions,
+            "voice": self.voice,
+            "input_audio_format": "pcm16",
+            "output_audio_format": "pcm16",
+            "input_audio_transcription": {"model": "whisper"},
+            "turn_detection": self.turn_detection,
+            "tools": [],
+            "tool_choice": "none",
+            "temperature": self.temperature,
+            "max_response_output_tokens": self.max_response_output_tokens,
+        }
+
+    def update(self, patch: Any) -> None:
+        """Apply a ``session.update``'s ``session`` object (all-or-nothing)."""
+        if not isinstance(patch, dict):
+            raise EventError("session must be an object", param="session")
+        new = dict(vars(self))
+        if "modalities" in patch:
+            mods = patch["modalities"]
+            if not isinstance(mods, list) or not mods or not set(mods) <= {"text", "audio"}:
+                raise EventError(
+                    "modalities must be a non-empty subset of ['text', 'audio']", param="session.modalities"
+                )
+            new["modalities"] = list(dict.fromkeys(mods))
+        for key in ("instructions", "voice"):
+            if key in patch:
+                if patch[key] is not None and not isinstance(patch[key], str):
+                    raise EventError(f"{key} must be a string", param=f"session.{key}")
+                new[key] = patch[key] if key == "voice" else (patch[key] or "")
+        for key in ("input_audio_format", "output_audio_format"):
+            if key in patch and patch[key] != "pcm16":
+                raise EventError(f"{key} {patch[key]!r} is not supported; use 'pcm16'", param=f"session.{key}")
+        if "temperature" in patch:
+            t = patch["temperature"]
+            if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 2.0:
+                raise EventError("temperature must be a number in [0, 2]", param="session.temperature")
+            new["temperature"] = float(t)
+        if "max_response_output_tokens" in patch:
+            m = patch["max_response_output_tokens"]
+            if m != "inf" and (isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 4096):
+                raise EventError(
+                    "max_response_output_tokens must be an integer in [1, 4096] or 'inf'",
+                    param="session.max_response_output_tokens",
+                )
+            new["max_response_output_tokens"] = m
+        if "turn_detection" in patch:
+            new["turn_detection"] = _turn_detection(patch["turn_detection"], self.turn_detection)
+        vars(self).update(new)
+
+
+def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
+    if td is None:
+        return None
+    if not isinstance(td, dict) or td.get("type", "server_vad") != "server_vad":
+        raise EventError("turn_detection must be null or {'type': 'server_vad', ...}", param="session.turn_detection")
+    out = dict(current or SessionConfig("").turn_detection or {})
+    out["type"] = "server_vad"
+    limits = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 5000), "silence_duration_ms": (0, 10000)}
+    for key, (lo, hi) in limits.items():
+        if key in td:
+            v = td[key]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+                raise EventError(f"turn_detection.{key} must be in [{lo}, {hi}]", param=f"session.turn_detection.{key}")
+            out[key] = v
+    if "create_response" in td:
+        if not isinstance(td["create_response"], bool):
+            raise EventError("turn_detection.create_response must be a boolean")
+        out["create_response"] = td["create_response"]
+    return out
+
+
+def decode_audio_b64(value: Any) -> bytes:
+    """The pcm16 bytes of an ``input_audio_buffer.append``."""
+    if not isinstance(value, str):
+        raise EventError("audio must be a base64 string", param="audio")
+    if len(value) > MAX_APPEND_BYTES * 4 // 3 + 4:
+        raise EventError("audio chunk is too large (15 MiB max)", param="audio")
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise EventError(f"audio is not valid base64: {exc}", param="audio") from exc
+    if len(data) % 2:
+        raise EventError("pcm16 audio must have an even number of bytes", param="audio")
+    return data
+
+
+def message_text(item: Any) -> tuple[str, str]:
+    """``(role, text)`` of a ``conversation.item.create`` text message."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        raise EventError("only items of type 'message' are supported", param="item")
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise EventError("item.role must be 'user', 'assistant' or 'system'", param="item.role")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise EventError("item.content must be a non-empty list", param="item.content")
+    texts = []
+    for part in content:
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in ("input_text", "text")
+            or not isinstance(part.get("text"), str)
+        ):
+            raise EventError("item.content parts must be {'type': 'input_text', 'text': str}", param="item.content")
+        texts.append(part["text"])
+    return role, " ".join(texts)

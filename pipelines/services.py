@@ -1,0 +1,105 @@
+"""The engines a speech pipeline calls, behind two small functions.
+
+``Services.from_engines(engines)`` picks the LLM (an ``AsyncEngine``), the ASR engine
+(``modality == "asr"``) and the TTS engine (``modality == "tts"``) out of a served-name -> engine
+map (the gateway's ``app.state.engines`` or a worker's), optionally by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from modalities.audio import ASR_RATE
+
+
+class ServiceMissing(LookupError):
+    """The pipeline needs an engine that is not served here."""
+
+
+def _modality(engine: Any) -> str | None:
+    mod = getattr(engine, "modality", None)
+    if mod is None and hasattr(engine, "generate") and hasattr(engine, "tokenizer"):
+        return "llm"
+    return mod
+
+
+def pick(engines: dict[str, Any], modality: str, name: str | None = None, aliases: dict[str, str] | None = None) -> Any:
+    """The engine ``name`` (or the first one) of ``modality``; ``ServiceMissing`` if none."""
+    if name is not None:
+        name = (aliases or {}).get(name, name)
+        engine = engines.get(name)
+        if engine is None or _modality(engine) != modality:
+            raise ServiceMissing(f"no {modality} model named {name!r} is served")
+        return engine
+    for engine in engines.values():
+        if _modality(engine) == modality:
+            return engine
+    raise ServiceMissing(f"no {modality} model is served")
+
+
+@dataclass
+class Services:
+    llm: Any = None
+    asr: Any = None
+    tts: Any = None
+
+    @classmethod
+    def from_engines(
+        cls,
+        engines: dict[str, Any],
+        llm: str | None = None,
+        asr: str | None = None,
+        tts: str | None = None,
+        aliases: dict[str, str] | None = None,
+        need: tuple[str, ...] = ("llm", "asr", "tts"),
+    ) -> Services:
+        """Engines for the pipeline; those in ``need`` must exist, the others are optional."""
+        found: dict[str, Any] = {}
+        for modality, name in (("llm", llm), ("asr", asr), ("tts", tts)):
+            try:
+                found[modality] = pick(engines, modality, name, aliases)
+            except ServiceMissing:
+                if modality in need or name is not None:
+                    raise
+                found[modality] = None
+        return cls(**found)
+
+    async def transcribe(self, samples: np.ndarray) -> str:
+        """Text of one 16 kHz mono utterance."""
+        if self.asr is None:
+            raise ServiceMissing("no asr model is served")
+        from modalities.asr.protocol import ASRRequest
+
+        result = await self.asr.run(ASRRequest(audio=np.asarray(samples, np.float32), sample_rate=ASR_RATE))
+        return str(getattr(result, "text", result))
+
+    async def speak(self, text: str, voice: str | None, sample_rate: int) -> AsyncIterator[np.ndarray]:
+        """Float32 chunks of ``text`` spoken at ``sample_rate``; closing the iterator stops the
+        synthesis inside the TTS engine."""
+        if self.tts is None:
+            raise ServiceMissing("no tts model is served")
+        from modalities.tts.protocol import TTSRequest
+
+        voices = getattr(self.tts, "voices", None) or []
+        stream = self.tts.stream(TTSRequest(text, voice if voice in voices else None, 1.0, sample_rate))
+        try:
+            async for chunk in stream:
+                yield np.asarray(chunk, np.float32)
+        finally:
+            await stream.aclose()
+
+
+class StreamResampler:
+    """Streaming mono float32 resampler (soxr): chunk boundaries do not click."""
+
+    def __init__(self, src: int, dst: int) -> None:
+        import soxr
+
+        self._stream = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ")
+
+    def __call__(self, chunk: np.ndarray) -> np.ndarray:
+        return self._stream.resample_chunk(np.asarray(chunk, np.float32))

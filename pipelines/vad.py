@@ -1,0 +1,95 @@
+"""Turn detection for a live audio stream: ``modalities.vad.VadStream`` events (the shared VAD)
+plus the audio buffer that turns them into utterances, with the Realtime API's ``server_vad``
+knobs (``threshold``, ``prefix_padding_ms``, ``silence_duration_ms``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from modalities.audio import ASR_RATE
+from modalities.vad import VadParams, VadStream, make_classifier
+
+
+@dataclass
+class VADConfig:
+    """``server_vad`` false: no turn detection, audio is buffered until a commit."""
+
+    server_vad: bool = True
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    min_speech_ms: int = 150
+    backend: Literal["webrtc", "silero"] = "webrtc"
+
+
+@dataclass
+class VADEvent:
+    kind: Literal["start", "stop"]
+    ms: int  # start: where speech began (padded); stop: where the utterance ends
+    samples: np.ndarray  # stop: the utterance
+    start_ms: int = 0
+
+
+class VADSegmenter:
+    """Feed 16 kHz float32 chunks of any size; get start/stop events with the utterance audio."""
+
+    def __init__(self, config: VADConfig) -> None:
+        self.config = config
+        self.buf = np.zeros(0, np.float32)  # audio since sample ``buf_start`` of the input
+        self.buf_start = 0
+        self.pos = 0  # samples received
+        self.start = 0  # sample where the current speech began
+        self.stream: VadStream | None = None
+        self.origin = 0  # input sample of the stream's time 0
+
+    def _vad(self) -> VadStream | None:
+        c = self.config
+        if not c.server_vad:
+            self.stream = None
+            return None
+        if self.stream is None:
+            self.stream = VadStream(make_classifier(c.backend), VadParams())
+            self.origin = self.pos
+        p = self.stream.params
+        p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
+        p.min_silence_ms, p.pad_ms = c.silence_duration_ms, c.prefix_padding_ms
+        return self.stream
+
+    def _ms(self, sample: int) -> int:
+        return sample * 1000 // ASR_RATE
+
+    def feed(self, samples: np.ndarray) -> list[VADEvent]:
+        samples = np.asarray(samples, np.float32)
+        self.buf = np.concatenate([self.buf, samples])
+        self.pos += samples.size
+        vad = self._vad()
+        if vad is None:
+            return []
+        out = []
+        for ev in vad.push(samples):
+            at = min(self.pos, max(self.buf_start, self.origin + round(ev.time * ASR_RATE)))
+            if ev.kind == "speech_started":
+                self.start = at
+                out.append(VADEvent("start", self._ms(at), np.zeros(0, np.float32)))
+            else:
+                utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
+                out.append(VADEvent("stop", self._ms(at), utterance, self._ms(self.start)))
+                self.buf, self.buf_start = self.buf[at - self.buf_start :], at
+        if not vad.speaking:  # idle: keep only what a padded start may reach back to
+            keep = (self.config.prefix_padding_ms + self.config.min_speech_ms + 100) * ASR_RATE // 1000
+            if self.buf.size > 2 * keep:
+                drop = self.buf.size - keep
+                self.buf, self.buf_start = self.buf[drop:], self.buf_start + drop
+        return out
+
+    def take(self) -> tuple[np.ndarray, int, int]:
+        """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
+        audio, start = self.buf, self.buf_start
+        self.buf, self.buf_start = np.zeros(0, np.float32), self.pos
+        self.stream = None  # a fresh detector for the next turn
+        return audio, self._ms(start), self._ms(self.pos)
