@@ -1,0 +1,150 @@
+"""``POST /v1/images/generations`` (OpenAI-compatible) and ``POST /v1/videos``.
+
+Both answer synchronously once the generation is done (long work that should not hold a
+connection goes through the job API: kinds ``images.generate`` / ``videos.generate``). Every
+check that needs no compute (body shape, size multiple, frames, steps, n, prompt, cache
+options) runs first and fails with a 400. ``url`` results go to the job result store
+(``workers.jobs``) and are served from ``/v1/files/<id>/content``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway.errors import APIError, from_engine_error, model_not_found
+from modalities.diffusion.protocol import ImageGenerationRequest, VideoGenerationRequest, parse_size
+
+router = APIRouter(tags=["diffusion"], strict_content_type=False)
+
+
+def resolve_engine(request: Request, model: str | None, modality: str) -> tuple[str, Any]:
+    """``(served_name, engine)`` among the engines serving ``modality`` (``image`` or ``video``)."""
+    engines: dict[str, Any] = request.app.state.engines
+    matching = {name: e for name, e in engines.items() if getattr(e, "modality", None) == modality}
+    if model is None:
+        if len(matching) == 1:
+            return next(iter(matching.items()))
+        if not matching:
+            flag = "--image" if modality == "image" else "--video"
+            raise APIError(400, f"no {modality} generation model is served (start with {flag})", param="model")
+        raise APIError(400, "you must provide a model parameter", param="model")
+    name = model if model in engines else getattr(request.app.state, "aliases", {}).get(model, model)
+    if name in matching:
+        return name, matching[name]
+    if name in engines:
+        raise APIError(400, f"the model `{model}` does not generate {modality}s", param="model", code="invalid_model")
+    raise model_not_found(model, list(matching))
+
+
+def _engine_request(body: ImageGenerationRequest | VideoGenerationRequest, n: int, num_frames: int | None) -> Any:
+    from modalities.diffusion.engine import GenerateRequest
+
+    try:
+        width, height = parse_size(body.size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="size", code="invalid_value") from None
+    return GenerateRequest(
+        prompt=body.prompt,
+        negative_prompt=body.negative_prompt or "",
+        n=n,
+        width=width,
+        height=height,
+        num_frames=num_frames,
+        steps=body.num_steps,
+        guidance_scale=body.guidance_scale,
+        seed=body.seed,
+        cache=body.cache,
+        cache_interval=body.cache_interval,
+        request_id=f"gen-{secrets.token_hex(8)}",
+    )
+
+
+async def _generate(engine: Any, req: Any) -> Any:
+    """Validate (400 before compute), then run; engine errors become OpenAI errors."""
+    try:
+        if hasattr(engine, "prepare"):
+            engine.prepare(req)
+        return await engine.run(req)
+    except Exception as exc:
+        mapped = from_engine_error(exc)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def _store(request: Request, prefix: str) -> tuple[Any, str]:
+    """The job result store and a fresh object namespace (a pseudo job id) for one response."""
+    from workers.jobs.api import service
+
+    return service(request.app).store, f"{prefix}-{secrets.token_hex(8)}"
+
+
+def _absolute(request: Request, url: str) -> str:
+    return url if "://" in url else str(request.base_url).rstrip("/") + url
+
+
+@router.post("/v1/images/generations")
+async def images_generations(body: ImageGenerationRequest, request: Request) -> JSONResponse:
+    from modalities.diffusion.media import encode_png
+
+    name, engine = resolve_engine(request, body.model, "image")
+    result = await _generate(engine, _engine_request(body, body.n, None))
+    pngs = await asyncio.to_thread(lambda: [encode_png(img) for img in result.outputs])
+    data: list[dict[str, Any]] = []
+    if body.response_format == "url":
+        store, ns = _store(request, "img")
+        for i, (png, seed) in enumerate(zip(pngs, result.seeds, strict=True)):
+            url = await asyncio.to_thread(store.put, ns, f"image-{i}.png", png, "image/png")
+            data.append({"url": _absolute(request, url), "revised_prompt": None, "seed": seed})
+    else:
+        for png, seed in zip(pngs, result.seeds, strict=True):
+            data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "seed": seed})
+    return JSONResponse(
+        {
+            "created": int(time.time()),
+            "model": name,
+            "data": data,
+            "output_format": "png",
+            "size": f"{result.width}x{result.height}",
+            "steps": result.steps,
+            "cache": result.cache,
+        }
+    )
+
+
+@router.post("/v1/videos", response_model=None)
+async def videos(body: VideoGenerationRequest, request: Request) -> Response:
+    from modalities.diffusion.media import encode_mp4, encode_png
+
+    name, engine = resolve_engine(request, body.model, "video")
+    result = await _generate(engine, _engine_request(body, 1, body.num_frames))
+    frames = result.outputs[0]
+    meta = {
+        "created": int(time.time()),
+        "model": name,
+        "size": f"{result.width}x{result.height}",
+        "num_frames": result.num_frames,
+        "fps": body.fps,
+        "seed": result.seeds[0],
+        "steps": result.steps,
+        "cache": result.cache,
+    }
+    if body.response_format == "frames":
+        pngs = await asyncio.to_thread(lambda: [encode_png(f) for f in frames])
+        return JSONResponse({**meta, "frames": [base64.b64encode(p).decode() for p in pngs]})
+    mp4 = await asyncio.to_thread(encode_mp4, frames, body.fps)
+    if body.response_format == "mp4":
+        headers = {f"x-mmserve-{k.replace('_', '-')}": str(v) for k, v in meta.items() if k != "created"}
+        return Response(mp4, media_type="video/mp4", headers=headers)
+    if body.response_format == "b64_json":
+        return JSONResponse({**meta, "b64_json": base64.b64encode(mp4).decode()})
+    store, ns = _store(request, "vid")
+    url = await asyncio.to_thread(store.put, ns, "video.mp4", mp4, "video/mp4")
+    return JSONResponse({**meta, "url": _absolute(request, url)})
