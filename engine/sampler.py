@@ -24,7 +24,7 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> Non
 
 
 def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> None:
-    """In-place logits processing for one sequence: bias, min_tokens, penalties."""
+    """In-place logits processing for one sequence: bias, min_tokens, begin suppression, penalties."""
     p = seq.params
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
@@ -33,6 +33,8 @@ def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> N
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
         if banned:
             row[torch.tensor(sorted(banned), dtype=torch.long, device=row.device)] = float("-inf")
+    if p.begin_suppress_token_ids and seq.num_output_tokens == 0:
+        row[torch.tensor(p.begin_suppress_token_ids, dtype=torch.long, device=row.device)] = float("-inf")
     _apply_penalties(row, seq, p)
 
 
@@ -96,6 +98,7 @@ class Sampler:
             or p.presence_penalty
             or p.frequency_penalty
             or seq.num_output_tokens < p.min_tokens
+            or (p.begin_suppress_token_ids and seq.num_output_tokens == 0)
         )
 
     @staticmethod

@@ -32,6 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Tokens banned for the first generated token only (Whisper's begin_suppress_tokens).
+    begin_suppress_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

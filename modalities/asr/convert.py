@@ -205,6 +205,7 @@ def convert_whisper_ct2(src: str | Path, dst: str | Path, parts: list[Path] | No
     model.tie_weights()
 
     gen = model.generation_config
+    gen._from_model_config = False  # else loading drops every Whisper-specific key below
     gen.decoder_start_token_id = config.decoder_start_token_id
     gen.eos_token_id = gen.pad_token_id = eot
     gen.no_timestamps_token_id = token_id["<|notimestamps|>"]

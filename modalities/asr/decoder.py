@@ -1,0 +1,153 @@
+"""Whisper's decoder as an engine ``ModelAdapter``: self-attention through the engine's paged KV
+backend, cross-attention over each sequence's encoder output.
+
+The weights are transformers' ``WhisperForConditionalGeneration`` (read, never copied), and the
+math follows its modules op for op (q scaled after the projection, attention with scale 1), so
+greedy tokens match ``generate()``. Cross-attention K/V depend only on the encoder output: they
+are computed once per sequence, on its first step, with one fused matmul for all layers, and kept
+until the encoder-output tensor is released (the request finished) — a weakref finaliser drops
+the cache entry.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model_adapter import ModelAdapter
+
+
+@dataclass
+class _Layer:
+    ln1: nn.LayerNorm
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor
+    w_o: torch.Tensor
+    b_o: torch.Tensor
+    ln2: nn.LayerNorm
+    w_cq: torch.Tensor
+    b_cq: torch.Tensor
+    w_co: torch.Tensor
+    b_co: torch.Tensor
+    ln3: nn.LayerNorm
+    w_fc1: torch.Tensor
+    b_fc1: torch.Tensor
+    w_fc2: torch.Tensor
+    b_fc2: torch.Tensor
+
+
+class WhisperDecoderAdapter(ModelAdapter):
+    """Contract as ``ModelAdapter``; every sequence must carry ``encoder_output`` [frames, d_model]
+    (the Whisper encoder's last hidden state for its 30 s window)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        cfg = model.config
+        dec = model.model.decoder
+        self.model = model  # keeps the weights alive
+        self.num_layers = cfg.decoder_layers
+        self.num_heads = self.num_kv_heads = cfg.decoder_attention_heads
+        self.hidden_size = cfg.d_model
+        self.head_dim = cfg.d_model // cfg.decoder_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.scaling = self.head_dim**-0.5
+        self.act = ACT2FN[cfg.activation_function]
+        self.embed_tokens = dec.embed_tokens
+        self.embed_scale = cfg.d_model**0.5 if cfg.scale_embedding else 1.0
+        self.pos = dec.embed_positions.weight
+        self.final_ln = dec.layer_norm
+        self.lm_head = model.get_output_embeddings().weight
+        suppress = list(getattr(model.generation_config, "suppress_tokens", None) or [])
+        self.suppress = torch.tensor(suppress, dtype=torch.long)
+        self.layers: list[_Layer] = []
+        kv_w, kv_b = [], []
+        for ly in dec.layers:
+            a, c = ly.self_attn, ly.encoder_attn
+            zeros = torch.zeros(a.k_proj.out_features, dtype=a.q_proj.weight.dtype)
+            self.layers.append(
+                _Layer(
+                    ln1=ly.self_attn_layer_norm,
+                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    b_qkv=torch.cat([a.q_proj.bias, zeros, a.v_proj.bias]),
+                    w_o=a.out_proj.weight,
+                    b_o=a.out_proj.bias,
+                    ln2=ly.encoder_attn_layer_norm,
+                    w_cq=c.q_proj.weight,
+                    b_cq=c.q_proj.bias,
+                    w_co=c.out_proj.weight,
+                    b_co=c.out_proj.bias,
+                    ln3=ly.final_layer_norm,
+                    w_fc1=ly.fc1.weight,
+                    b_fc1=ly.fc1.bias,
+                    w_fc2=ly.fc2.weight,
+                    b_fc2=ly.fc2.bias,
+                )
+            )
+            kv_w += [c.k_proj.weight, c.v_proj.weight]
+            kv_b += [torch.zeros_like(c.v_proj.bias), c.v_proj.bias]
+        # All layers' cross K/V projections as one matmul: [L * 2 * d, d].
+        self.w_cross_kv = torch.cat(kv_w)
+        self.b_cross_kv = torch.cat(kv_b)
+        self._cross: dict[int, torch.Tensor] = {}
+
+    # -- cross-attention cache ---------------------------------------------------------------
+    def cross_kv(self, enc: torch.Tensor) -> torch.Tensor:
+        """[L, 2, H, frames, D] cross-attention keys/values for one encoder output (cached)."""
+        key = id(enc)
+        kv = self._cross.get(key)
+        if kv is None:
+            s = enc.shape[0]
+            flat = F.linear(enc.to(self.w_cross_kv.dtype), self.w_cross_kv, self.b_cross_kv)  # [S, L*2*d]
+            kv = flat.view(s, self.num_layers, 2, self.num_heads, self.head_dim).permute(1, 2, 3, 0, 4).contiguous()
+            self._cross[key] = kv
+            weakref.finalize(enc, self._cross.pop, key, None)
+        return kv
+
+    @property
+    def num_cached_cross(self) -> int:
+        return len(self._cross)
+
+    # -- ModelAdapter ------------------------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids) * self.embed_scale
+
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
+    ) -> torch.Tensor:
+        encs = meta.encoder_outputs
+        if len(encs) != meta.num_seqs or any(e is None for e in encs):
+            raise ValueError("every Whisper decoder sequence needs an encoder output")
+        cross = [self.cross_kv(e) for e in encs]  # type: ignore[arg-type]
+        t, hd, nh = embeds.shape[0], self.head_dim, self.num_heads
+        d = self.hidden_size
+        h = embeds + self.pos[positions]
+        for i, ly in enumerate(self.layers):
+            qkv = F.linear(ly.ln1(h), ly.w_qkv, ly.b_qkv)
+            q = (qkv[:, :d] * self.scaling).view(t, nh, hd)
+            k = qkv[:, d : 2 * d].view(t, nh, hd)
+            v = qkv[:, 2 * d :].reshape(t, nh, hd)
+            attn = backend.forward(i, q, k, v, meta, scale=1.0)
+            h = h + F.linear(attn.reshape(t, d), ly.w_o, ly.b_o)
+            cq = (F.linear(ly.ln2(h), ly.w_cq, ly.b_cq) * self.scaling).view(t, nh, hd).transpose(0, 1)  # [H, T, D]
+            out = torch.empty_like(cq)
+            for s in range(meta.num_seqs):
+                lo, hi = meta.query_start[s], meta.query_start[s + 1]
+                kv = cross[s][i]
+                out[:, lo:hi] = F.scaled_dot_product_attention(cq[None, :, lo:hi], kv[0][None], kv[1][None], scale=1.0)[
+                    0
+                ]
+            h = h + F.linear(out.transpose(0, 1).reshape(t, d), ly.w_co, ly.b_co)
+            h = h + F.linear(self.act(F.linear(ly.ln3(h), ly.w_fc1, ly.b_fc1)), ly.w_fc2, ly.b_fc2)
+        return self.final_ln(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.lm_head)
+        if self.suppress.numel():  # generation_config.suppress_tokens, as generate() applies them
+            logits[:, self.suppress] = float("-inf")
+        return logits

@@ -1,0 +1,107 @@
+"""Long audio → ≤30 s windows → one transcript.
+
+``plan_windows`` packs VAD speech spans greedily into windows of at most ``max_s`` seconds
+(WhisperX-style: a window is the original audio from its first span's start to its last span's
+end, so timestamps map back by an offset). A single span longer than a window is cut into
+windows that overlap by ``overlap_s``, each cut placed at the quietest 20 ms inside the last
+``search_s`` seconds, so a cut rarely lands inside a word and any word it does split is heard
+whole by the next window. ``stitch`` drops the words the overlap made both windows transcribe,
+by aligning the end of one text with the start of the next.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+RATE = 16_000
+
+
+@dataclass(frozen=True)
+class Window:
+    start: float  # seconds in the original audio
+    end: float
+    overlaps_prev: bool = False  # starts inside the previous window (a long span was split)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def _quietest(audio: np.ndarray, lo: float, hi: float) -> float:
+    """Centre (s) of the lowest-energy 20 ms frame in [lo, hi)."""
+    frame = RATE // 50
+    a, b = int(lo * RATE), int(hi * RATE)
+    seg = audio[a:b]
+    n = len(seg) // frame
+    if n < 1:
+        return hi
+    energy = (seg[: n * frame].reshape(n, frame) ** 2).mean(axis=1)
+    return (a + int(energy.argmin()) * frame + frame // 2) / RATE
+
+
+def _split_long(
+    audio: np.ndarray, start: float, end: float, max_s: float, overlap_s: float, search_s: float
+) -> list[Window]:
+    out: list[Window] = []
+    cur = start
+    while end - cur > max_s:
+        cut = _quietest(audio, cur + max_s - search_s, cur + max_s)
+        out.append(Window(cur, cut, overlaps_prev=bool(out)))
+        cur = cut - overlap_s
+    out.append(Window(cur, end, overlaps_prev=bool(out)))
+    return out
+
+
+def plan_windows(
+    audio: np.ndarray,
+    spans: list[tuple[float, float]],
+    max_s: float = 30.0,
+    overlap_s: float = 2.0,
+    search_s: float = 5.0,
+) -> list[Window]:
+    """Windows covering every speech span, each ≤ ``max_s`` long, in time order."""
+    windows: list[Window] = []
+    cur: tuple[float, float] | None = None
+    for start, end in spans:
+        if end - start > max_s:
+            if cur is not None:
+                windows.append(Window(*cur))
+                cur = None
+            windows.extend(_split_long(audio, start, end, max_s, overlap_s, search_s))
+        elif cur is not None and end - cur[0] <= max_s:
+            cur = (cur[0], end)
+        else:
+            if cur is not None:
+                windows.append(Window(*cur))
+            cur = (start, end)
+    if cur is not None:
+        windows.append(Window(*cur))
+    return windows
+
+
+_WORD = re.compile(r"[^\w']+")
+
+
+def _norm(word: str) -> str:
+    return _WORD.sub("", word.lower())
+
+
+def stitch(prev: str, nxt: str, tail_words: int = 12, min_match: int = 2) -> tuple[str, str]:
+    """Resolve the overlap between two consecutive overlapping window texts: returns ``(prev',
+    nxt')`` where the words both transcribed appear once (kept from ``nxt``, which heard them
+    whole) and anything ``prev`` said after them (a word cut at the window end) is dropped. With
+    no common words, both are returned unchanged."""
+    a, b = prev.split(), nxt.split()
+    if not a or not b:
+        return prev, nxt
+    ta = len(a) - min(tail_words, len(a))
+    na = [_norm(w) for w in a[ta:]]
+    nb = [_norm(w) for w in b[: min(tail_words, len(b))]]
+    match = max(difflib.SequenceMatcher(None, na, nb, autojunk=False).get_matching_blocks(), key=lambda m: m.size)
+    if match.size < min_match or not any(na[match.a : match.a + match.size]):
+        return prev, nxt
+    return " ".join(a[: ta + match.a]), " ".join(b[match.b :])
