@@ -26,6 +26,11 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> Non
 def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> None:
     """In-place logits processing for one sequence: bias, min_tokens, begin suppression, penalties."""
     p = seq.params
+    if p.allowed_token_ids is not None:
+        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[keep]
+        row.fill_(float("-inf"))
+        row[keep] = kept
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
@@ -93,7 +98,8 @@ class Sampler:
     def _needs_processing(self, seq: Sequence) -> bool:
         p = seq.params
         return bool(
-            p.logit_bias
+            p.allowed_token_ids is not None
+            or p.logit_bias
             or p.repetition_penalty != 1.0
             or p.presence_penalty
             or p.frequency_penalty

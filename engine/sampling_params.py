@@ -23,6 +23,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    # Only these ids may be sampled (vLLM's allowed_token_ids; e.g. audio-codec tokens for AR TTS).
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     logprobs: int | None = None
     max_tokens: int | None = 16
@@ -63,6 +65,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
         ]
         for ok, message in checks:
             if not ok:

@@ -115,7 +115,8 @@ def validation_error(request: Request, exc: RequestValidationError) -> APIError:
     """Turn FastAPI/pydantic validation errors into one readable 400 (or 415 for non-JSON)."""
     errors = list(exc.errors())
     content_type = request.headers.get("content-type")
-    if not _is_json_content_type(content_type):
+    form = (content_type or "").lower().startswith(("multipart/form-data", "application/x-www-form-urlencoded"))
+    if not _is_json_content_type(content_type) and not form:  # form routes (uploads) report the field
         return APIError(415, f"unsupported media type {content_type!r}: send the body as application/json")
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid")

@@ -36,7 +36,6 @@ never costs compute. ``engines`` are the gateway's engines (remote proxies under
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import threading
 from collections.abc import Awaitable, Callable
@@ -139,7 +138,8 @@ class JobContext:
     sync ``run`` (a worker thread) or an async one alike.
 
     - ``engines``: served name -> engine of the process running the job (the gateway's
-      ``app.state.engines`` in local mode, the worker's engines under celery).
+      ``app.state.engines`` in local mode, the worker's engines under celery); ``aliases``: extra
+      accepted model names -> served name.
     - ``store``: the result store; ``store.put(job_id, name, data, content_type) -> url``.
     - ``progress(step, total, preview=None)``: report progress (streamed to SSE/WebSocket clients
       in order); ``preview`` bytes are kept only when the client asked (``wants_preview``).
@@ -151,11 +151,11 @@ class JobContext:
     params: dict[str, Any]
     engines: dict[str, Any]
     store: ResultStore
+    aliases: dict[str, str] = field(default_factory=dict)
     attempt: int = 1
     wants_preview: bool = False
     on_progress: Callable[[ProgressEvent], None] = field(default=lambda ev: None, repr=False)
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
-    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     def progress(self, step: int, total: int, preview: bytes | None = None, preview_type: str = "image/png") -> None:
         """Report ``step`` of ``total`` done (raises ``JobCancelled`` if the job was cancelled)."""

@@ -1,0 +1,286 @@
+"""The job system under the local runner, over real HTTP (uvicorn on a loopback port): /v1/jobs
+(submit, status, SSE and WebSocket progress, cancel, idempotency, errors), /v1/files and
+/v1/batches with the real embedding model (batch output equals /v1/embeddings)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import websockets.sync.client
+
+from modalities.embed.engine import EmbeddingEngine
+from modalities.embed.model import DEFAULT_EMBED
+from tests import test_jobs_kinds as kinds
+from tests.helpers import serve_app
+
+API_KEY = "jobs-key"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from gateway.app import create_app
+    from modalities.embed.api import router as embed_router
+    from workers.jobs.plugin import router as jobs_router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    engine = EmbeddingEngine.from_path(None)
+    app = create_app({DEFAULT_EMBED: engine}, api_key=API_KEY, routers=[embed_router, jobs_router])
+    root = tmp_path_factory.mktemp("results")
+    app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
+    with serve_app(app) as url:
+        yield url
+
+
+def post(base: str, path: str, body: Any, **kw: Any) -> httpx.Response:
+    return httpx.post(f"{base}{path}", json=body, headers={**HEADERS, **kw.pop("headers", {})}, timeout=30, **kw)
+
+
+def get(base: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.get(f"{base}{path}", headers=HEADERS, timeout=30, **kw)
+
+
+def wait(base: str, job_id: str, statuses: tuple[str, ...] = ("succeeded", "failed", "cancelled")) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        job = get(base, f"/v1/jobs/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.02)
+    raise AssertionError(f"job {job_id} did not reach {statuses}: {job}")
+
+
+def sse(base: str, path: str) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    with httpx.stream("GET", f"{base}{path}", headers=HEADERS, timeout=30) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        name = ""
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    return events
+
+
+def error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("kind", ["test.steps", "test.sync_steps"])
+def test_submit_runs_and_reports(base: str, kind: str) -> None:
+    resp = post(base, "/v1/jobs", {"kind": kind, "params": {"steps": 4}})
+    assert resp.status_code == 202, resp.text
+    job = resp.json()
+    assert job["id"].startswith("job_") and job["status"] in ("queued", "running", "succeeded")
+    assert resp.headers["location"] == f"/v1/jobs/{job['id']}"
+    done = wait(base, job["id"])
+    assert done["status"] == "succeeded" and done["attempts"] == 1 and done["error"] is None
+    assert done["progress"] == {"step": 4, "total": 4} and done["result"]["steps"] == 4
+    assert done["timings"]["queue_s"] >= 0 and done["timings"]["run_s"] > 0
+    if kind == "test.steps":  # result files are fetched by URL
+        (f,) = done["files"]
+        assert done["result"]["url"] == f["url"] and f["name"] == "out.txt" and f["bytes"] == len(b"4 steps, attempt 1")
+        content = get(base, f["url"])
+        assert content.status_code == 200 and content.content == b"4 steps, attempt 1"
+        assert content.headers["content-type"].startswith("text/plain")
+        assert get(base, f"/v1/files/{f['id']}").json()["purpose"] == "job_result"
+
+
+def test_sse_progress_in_order_with_previews_on_request(base: str) -> None:
+    job = post(base, "/v1/jobs", {"kind": "test.steps", "params": {"steps": 6}, "preview": True}).json()
+    events = sse(base, f"/v1/jobs/{job['id']}/events?previews=true")
+    assert [e[1]["status"] for e in events if e[0] == "status"] == ["queued", "running", "succeeded"]
+    progress = [e[1] for e in events if e[0] == "progress"]
+    assert [(p["step"], p["total"]) for p in progress] == [(i, 6) for i in range(1, 7)]
+    assert [p["preview"] for p in progress] == ["AA==", "AQ==", "Ag==", "Aw==", "BA==", "BQ=="]  # bytes([i]) in b64
+    assert [e[0] for e in events][-1] == "status"  # the stream ends with the final status
+    # without ?previews the same log comes back without preview payloads
+    assert all("preview" not in e[1] for e in sse(base, f"/v1/jobs/{job['id']}/events"))
+
+
+def test_websocket_events_and_cancel(base: str) -> None:
+    job = post(base, "/v1/jobs", {"kind": "test.steps", "params": {"steps": 2000, "delay": 0.01}}).json()
+    url = base.replace("http://", "ws://") + f"/v1/jobs/{job['id']}/ws"
+    seen = []
+    with websockets.sync.client.connect(url, additional_headers=HEADERS) as ws:
+        for raw in ws:
+            ev = json.loads(raw)
+            seen.append(ev)
+            if ev["type"] == "progress" and ev["step"] == 3:
+                ws.send(json.dumps({"type": "cancel"}))
+    assert seen[-1] == {**seen[-1], "type": "status", "status": "cancelled"}
+    assert wait(base, job["id"])["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("kind", ["test.steps", "test.sync_steps"])
+def test_cancel_stops_a_running_job(base: str, kind: str) -> None:
+    tag = f"cancel-{kind}"
+    job = post(base, "/v1/jobs", {"kind": kind, "params": {"steps": 5000, "delay": 0.005, "tag": tag}}).json()
+    wait(base, job["id"], ("running",))
+    time.sleep(0.1)
+    resp = post(base, f"/v1/jobs/{job['id']}/cancel", None)
+    assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
+    time.sleep(0.2)  # a sync job stops at its next progress report
+    step = get(base, f"/v1/jobs/{job['id']}").json()["progress"]["step"]
+    time.sleep(0.3)
+    after = get(base, f"/v1/jobs/{job['id']}").json()
+    assert after["status"] == "cancelled" and after["progress"]["step"] == step < 5000  # it stopped
+    assert kinds.RUNS[tag] == 1
+    assert post(base, f"/v1/jobs/{job['id']}/cancel", None).status_code == 200  # idempotent
+
+
+def test_idempotency_key_returns_the_same_job(base: str) -> None:
+    body = {"kind": "test.steps", "params": {"steps": 3, "tag": "idem"}}
+    first = post(base, "/v1/jobs", body, headers={"Idempotency-Key": "k-1"})
+    again = [post(base, "/v1/jobs", body, headers={"Idempotency-Key": "k-1"}) for _ in range(3)]
+    assert {r.json()["id"] for r in again} == {first.json()["id"]}
+    assert all(r.status_code == 202 and r.headers["idempotent-replayed"] == "true" for r in again)
+    wait(base, first.json()["id"])
+    assert kinds.RUNS["idem"] == 1  # no duplicate work
+    assert post(base, "/v1/jobs", body, headers={"Idempotency-Key": "k-1"}).json()["status"] == "succeeded"
+    other = {"kind": "test.steps", "params": {"steps": 4, "tag": "idem"}}
+    assert error(post(base, "/v1/jobs", other, headers={"Idempotency-Key": "k-1"}), 409)["param"] == "Idempotency-Key"
+
+
+def test_failed_job_reports_the_error(base: str) -> None:
+    job = post(base, "/v1/jobs", {"kind": "test.steps", "params": {"steps": 2, "fail": True}}).json()
+    done = wait(base, job["id"])
+    assert done["status"] == "failed" and done["attempts"] == 1
+    assert done["error"]["message"] == "RuntimeError: boom"
+    assert error(post(base, f"/v1/jobs/{job['id']}/cancel", None), 409)["code"] == "job_finished"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"kind": "nope"}, "kind"),
+        ({"params": {}}, "kind"),
+        ({"kind": "test.steps", "params": {"steps": 0}}, "params"),
+        ({"kind": "test.steps", "params": []}, "params"),
+        ({"kind": "test.steps", "extra": 1}, "extra"),
+    ],
+)
+def test_bad_job_requests(base: str, body: dict[str, Any], param: str) -> None:
+    assert error(post(base, "/v1/jobs", body), 400)["param"] == param
+
+
+def test_unknown_ids_and_auth(base: str) -> None:
+    for path in (
+        "/v1/jobs/job_nope",
+        "/v1/jobs/job_nope/events",
+        "/v1/files/file-nope",
+        "/v1/files/x/content",
+        "/v1/batches/batch_nope",
+        "/v1/files/file-job_x--out.txt/content",
+        "/v1/files/..%2Fetc",
+    ):
+        error(get(base, path), 404)
+    error(post(base, "/v1/jobs/job_nope/cancel", None), 404)
+    error(httpx.post(f"{base}/v1/jobs", json={"kind": "test.steps"}), 401)
+    resp = httpx.post(f"{base}/v1/jobs", content=b"{not json", headers={**HEADERS, "content-type": "application/json"})
+    error(resp, 400)
+
+
+# -- files and batches with the real embedding model ------------------------------------------------
+
+TEXTS = ["Hello world.", "A much longer passage that keeps going. " * 8, "short", "naïve café", "ok", "x " * 100]
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_embeddings_batch_equals_the_online_endpoint(base: str, tmp_path: Path) -> None:
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": DEFAULT_EMBED, "input": text, **({"dimensions": 64} if i % 2 else {})},
+        }
+        for i, text in enumerate(TEXTS)
+    ]
+    lines.append(
+        {
+            "custom_id": "bad",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": DEFAULT_EMBED, "input": "x", "dimensions": 9999},
+        }
+    )
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    c = client(base)
+    upload = c.files.create(file=path.open("rb"), purpose="batch")
+    assert upload.bytes == path.stat().st_size and upload.purpose == "batch"
+    assert c.files.content(upload.id).content == path.read_bytes()
+    batch = c.batches.create(
+        input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h", metadata={"who": "test"}
+    )
+    assert batch.id.startswith("batch_") and batch.request_counts.total == len(lines)
+    deadline = time.monotonic() + 60
+    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(TEXTS), 1)
+    assert batch.metadata == {"who": "test"} and c.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    out = [json.loads(x) for x in c.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(len(TEXTS))]  # input order
+    for o, line in zip(out, lines, strict=False):
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        online = post(base, "/v1/embeddings", line["body"]).json()
+        got = np.array(o["response"]["body"]["data"][0]["embedding"], dtype=np.float32)
+        want = np.array(online["data"][0]["embedding"], dtype=np.float32)
+        assert got.shape == want.shape and np.allclose(got, want, atol=1e-6)
+        assert o["response"]["body"]["usage"] == online["usage"]
+    (err,) = [json.loads(x) for x in c.files.content(batch.error_file_id).text.splitlines()]
+    assert err["custom_id"] == "bad" and err["response"]["status_code"] == 400
+    assert err["response"]["body"]["error"]["param"] == "dimensions"
+
+
+@pytest.mark.parametrize(
+    ("content", "endpoint", "needle"),
+    [
+        (b"{not json}\n", "/v1/embeddings", "line 1: not valid JSON"),
+        (b'{"custom_id": "a", "url": "/v1/completions", "body": {}}\n', "/v1/embeddings", "line 1: 'url'"),
+        (b'{"custom_id": "a", "url": "/v1/embeddings", "body": {}}\n' * 2, "/v1/embeddings", "duplicate custom_id"),
+        (b"\n\n", "/v1/embeddings", "no requests"),
+        (b'{"custom_id": "a", "url": "/v1/embeddings", "body": {}}\n', "/v1/images", "endpoint must be"),
+    ],
+)
+def test_bad_batches_are_400(base: str, content: bytes, endpoint: str, needle: str) -> None:
+    files = {"file": ("in.jsonl", content, "application/jsonl")}
+    up = httpx.post(f"{base}/v1/files", files=files, data={"purpose": "batch"}, headers=HEADERS, timeout=30)
+    assert up.status_code == 200, up.text
+    body = {"input_file_id": up.json()["id"], "endpoint": endpoint, "completion_window": "24h"}
+    assert needle in error(post(base, "/v1/batches", body), 400)["message"]
+
+
+def test_bad_uploads(base: str) -> None:
+    def upload(name: str, content: bytes, purpose: str) -> httpx.Response:
+        files = {"file": (name, content, "application/octet-stream")}
+        return httpx.post(f"{base}/v1/files", files=files, data={"purpose": purpose}, headers=HEADERS, timeout=30)
+
+    assert error(upload("a.jsonl", b"{}", "fine-tune-nope"), 400)["param"] == "purpose"
+    assert error(upload("a.txt", b"{}", "batch"), 400)["param"] == "file"
+    assert error(upload("a.jsonl", b"", "batch"), 400)["param"] == "file"
+    no_file = httpx.post(f"{base}/v1/files", files={"purpose": (None, "batch")}, headers=HEADERS)
+    assert error(no_file, 400)["param"] == "file"
+    missing = {"input_file_id": "file-nope", "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    error(post(base, "/v1/batches", missing), 404)
+    up = upload("a.jsonl", b'{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}\n', "batch").json()
+    assert client(base).files.delete(up["id"]).deleted
+    error(get(base, f"/v1/files/{up['id']}"), 404)

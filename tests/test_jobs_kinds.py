@@ -1,0 +1,47 @@
+"""Job kinds used by the job tests (pure logic: counting steps). Imported by the test process and,
+through ``MMSERVE_JOB_MODULES``, by the Celery workers the tests start. No tests here."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+from workers.jobs import JobContext, register_job_kind
+
+RUNS: Counter[str] = Counter()  # executions per params["tag"] in this process
+
+
+async def steps(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
+    """``steps`` steps of ``delay`` seconds, a progress event (with a 1-byte preview) after each,
+    then a text result file."""
+    RUNS[params.get("tag", "")] += 1
+    n = int(params.get("steps", 3))
+    for i in range(n):
+        await asyncio.sleep(float(params.get("delay", 0.01)))
+        ctx.progress(i + 1, n, preview=bytes([i % 256]))
+    if params.get("fail"):
+        raise RuntimeError("boom")
+    url = ctx.store.put(ctx.job_id, "out.txt", f"{n} steps, attempt {ctx.attempt}".encode(), "text/plain")
+    return {"steps": n, "url": url, "attempt": ctx.attempt}
+
+
+def sync_steps(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
+    """The same on a worker thread (cooperative cancellation through ``progress``)."""
+    RUNS[params.get("tag", "")] += 1
+    n = int(params.get("steps", 3))
+    for i in range(n):
+        time.sleep(float(params.get("delay", 0.01)))
+        ctx.progress(i + 1, n)
+    return {"steps": n}
+
+
+def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(params.get("steps", 3), int) or not 0 < params.get("steps", 3) <= 10_000:
+        raise ValueError("steps must be an integer in [1, 10000]")
+    return params
+
+
+register_job_kind("test.steps", "embed", steps, validate=validate, concurrency=4)
+register_job_kind("test.sync_steps", "embed", sync_steps, validate=validate, concurrency=2)

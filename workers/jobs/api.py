@@ -1,0 +1,328 @@
+"""``/v1/jobs`` (long jobs of any registered kind) and ``/v1/files`` (uploads and job outputs).
+
+- ``POST /v1/jobs`` ``{"kind", "params", "preview"}`` (+ optional ``Idempotency-Key`` header) ->
+  202 and the job at once; the same key returns the same job (409 if reused with other params).
+- ``GET /v1/jobs/{id}``: status (queued/running/succeeded/failed/cancelled), progress, result,
+  files (with URLs), timings, attempts, error.
+- ``GET /v1/jobs/{id}/events``: Server-Sent Events from the start (or ``Last-Event-ID`` / ``?after=``)
+  until the job ends; previews are included with ``?previews=true``. ``WS /v1/jobs/{id}/ws``: the
+  same events as JSON messages; send ``{"type": "cancel"}`` to cancel.
+- ``POST /v1/jobs/{id}/cancel``.
+- ``POST /v1/files`` (multipart ``file`` + ``purpose``), ``GET /v1/files/{id}``,
+  ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}`` (OpenAI Files API).
+
+``workers.jobs.batch`` adds the ``/v1/batches`` routes to this router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Header, Query, Request, UploadFile, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import APIError
+from workers.jobs import state
+from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService
+from workers.jobs.store import UPLOADS, check_name, parse_file_id
+
+router = APIRouter(tags=["jobs"], strict_content_type=False)
+
+MAX_UPLOAD_BYTES = 200 << 20
+FILE_PURPOSES = ("batch", "user_data")
+
+
+def service(app: Any) -> JobService:
+    """The app's job service, created on first use from ``app.state.args`` (``mmserve serve``
+    options) or defaults; tests may set ``app.state.jobs`` themselves."""
+    svc = getattr(app.state, "jobs", None)
+    if svc is None:
+        from workers.jobs.plugin import config_from_args
+
+        args = getattr(app.state, "args", None)
+        cfg = config_from_args(args) if args is not None else JobsConfig()
+        svc = JobService(cfg, app.state.engines, getattr(app.state, "aliases", {}))
+        app.state.jobs = svc
+    return svc
+
+
+def job_view(rec: state.Record) -> dict[str, Any]:
+    """The public job object (no internal tokens or leases)."""
+    started, finished = rec["started_at"], rec["finished_at"]
+    return {
+        "id": rec["id"],
+        "object": "job",
+        "kind": rec["kind"],
+        "status": rec["status"],
+        "created_at": rec["created_at"],
+        "started_at": started,
+        "finished_at": finished,
+        "timings": {
+            "queue_s": round(started - rec["created_at"], 6) if started else None,
+            "run_s": round(finished - started, 6) if started and finished else None,
+        },
+        "attempts": rec["attempts"],
+        "max_attempts": rec["max_attempts"],
+        "progress": rec["progress"],
+        "result": rec["result"],
+        "files": rec["files"],
+        "error": rec["error"] if rec["status"] in ("failed", "queued") else None,
+        "params": rec["params"],
+    }
+
+
+def not_found(what: str, ident: str) -> APIError:
+    return APIError(404, f"No {what} found with id '{ident}'.", code="not_found")
+
+
+async def get_job_or_404(svc: JobService, job_id: str) -> state.Record:
+    try:
+        rec = await svc.get(job_id)
+    except Exception as exc:  # noqa: BLE001 - Redis unreachable
+        raise unavailable(exc) from exc
+    if rec is None:
+        raise not_found("job", job_id)
+    return rec
+
+
+def unavailable(exc: BaseException) -> APIError:
+    return APIError(
+        503, f"the job store is unavailable: {exc}", code="service_unavailable", headers={"Retry-After": "1"}
+    )
+
+
+async def submit_or_raise(
+    svc: JobService,
+    kind: str,
+    params: dict[str, Any],
+    key: str | None,
+    *,
+    preview: bool = False,
+    id_prefix: str = "job",
+) -> tuple[state.Record, bool]:
+    """``JobService.submit`` with its errors as OpenAI error JSON."""
+    if key is not None and not (0 < len(key) <= 255):
+        raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
+    try:
+        return await svc.submit(kind, params, idempotency_key=key, wants_preview=preview, id_prefix=id_prefix)
+    except KeyError as exc:
+        known = ", ".join(sorted(_kinds())) or "(none)"
+        raise APIError(
+            400, f"unknown job kind {kind!r}; registered kinds: {known}", param="kind", code="invalid_value"
+        ) from exc
+    except IdempotencyConflict as exc:
+        raise APIError(
+            409,
+            f"Idempotency-Key was already used for job {exc.args[0]} with different parameters",
+            param="Idempotency-Key",
+            code="idempotency_conflict",
+        ) from exc
+    except APIError:
+        raise
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="params", code="invalid_value") from exc
+    except (ConnectionError, OSError) as exc:
+        raise unavailable(exc) from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith(("redis", "kombu", "celery")):
+            raise unavailable(exc) from exc
+        raise
+
+
+def _kinds() -> list[str]:
+    from workers.jobs.registry import job_kinds
+
+    return list(job_kinds())
+
+
+class JobRequest(BaseModel):
+    """``POST /v1/jobs`` body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+    preview: bool = False
+
+
+@router.post("/v1/jobs", status_code=202)
+async def create_job(
+    body: JobRequest, request: Request, idempotency_key: str | None = Header(default=None, alias="Idempotency-Key")
+) -> JSONResponse:
+    """Queue a job; 202 with the job object at once."""
+    svc = service(request.app)
+    rec, created = await submit_or_raise(svc, body.kind, body.params, idempotency_key, preview=body.preview)
+    headers = {"Location": f"/v1/jobs/{rec['id']}"}
+    if not created:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(job_view(rec), status_code=202, headers=headers)
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(job_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(job_view(await get_job_or_404(service(request.app), job_id)))
+
+
+@router.post("/v1/jobs/{job_id}/cancel")
+async def cancel_job(job_id: str, request: Request) -> JSONResponse:
+    """Cancel a queued or running job (409 when it already ended)."""
+    svc = service(request.app)
+    rec = await get_job_or_404(svc, job_id)
+    if rec["status"] in state.TERMINAL and rec["status"] != "cancelled":
+        raise APIError(409, f"job {job_id} already {rec['status']}", code="job_finished")
+    rec = await svc.cancel(job_id)
+    assert rec is not None
+    return JSONResponse(job_view(rec))
+
+
+def _public_event(ev: dict[str, Any], previews: bool) -> dict[str, Any]:
+    if not previews and "preview" in ev:
+        ev = {k: v for k, v in ev.items() if k not in ("preview", "preview_type")}
+    return ev
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(
+    job_id: str,
+    request: Request,
+    previews: bool = Query(default=False),
+    after: str | None = Query(default=None),
+    last_event_id: str | None = Header(default=None, alias="Last-Event-ID"),
+) -> StreamingResponse:
+    """SSE: ``event: status|progress``, ``id: <cursor>``, ``data: <json>``; closes after the end."""
+    svc = service(request.app)
+    await get_job_or_404(svc, job_id)
+
+    async def stream() -> AsyncIterator[str]:
+        async for cursor, ev in svc.backend.events(job_id, after or last_event_id):
+            data = json.dumps(_public_event(ev, previews))
+            yield f"id: {cursor}\nevent: {ev.get('type', 'message')}\ndata: {data}\n\n"
+
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+@router.websocket("/v1/jobs/{job_id}/ws")
+async def job_ws(websocket: WebSocket, job_id: str, previews: bool = False) -> None:
+    """The job's events as JSON messages; ``{"type": "cancel"}`` from the client cancels it."""
+    svc = service(websocket.app)
+    await websocket.accept()
+    if await svc.get(job_id) is None:
+        await websocket.send_json(not_found("job", job_id).to_dict())
+        await websocket.close(code=4404)
+        return
+
+    async def listen() -> None:
+        while True:
+            msg = await websocket.receive_json()
+            if isinstance(msg, dict) and msg.get("type") == "cancel":
+                await svc.cancel(job_id)
+
+    listener = asyncio.create_task(listen())
+    try:
+        async for cursor, ev in svc.backend.events(job_id):
+            await websocket.send_json({"id": cursor, **_public_event(ev, previews)})
+        await websocket.close()
+    except WebSocketDisconnect:
+        pass
+    finally:
+        listener.cancel()
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+async def file_object(svc: JobService, fid: str) -> dict[str, Any]:
+    """The OpenAI file object for an upload or a job output (404 when unknown)."""
+    try:
+        job_id, name = parse_file_id(fid)
+    except ValueError as exc:
+        raise not_found("file", fid) from exc
+    if job_id == UPLOADS:
+        meta = await svc.backend.get_meta(f"file:{fid}")
+        if meta is None:
+            raise not_found("file", fid)
+        return meta
+    rec = await svc.get(job_id)
+    info = next((f for f in rec["files"] if f["name"] == name), None) if rec else None
+    if rec is None or info is None:
+        raise not_found("file", fid)
+    purpose = "batch_output" if rec["kind"].startswith("batch:") else "job_result"
+    return {
+        "id": fid,
+        "object": "file",
+        "bytes": info["bytes"],
+        "created_at": int(rec["finished_at"] or time.time()),
+        "filename": name,
+        "purpose": purpose,
+        "status": "processed",
+    }
+
+
+@router.post("/v1/files")
+async def upload_file(
+    request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
+) -> JSONResponse:
+    """OpenAI ``POST /v1/files`` (multipart): stores the upload, returns the file object."""
+    svc = service(request.app)
+    if purpose not in FILE_PURPOSES:
+        raise APIError(400, f"purpose must be one of {', '.join(FILE_PURPOSES)}", param="purpose")
+    data = await file.read(MAX_UPLOAD_BYTES + 1)
+    if len(data) > MAX_UPLOAD_BYTES:
+        raise APIError(413, f"files are limited to {MAX_UPLOAD_BYTES >> 20} MiB", param="file")
+    if not data:
+        raise APIError(400, "the uploaded file is empty", param="file")
+    if purpose == "batch" and not (file.filename or "").endswith(".jsonl"):
+        raise APIError(400, "batch input files must be JSONL (a .jsonl filename)", param="file")
+    fid = f"file-{uuid.uuid4().hex[:24]}"
+    await asyncio.to_thread(svc.store.put, UPLOADS, fid, data, file.content_type or "application/octet-stream")
+    obj = {
+        "id": fid,
+        "object": "file",
+        "bytes": len(data),
+        "created_at": int(time.time()),
+        "filename": file.filename or "upload",
+        "purpose": purpose,
+        "status": "processed",
+    }
+    await svc.backend.put_meta(f"file:{fid}", obj)
+    return JSONResponse(obj)
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(await file_object(service(request.app), file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def get_file_content(file_id: str, request: Request) -> Response:
+    """The file's bytes (uploads, batch outputs, job results)."""
+    svc = service(request.app)
+    obj = await file_object(svc, file_id)
+    job_id, name = parse_file_id(file_id)
+    try:
+        data, content_type = await asyncio.to_thread(svc.store.get, job_id, check_name(name))
+    except FileNotFoundError as exc:
+        raise not_found("file content", file_id) from exc
+    return Response(
+        data, media_type=content_type, headers={"Content-Disposition": f'inline; filename="{obj["filename"]}"'}
+    )
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, request: Request) -> JSONResponse:
+    """Delete an uploaded file (job outputs go with their job)."""
+    svc = service(request.app)
+    obj = await file_object(svc, file_id)
+    if obj["purpose"] not in FILE_PURPOSES:
+        raise APIError(400, "job outputs cannot be deleted one by one", param="file_id")
+    await asyncio.to_thread(svc.store.delete, UPLOADS, file_id)
+    await svc.backend.delete_meta(f"file:{file_id}")
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})

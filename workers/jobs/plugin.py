@@ -1,0 +1,53 @@
+"""Batch/long-job plugin: the ``/v1/jobs``, ``/v1/files`` and ``/v1/batches`` routes and their options.
+
+Jobs follow the gateway's ``--dispatch``: ``local`` runs them in the gateway process (state in
+memory), ``celery`` on ``mmserve worker`` processes of each kind's modality (state in Redis at
+``--redis-url``, queues under ``--prefix``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from workers.jobs import batch
+from workers.jobs.runner import JobsConfig
+
+__all__ = ["add_serve_args", "config_from_args", "router"]
+
+router = batch.router  # the /v1/jobs and /v1/files routes, plus /v1/batches
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("jobs")
+    g.add_argument("--results-dir", default=None, help="job result store directory (default $MMSERVE_CACHE/results)")
+    g.add_argument("--results-s3-bucket", default=None, help="store job results in this S3-compatible bucket")
+    g.add_argument("--results-s3-endpoint", default=None, help="S3 endpoint URL (MinIO, Ceph, ...); default AWS")
+    g.add_argument("--results-s3-prefix", default="mmserve/", help="key prefix inside the bucket")
+    g.add_argument("--jobs-max-attempts", type=int, default=3, help="attempts per job before it is failed")
+    g.add_argument("--jobs-lease-s", type=float, default=30.0, help="a job whose worker is silent this long is retried")
+
+
+def config_from_args(args: Any) -> JobsConfig:
+    """The job settings for ``mmserve serve`` options (missing ones take the defaults)."""
+    store = None
+    if getattr(args, "results_s3_bucket", None):
+        store = {
+            "type": "s3",
+            "bucket": args.results_s3_bucket,
+            "prefix": args.results_s3_prefix,
+            "endpoint_url": args.results_s3_endpoint,
+            "region": None,
+        }
+    elif getattr(args, "results_dir", None):
+        store = {"type": "local", "root": str(args.results_dir)}
+    prefix = getattr(args, "prefix", None) or "mmserve"
+    return JobsConfig(
+        dispatch=getattr(args, "dispatch", "local") or "local",
+        redis_url=getattr(args, "redis_url", None) or JobsConfig.redis_url,
+        key_prefix=f"{prefix}:jobs",
+        queue_prefix=prefix,
+        store=store,
+        max_attempts=getattr(args, "jobs_max_attempts", 3),
+        lease_s=getattr(args, "jobs_lease_s", 30.0),
+    )

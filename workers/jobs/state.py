@@ -1,0 +1,380 @@
+"""Job state: records, their transitions, and where they live (memory for the local runner, Redis
+for celery).
+
+A job record is a JSON-serialisable dict (see ``new_record``). Every change goes through a pure
+transition function ``fn(record) -> new record | None`` applied atomically by the backend
+(``update``): in memory trivially, in Redis with WATCH/MULTI on the record key, so the gateway's
+reaper, the worker's heartbeat and a client's cancel never overwrite each other. Each attempt has a
+``token``: a worker only moves a job it claimed with the current token, so a stale (redelivered or
+requeued) Celery message does nothing.
+
+Events (status changes, progress) are an ordered log per job: a list in memory, a Redis Stream
+(``<prefix>:events:<id>``) in Redis. ``events(id, after)`` yields them from a cursor and ends after
+the terminal status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+Record = dict[str, Any]
+Transition = Callable[[Record], "Record | None"]
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+STATUSES = ("queued", "running", *TERMINAL)
+
+
+def new_id(prefix: str = "job") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def new_record(
+    job_id: str,
+    kind: str,
+    modality: str,
+    params: dict[str, Any],
+    *,
+    max_attempts: int,
+    wants_preview: bool = False,
+    idempotency_key: str | None = None,
+) -> Record:
+    return {
+        "id": job_id,
+        "object": "job",
+        "kind": kind,
+        "modality": modality,
+        "status": "queued",
+        "params": params,
+        "idempotency_key": idempotency_key,
+        "created_at": time.time(),
+        "started_at": None,
+        "finished_at": None,
+        "attempts": 0,
+        "max_attempts": max_attempts,
+        "progress": {"step": 0, "total": 0},
+        "result": None,
+        "files": [],
+        "error": None,
+        "wants_preview": wants_preview,
+        "token": uuid.uuid4().hex,
+        "lease_until": None,
+        "worker": None,
+    }
+
+
+# -- transitions (pure: return the new record, or None for "no change") --------------------------
+
+
+def claim(token: str, lease_s: float, worker: str) -> Transition:
+    """queued with this token -> running (attempt + 1, lease taken)."""
+
+    def fn(rec: Record) -> Record | None:
+        if rec["status"] != "queued" or rec["token"] != token:
+            return None
+        now = time.time()
+        return {
+            **rec,
+            "status": "running",
+            "attempts": rec["attempts"] + 1,
+            "started_at": rec["started_at"] or now,
+            "lease_until": now + lease_s,
+            "worker": worker,
+            "error": None,
+        }
+
+    return fn
+
+
+def _mine(rec: Record, token: str) -> bool:
+    return rec["status"] == "running" and rec["token"] == token
+
+
+def heartbeat(token: str, lease_s: float) -> Transition:
+    return lambda rec: {**rec, "lease_until": time.time() + lease_s} if _mine(rec, token) else None
+
+
+def set_progress(token: str, step: int, total: int) -> Transition:
+    return lambda rec: {**rec, "progress": {"step": step, "total": total}} if _mine(rec, token) else None
+
+
+def add_file(token: str, info: dict[str, Any]) -> Transition:
+    def fn(rec: Record) -> Record | None:
+        if not _mine(rec, token):
+            return None
+        files = [f for f in rec["files"] if f["name"] != info["name"]]
+        return {**rec, "files": [*files, info]}
+
+    return fn
+
+
+def finish(token: str, status: str, *, result: Any = None, error: dict[str, Any] | None = None) -> Transition:
+    """running (this attempt) -> a terminal status."""
+    assert status in TERMINAL
+
+    def fn(rec: Record) -> Record | None:
+        if not _mine(rec, token):
+            return None
+        return {
+            **rec,
+            "status": status,
+            "result": result,
+            "error": error,
+            "finished_at": time.time(),
+            "lease_until": None,
+        }
+
+    return fn
+
+
+def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Transition:
+    """A lost or failed attempt: back to queued under a fresh token while attempts remain, else
+    failed. ``expired_only``: only when the lease ran out (the reaper), whatever the token."""
+
+    def fn(rec: Record) -> Record | None:
+        if rec["status"] != "running":
+            return None
+        if expired_only and (rec["lease_until"] or 0) >= time.time():
+            return None
+        if token is not None and rec["token"] != token:
+            return None
+        if rec["attempts"] < rec["max_attempts"]:
+            return {
+                **rec,
+                "status": "queued",
+                "token": uuid.uuid4().hex,
+                "lease_until": None,
+                "worker": None,
+                "error": {"message": reason, "type": "retried"},
+            }
+        msg = f"{reason} (gave up after {rec['attempts']} attempt{'s' if rec['attempts'] != 1 else ''})"
+        return {
+            **rec,
+            "status": "failed",
+            "error": {"message": msg, "type": "worker_lost"},
+            "finished_at": time.time(),
+            "lease_until": None,
+        }
+
+    return fn
+
+
+def cancel(rec: Record) -> Record | None:
+    if rec["status"] in TERMINAL:
+        return None
+    return {**rec, "status": "cancelled", "finished_at": time.time(), "lease_until": None}
+
+
+def status_event(rec: Record) -> dict[str, Any]:
+    ev: dict[str, Any] = {"type": "status", "status": rec["status"], "attempts": rec["attempts"]}
+    if rec.get("error"):
+        ev["error"] = rec["error"]
+    return ev
+
+
+# -- backends -------------------------------------------------------------------------------------
+
+
+class Backend(Protocol):
+    async def create(self, rec: Record) -> tuple[Record, bool]:
+        """Store ``rec``; with an ``idempotency_key`` already used, the existing record and ``False``."""
+        ...
+
+    async def get(self, job_id: str) -> Record | None: ...
+
+    async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
+        """Apply ``fn`` atomically: ``(record after, changed)``; ``(None, False)`` for an unknown id."""
+        ...
+
+    async def add_event(self, job_id: str, event: dict[str, Any]) -> None: ...
+
+    def events(self, job_id: str, after: str | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """``(cursor, event)`` from after ``after``; ends after a terminal status event."""
+        ...
+
+    async def running_ids(self) -> list[str]: ...
+
+    async def put_meta(self, key: str, value: dict[str, Any]) -> None: ...
+
+    async def get_meta(self, key: str) -> dict[str, Any] | None: ...
+
+    async def delete_meta(self, key: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+def _is_terminal_event(ev: dict[str, Any]) -> bool:
+    return ev.get("type") == "status" and ev.get("status") in TERMINAL
+
+
+class MemoryBackend:
+    """In-process state (local runner): lost with the process, which also runs the jobs."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, Record] = {}
+        self.idem: dict[str, str] = {}
+        self.log: dict[str, list[dict[str, Any]]] = {}
+        self.meta: dict[str, dict[str, Any]] = {}
+        self._changed = asyncio.Condition()
+
+    async def create(self, rec: Record) -> tuple[Record, bool]:
+        key = rec.get("idempotency_key")
+        if key and key in self.idem:
+            return self.jobs[self.idem[key]], False
+        if key:
+            self.idem[key] = rec["id"]
+        self.jobs[rec["id"]] = rec
+        self.log[rec["id"]] = []
+        return rec, True
+
+    async def get(self, job_id: str) -> Record | None:
+        return self.jobs.get(job_id)
+
+    async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            return None, False
+        new = fn(rec)
+        if new is None:
+            return rec, False
+        self.jobs[job_id] = new
+        return new, True
+
+    async def add_event(self, job_id: str, event: dict[str, Any]) -> None:
+        self.log.setdefault(job_id, []).append({**event, "ts": time.time()})
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def events(self, job_id: str, after: str | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        i = int(after) + 1 if after and after.isdigit() else 0
+        while True:
+            log = self.log.get(job_id, [])
+            while i < len(log):
+                ev = log[i]
+                yield str(i), ev
+                i += 1
+                if _is_terminal_event(ev):
+                    return
+            async with self._changed:
+                if i >= len(self.log.get(job_id, [])):
+                    await self._changed.wait()
+
+    async def running_ids(self) -> list[str]:
+        return [j for j, r in self.jobs.items() if r["status"] == "running"]
+
+    async def put_meta(self, key: str, value: dict[str, Any]) -> None:
+        self.meta[key] = value
+
+    async def get_meta(self, key: str) -> dict[str, Any] | None:
+        return self.meta.get(key)
+
+    async def delete_meta(self, key: str) -> bool:
+        return self.meta.pop(key, None) is not None
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisBackend:
+    """Job state in Redis under ``prefix`` (celery runner): ``<prefix>:job:<id>`` (JSON),
+    ``<prefix>:idem:<key>``, ``<prefix>:events:<id>`` (stream), ``<prefix>:running`` (set),
+    ``<prefix>:meta:<key>``. Finished jobs and their events expire after ``ttl_s``."""
+
+    def __init__(self, redis_url: str, prefix: str = "mmserve:jobs", ttl_s: float = 7 * 86400) -> None:
+        import redis.asyncio as aioredis
+
+        self.r = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.prefix = prefix
+        self.ttl_s = int(ttl_s)
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    async def create(self, rec: Record) -> tuple[Record, bool]:
+        key = rec.get("idempotency_key")
+        # The record is written first, so whoever wins the idempotency key points at a complete record.
+        await self.r.set(self._k("job", rec["id"]), json.dumps(rec))
+        if key and not await self.r.set(self._k("idem", key), rec["id"], nx=True, ex=self.ttl_s):
+            await self.r.delete(self._k("job", rec["id"]))
+            existing_id = (await self.r.get(self._k("idem", key))).decode()
+            existing = await self.get(existing_id)
+            if existing is not None:
+                return existing, False
+        return rec, True
+
+    async def get(self, job_id: str) -> Record | None:
+        raw = await self.r.get(self._k("job", job_id))
+        return json.loads(raw) if raw else None
+
+    async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
+        from redis.exceptions import WatchError
+
+        key = self._k("job", job_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        return None, False
+                    rec = json.loads(raw)
+                    new = fn(rec)
+                    if new is None:
+                        await pipe.unwatch()
+                        return rec, False
+                    pipe.multi()
+                    pipe.set(key, json.dumps(new))
+                    if new["status"] == "running":
+                        pipe.sadd(self._k("running"), job_id)
+                    else:
+                        pipe.srem(self._k("running"), job_id)
+                    if new["status"] in TERMINAL:
+                        pipe.expire(key, self.ttl_s)
+                        pipe.expire(self._k("events", job_id), self.ttl_s)
+                    await pipe.execute()
+                    return new, True
+                except WatchError:
+                    continue
+
+    async def add_event(self, job_id: str, event: dict[str, Any]) -> None:
+        stream = self._k("events", job_id)
+        await self.r.xadd(stream, {"data": json.dumps({**event, "ts": time.time()})}, maxlen=10000, approximate=True)
+        if _is_terminal_event(event):
+            await self.r.expire(stream, self.ttl_s)
+
+    async def events(self, job_id: str, after: str | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        cursor = after or "0-0"
+        stream = self._k("events", job_id)
+        while True:
+            got = await self.r.xread({stream: cursor}, block=1000, count=100)
+            if not got:
+                rec = await self.get(job_id)
+                if rec is None or rec["status"] in TERMINAL and not await self.r.exists(stream):
+                    return  # expired, or finished without a readable log
+                continue
+            for entry_id, fields in got[0][1]:
+                cursor = entry_id.decode()
+                ev = json.loads(fields[b"data"])
+                yield cursor, ev
+                if _is_terminal_event(ev):
+                    return
+
+    async def running_ids(self) -> list[str]:
+        return [m.decode() for m in await self.r.smembers(self._k("running"))]
+
+    async def put_meta(self, key: str, value: dict[str, Any]) -> None:
+        await self.r.set(self._k("meta", key), json.dumps(value), ex=self.ttl_s)
+
+    async def get_meta(self, key: str) -> dict[str, Any] | None:
+        raw = await self.r.get(self._k("meta", key))
+        return json.loads(raw) if raw else None
+
+    async def delete_meta(self, key: str) -> bool:
+        return bool(await self.r.delete(self._k("meta", key)))
+
+    async def close(self) -> None:
+        await self.r.aclose()

@@ -1,0 +1,78 @@
+"""The Celery task that runs one attempt of a job on a worker (``mmserve.jobs.run``).
+
+``mmserve worker`` imports this module (``workers.celery_app.TASK_MODULES``). The job runs on the
+worker's engine loop (``workers.runtime.current()``) with that worker's engines; outside
+``mmserve worker`` (a bare ``celery worker``) it runs on a private loop with no engines.
+``MMSERVE_JOB_MODULES`` (comma list) names extra modules to import so that they register job kinds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import threading
+from typing import Any
+
+from celery import shared_task
+
+from workers.jobs import state
+from workers.jobs.runner import TASK_NAME, Executor
+from workers.jobs.store import make_store
+
+for _module in filter(None, (m.strip() for m in os.environ.get("MMSERVE_JOB_MODULES", "").split(","))):
+    importlib.import_module(_module)
+
+_EXECUTORS: dict[tuple[int, str], tuple[Executor, asyncio.AbstractEventLoop]] = {}
+_LOCK = threading.Lock()
+
+
+def _load_plugins() -> None:
+    """Job kinds are registered by the plugins (and batch kinds by ``workers.jobs.batch``)."""
+    from gateway.plugins import load_plugins
+
+    load_plugins()
+    importlib.import_module("workers.jobs.batch")
+
+
+def _private_loop() -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="mmserve-jobs-loop", daemon=True).start()
+    return loop
+
+
+def _executor(cfg: dict[str, Any], app: Any) -> tuple[Executor, asyncio.AbstractEventLoop]:
+    """One executor per process and configuration, bound to the engine loop."""
+    from workers import runtime
+
+    key = (os.getpid(), repr(sorted(cfg.items(), key=lambda kv: kv[0])))
+    with _LOCK:
+        if key not in _EXECUTORS:
+            _load_plugins()
+            rt = runtime.current()
+            loop = rt.loop if rt is not None else _private_loop()
+            engines = rt.engines if rt is not None else {}
+            backend = asyncio.run_coroutine_threadsafe(_backend(cfg), loop).result()
+
+            async def redispatch(rec: state.Record) -> None:
+                from workers.celery_app import modality_queue
+
+                queue = modality_queue(rec["modality"], cfg["queue_prefix"])
+                await asyncio.to_thread(app.send_task, TASK_NAME, args=[rec["id"], rec["token"], cfg], queue=queue)
+
+            executor = Executor(
+                backend, make_store(cfg["store"]), engines, lease_s=cfg["lease_s"], redispatch=redispatch
+            )
+            _EXECUTORS[key] = (executor, loop)
+        return _EXECUTORS[key]
+
+
+async def _backend(cfg: dict[str, Any]) -> state.RedisBackend:
+    return state.RedisBackend(cfg["redis_url"], cfg["key_prefix"])  # created on the loop that uses it
+
+
+@shared_task(name=TASK_NAME, bind=True)
+def run_job(self: Any, job_id: str, token: str, cfg: dict[str, Any]) -> None:
+    """Run the attempt ``token`` of ``job_id``; a stale or cancelled attempt returns at once."""
+    executor, loop = _executor(cfg, self.app)
+    asyncio.run_coroutine_threadsafe(executor.execute(job_id, token), loop).result()
