@@ -1,0 +1,213 @@
+"""Autoregressive TTS on the shared engine: "an LLM wearing a hat".
+
+A Llama-family model whose vocabulary carries audio-codec tokens (layout in ``mmserve_tts.json``,
+see ``modalities.tts.tiny``) runs on ``engine.async_engine.AsyncEngine`` like any LLM request:
+paged KV, continuous batching with other requests, preemption by recompute, abort on cancel.
+Sampling is constrained to the codec tokens and ``<|audio_end|>`` (``allowed_token_ids``); a
+piece stops at ``<|audio_end|>`` or ``max_frames``. Codec tokens are turned into waveform by the
+model's transformers codec (DAC) as they arrive: ``StreamingCodecDecoder`` decodes every
+``decode_every`` frames with ``context_frames`` of context on both sides (the decoder's measured
+receptive field), so the streamed audio equals one decode of all frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from modalities.tts.base import Resampler, check_request
+from modalities.tts.protocol import TTSRequest
+from modalities.tts.text import split_text
+from modalities.tts.tiny import TTS_CONFIG
+
+
+@dataclass(frozen=True)
+class ARTTSLayout:
+    """Where the special and codec tokens sit in the model's vocabulary."""
+
+    audio_start_id: int
+    audio_end_id: int
+    voices: dict[str, int]
+    codec_offset: int
+    codebook_size: int
+    num_codebooks: int
+    codec_dir: str = "codec"
+    context_frames: int = 16
+    temperature: float = 0.0
+
+    @classmethod
+    def load(cls, model_dir: Path) -> ARTTSLayout:
+        path = model_dir / TTS_CONFIG
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} is not an AR TTS model (no {TTS_CONFIG})")
+        raw = json.loads(path.read_text())
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def codec_token_ids(self) -> list[int]:
+        return list(range(self.codec_offset, self.codec_offset + self.num_codebooks * self.codebook_size))
+
+    def codes(self, token_ids: list[int]) -> np.ndarray:
+        """Complete frames of ``token_ids`` as ``[num_codebooks, frames]`` codes. A token is read
+        as the code of the codebook its position in the frame calls for (a token from another
+        codebook's range maps onto this one modulo ``codebook_size``)."""
+        q = self.num_codebooks
+        n = len(token_ids) // q * q
+        arr = np.asarray(token_ids[:n], dtype=np.int64) - self.codec_offset
+        return (arr % self.codebook_size).reshape(-1, q).T
+
+
+class StreamingCodecDecoder:
+    """Frame-by-frame waveform from a convolutional codec: ``push(codes)`` returns the samples
+    that no future frame can change; ``finish()`` the rest. Concatenated, they equal
+    ``codec.decode`` of all the frames (up to float rounding)."""
+
+    def __init__(self, codec: Any, context_frames: int, decode_every: int) -> None:
+        self.codec = codec
+        self.ctx = context_frames
+        self.every = decode_every
+        self.hop = int(codec.config.hop_length)
+        self.frames: np.ndarray | None = None  # [q, T]
+        self.emitted = 0  # frames whose samples are out
+
+    def _decode(self, end_frame: int, final: bool) -> np.ndarray:
+        import torch
+
+        assert self.frames is not None
+        start = max(0, self.emitted - self.ctx)
+        with torch.no_grad():
+            window = torch.from_numpy(self.frames[None, :, start:])
+            audio = self.codec.decode(audio_codes=window).audio_values[0].numpy()
+        lo = (self.emitted - start) * self.hop
+        hi = len(audio) if final else (end_frame - start) * self.hop
+        self.emitted = end_frame
+        return audio[lo:hi].astype(np.float32, copy=False)
+
+    def push(self, codes: np.ndarray) -> np.ndarray | None:
+        self.frames = codes if self.frames is None else np.concatenate([self.frames, codes], axis=1)
+        ready = self.frames.shape[1] - self.ctx
+        if ready - self.emitted < self.every:
+            return None
+        return self._decode(ready, final=False)
+
+    def finish(self) -> np.ndarray | None:
+        if self.frames is None or self.frames.shape[1] == 0:
+            return None
+        return self._decode(self.frames.shape[1], final=True)
+
+
+class ARTTSEngine:
+    """AR TTS behind the TTS engine contract (``modalities.tts.base``). ``engine`` may be shared
+    with text requests: ``engine.generate`` is the same call LLM routes make."""
+
+    modality = "tts"
+    supports_speed = False
+
+    def __init__(
+        self,
+        engine: Any,
+        codec: Any,
+        layout: ARTTSLayout,
+        max_frames: int = 750,
+        decode_every: int = 8,
+        name: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.codec = codec
+        self.layout = layout
+        self.max_frames = max_frames
+        self.decode_every = decode_every
+        self.model_name = name or f"{engine.model_name}"
+        self.voices = list(layout.voices)
+        self.sample_rate = int(codec.config.sampling_rate)
+        self.tokenizer = engine.tokenizer
+        self._allowed = [*layout.codec_token_ids, layout.audio_end_id]
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 32,
+        **kwargs: Any,
+    ) -> ARTTSEngine:
+        """Load the LM with the engine's model loader and the codec from ``DIR/codec``."""
+        from transformers import AutoModel
+
+        from engine.async_engine import AsyncEngine
+        from engine.config import EngineConfig
+
+        path = Path(model_dir).expanduser()
+        layout = ARTTSLayout.load(path)
+        config = EngineConfig(model=str(path), num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
+        codec = AutoModel.from_pretrained(path / layout.codec_dir, local_files_only=True).eval()
+        return cls(AsyncEngine.from_config(config), codec, layout, **kwargs)
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    # -- requests ------------------------------------------------------------------------------
+    def prompt_ids(self, text: str, voice: str) -> list[int]:
+        """``<|voice:V|> text <|audio_start|>``."""
+        text_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return [self.layout.voices[voice], *text_ids, self.layout.audio_start_id]
+
+    def sampling_params(self, max_frames: int | None = None) -> Any:
+        """Codec tokens only, stop at ``<|audio_end|>`` or after ``max_frames`` frames."""
+        from engine.sampling_params import SamplingParams
+
+        frames = max_frames or self.max_frames
+        return SamplingParams(
+            temperature=self.layout.temperature,
+            max_tokens=frames * self.layout.num_codebooks,
+            allowed_token_ids=self._allowed,
+            stop_token_ids=[self.layout.audio_end_id],
+            ignore_eos=True,  # the text EOS is not a codec token; only <|audio_end|> ends audio
+        )
+
+    async def _piece(self, text: str, voice: str) -> AsyncIterator[np.ndarray]:
+        """Waveform of one text piece at the codec's rate, as frames arrive."""
+        decoder = StreamingCodecDecoder(self.codec, self.layout.context_frames, self.decode_every)
+        q = self.layout.num_codebooks
+        tokens: list[int] = []
+        used = 0
+        gen = self.engine.generate(None, self.prompt_ids(text, voice), self.sampling_params())
+        async with aclosing(gen):  # closing the stream aborts the engine request now, not at GC
+            async for out in gen:
+                tokens.extend(t for t in out.outputs[0].delta_token_ids if t != self.layout.audio_end_id)
+                complete = len(tokens) // q * q
+                if complete > used:
+                    audio = await asyncio.to_thread(decoder.push, self.layout.codes(tokens[used:complete]))
+                    used = complete
+                    if audio is not None and audio.size:
+                        yield audio
+        tail = await asyncio.to_thread(decoder.finish)
+        if tail is not None and tail.size:
+            yield tail
+
+    async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
+        """Float32 chunks every ``decode_every`` frames, at ``req.sample_rate or sample_rate``."""
+        voice = check_request(self, req)
+        resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
+        for piece in split_text(req.text):
+            async with aclosing(self._piece(piece, voice)) as audio_chunks:
+                async for audio in audio_chunks:
+                    out = resample(audio)
+                    if out.size:
+                        yield out
+        tail = resample.flush()
+        if tail.size:
+            yield tail
