@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from modalities.audio import ASR_RATE
-
 
 class ServiceMissing(LookupError):
     """The pipeline needs an engine that is not served here."""
@@ -22,6 +20,8 @@ class ServiceMissing(LookupError):
 
 def _modality(engine: Any) -> str | None:
     mod = getattr(engine, "modality", None)
+    if mod is None and hasattr(engine, "transcribe"):
+        return "asr"
     if mod is None and hasattr(engine, "generate") and hasattr(engine, "tokenizer"):
         return "llm"
     return mod
@@ -72,10 +72,10 @@ class Services:
         """Text of one 16 kHz mono utterance."""
         if self.asr is None:
             raise ServiceMissing("no asr model is served")
-        from modalities.asr.protocol import ASRRequest
+        from modalities.asr.engine import TranscriptionRequest
 
-        result = await self.asr.run(ASRRequest(audio=np.asarray(samples, np.float32), sample_rate=ASR_RATE))
-        return str(getattr(result, "text", result))
+        result = await self.asr.run(TranscriptionRequest(np.asarray(samples, np.float32)))
+        return str(result.text)
 
     async def speak(self, text: str, voice: str | None, sample_rate: int) -> AsyncIterator[np.ndarray]:
         """Float32 chunks of ``text`` spoken at ``sample_rate``; closing the iterator stops the

