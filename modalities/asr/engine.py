@@ -24,6 +24,7 @@ logger = logging.getLogger("mmserve.asr")
 
 RATE = 16_000
 WINDOW_S = 30.0
+DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Segment:
     end: float
     text: str
     tokens: list[int] = field(default_factory=list)
+    avg_logprob: float = 0.0
 
 
 @dataclass
@@ -73,10 +75,16 @@ class AsrConfig:
     vad_backend: str = "webrtc"
     num_threads: int | None = None
     attention_backend: str = "auto"
+    max_file_mb: float = DEFAULT_MAX_FILE_MB  # the API's upload limit (413 above)
 
 
 class AsrEngine:
+    """Engine contract: ``start``/``shutdown``/``stats``/``model_name``; ``run(req) -> Transcript``
+    and ``stream(req) -> AsyncIterator[TranscriptDelta]`` take picklable requests (remote
+    dispatch); ``transcribe``/``transcribe_stream`` are the in-process conveniences."""
+
     _ids = itertools.count()
+    modality = "asr"
 
     def __init__(self, whisper: WhisperModel, config: AsrConfig | None = None) -> None:
         from engine.async_engine import AsyncEngine
@@ -88,6 +96,7 @@ class AsrEngine:
         self.config = config or AsrConfig()
         self.whisper = whisper
         self.model_name = whisper.name
+        self.max_file_mb = self.config.max_file_mb
         model = whisper.model
         self.adapter = WhisperDecoderAdapter(model)
         max_len = model.config.max_target_positions
@@ -211,8 +220,8 @@ class AsrEngine:
     # -- decoding ------------------------------------------------------------------------------
     async def _decode_window(
         self, audio: np.ndarray, prompt_ids: list[int], temperature: float, seed: int | None = None
-    ) -> AsyncIterator[tuple[str, list[int], bool]]:
-        """Stream (delta text, token ids so far, finished) for one ≤30 s window."""
+    ) -> AsyncIterator[tuple[str, list[int], bool, float]]:
+        """Stream (delta text, token ids so far, finished, mean token logprob) for one ≤30 s window."""
         from engine.sampling_params import SamplingParams
         from engine.sequence import PromptInputs
 
@@ -222,17 +231,19 @@ class AsrEngine:
             max_tokens=min(self.config.max_new_tokens, self.engine.max_model_len - len(prompt_ids)),
             begin_suppress_token_ids=self._begin_suppress,
             seed=seed,
+            logprobs=0,
         )
         request_id = f"asr-{next(self._ids)}"
         async for out in self.engine.generate(request_id, PromptInputs(prompt_ids, encoder_output=enc), params):
             o = out.outputs[0]
-            yield o.delta_text, o.token_ids, out.finished
+            lps = [lp.logprob for lp in o.logprobs or []]
+            yield o.delta_text, o.token_ids, out.finished, sum(lps) / len(lps) if lps else 0.0
 
     async def decode_tokens(self, audio: np.ndarray, prompt_ids: list[int], temperature: float = 0.0) -> list[int]:
         """Generated token ids (eos excluded) of one ≤30 s clip: the unit the correctness test
         compares with ``generate()``."""
         tokens: list[int] = []
-        async for _, ids, _ in self._decode_window(audio, prompt_ids, temperature):
+        async for _, ids, _, _ in self._decode_window(audio, prompt_ids, temperature):
             tokens = ids
         eos = self.whisper.model.generation_config.eos_token_id
         return [t for t in tokens if t != eos]
@@ -256,15 +267,15 @@ class AsrEngine:
         windows = self._windows(audio, req.vad)
         self.audio_seconds += len(audio) / RATE
         self.num_windows += len(windows)
-        queue: asyncio.Queue[tuple[int, str, list[int], bool] | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, str, list[int], bool, float] | BaseException] = asyncio.Queue()
 
         async def run(i: int, w: Window) -> None:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 text = ""
-                async for delta, tokens, done in self._decode_window(clip, prompt_ids, req.temperature):
+                async for delta, tokens, done, lp in self._decode_window(clip, prompt_ids, req.temperature):
                     text += delta
-                    await queue.put((i, text, tokens, done))
+                    await queue.put((i, text, tokens, done, lp))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer
                 await queue.put(exc)
                 raise
@@ -273,6 +284,7 @@ class AsrEngine:
         texts = [""] * len(windows)
         tokens = [[] for _ in windows]
         done = [False] * len(windows)
+        logprobs = [0.0] * len(windows)
         emitted = ""
         try:
             pending = len(windows)
@@ -280,7 +292,7 @@ class AsrEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                i, texts[i], tokens[i], finished = item
+                i, texts[i], tokens[i], finished, logprobs[i] = item
                 if finished:
                     done[i] = True
                     pending -= 1
@@ -291,7 +303,7 @@ class AsrEngine:
         finally:
             for t in tasks:
                 t.cancel()
-        segments = _segments(windows, texts, tokens)
+        segments = _segments(windows, texts, tokens, logprobs)
         text = " ".join(s.text for s in segments)
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
@@ -348,9 +360,9 @@ def _stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> s
     return " ".join(parts)
 
 
-def _segments(windows: list[Window], texts: list[str], tokens: list[list[int]]) -> list[Segment]:
+def _segments(windows: list[Window], texts: list[str], tokens: list[list[int]], lps: list[float]) -> list[Segment]:
     segments = []
     for i, (w, text) in enumerate(zip(windows, _stitched(windows, texts), strict=True)):
         if text:
-            segments.append(Segment(len(segments), round(w.start, 3), round(w.end, 3), text, tokens[i]))
+            segments.append(Segment(len(segments), round(w.start, 3), round(w.end, 3), text, tokens[i], lps[i]))
     return segments

@@ -1,0 +1,124 @@
+"""OpenAI-compatible ``POST /v1/audio/transcriptions`` (multipart).
+
+Fields: ``file`` (wav, flac, ogg, mp3, or anything PyAV decodes), ``model`` (optional when one
+ASR model is served), ``language``, ``prompt``, ``temperature`` (0..1), ``response_format``
+(json, text, verbose_json, srt, vtt), ``stream`` (SSE: ``transcript.text.delta`` events as text
+decodes, then ``transcript.text.done``). Unreadable audio is a 400, a file over the ASR upload
+limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.metrics import engine_modality
+from gateway.streaming import SSE_HEADERS, sse
+from modalities.asr.engine import DEFAULT_MAX_FILE_MB
+from modalities.asr.formats import RESPONSE_FORMATS, to_srt, to_verbose, to_vtt
+from modalities.audio import ASR_RATE, AudioDecodeError, decode_audio
+
+router = APIRouter(tags=["audio"])
+
+
+def resolve_asr_engine(request: Request, model: str | None) -> tuple[str, Any]:
+    """``(served_name, engine)`` among the served ASR engines (``model`` optional when one is)."""
+    engines: dict[str, Any] = request.app.state.engines
+    asr = {name: e for name, e in engines.items() if engine_modality(e) == "asr"}
+    if not model:
+        if len(asr) == 1:
+            return next(iter(asr.items()))
+        if not asr:
+            raise APIError(400, "no speech-to-text model is served (start with --asr)", param="model")
+        raise APIError(400, "you must provide a model parameter", param="model")
+    name = model if model in engines else getattr(request.app.state, "aliases", {}).get(model, model)
+    if name in asr:
+        return name, asr[name]
+    if name in engines:
+        raise APIError(400, f"the model `{model}` does not support transcription", param="model", code="invalid_model")
+    raise model_not_found(model, list(asr))
+
+
+def _mapped(exc: BaseException, param: str = "file") -> BaseException:
+    return from_engine_error(exc, param=param) or exc if isinstance(exc, Exception) else exc
+
+
+@router.post("/v1/audio/transcriptions")
+async def create_transcription(
+    request: Request,
+    file: Annotated[UploadFile, File()],
+    model: Annotated[str | None, Form()] = None,
+    language: Annotated[str | None, Form()] = None,
+    prompt: Annotated[str | None, Form()] = None,
+    response_format: Annotated[str, Form()] = "json",
+    temperature: Annotated[float, Form()] = 0.0,
+    stream: Annotated[bool, Form()] = False,
+) -> Any:
+    """OpenAI ``POST /v1/audio/transcriptions``."""
+    from modalities.asr.engine import TranscriptionRequest
+
+    if response_format not in RESPONSE_FORMATS:
+        raise APIError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
+    if not 0.0 <= temperature <= 1.0:
+        raise APIError(400, f"temperature must be in [0, 1], got {temperature}", param="temperature")
+    if stream and response_format not in ("json", "text"):
+        raise APIError(400, "stream=true supports response_format json or text", param="stream")
+    served, engine = resolve_asr_engine(request, model)
+    limit_mb = float(getattr(engine, "max_file_mb", DEFAULT_MAX_FILE_MB))
+    data = await file.read(int(limit_mb * (1 << 20)) + 1)
+    if len(data) > limit_mb * (1 << 20):
+        raise APIError(413, f"the audio file exceeds the {limit_mb:g} MB limit", param="file", code="file_too_large")
+    try:
+        audio = await asyncio.to_thread(decode_audio, data, ASR_RATE)
+    except AudioDecodeError as exc:
+        raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
+    req = TranscriptionRequest(audio.samples, language or None, prompt or None, temperature)
+
+    if stream:
+        deltas = engine.stream(req)
+        try:
+            first = await anext(deltas)  # admission errors become a status code, not a broken stream
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
+        return StreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    try:
+        transcript = await engine.run(req)
+    except Exception as exc:
+        raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
+    if response_format == "text":
+        return PlainTextResponse(transcript.text + "\n")
+    if response_format == "srt":
+        return PlainTextResponse(to_srt(transcript))
+    if response_format == "vtt":
+        return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
+    if response_format == "verbose_json":
+        return JSONResponse(to_verbose(transcript, temperature))
+    return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
+
+
+async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """OpenAI's transcription stream events; closing it (client gone) aborts the decode."""
+    try:
+        item = first
+        while item is not None:
+            if item.transcript is not None:
+                t = item.transcript
+                usage = {"type": "duration", "seconds": round(t.duration)}
+                yield sse({"type": "transcript.text.done", "text": t.text, "usage": usage})
+            elif item.text:
+                yield sse({"type": "transcript.text.delta", "delta": item.text})
+            item = await anext(deltas, None)
+    except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band
+        mapped = _mapped(exc)
+        message = mapped.message if isinstance(mapped, APIError) else "internal error while transcribing"
+        yield sse({"type": "error", "error": {"message": message, "type": "server_error"}})
+    finally:
+        await deltas.aclose()

@@ -1,0 +1,61 @@
+"""Transcription response bodies: OpenAI's ``json``, ``text``, ``verbose_json``, ``srt``, ``vtt``."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from modalities.asr.engine import Transcript
+
+RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+
+
+def _clock(seconds: float, sep: str) -> str:
+    ms = max(0, round(seconds * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def to_srt(t: Transcript) -> str:
+    blocks = [
+        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
+        for i, s in enumerate(t.segments, start=1)
+    ]
+    return "\n".join(blocks)
+
+
+def to_vtt(t: Transcript) -> str:
+    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in t.segments]
+    return "WEBVTT\n\n" + "\n".join(blocks)
+
+
+def compression_ratio(text: str) -> float:
+    """Whisper's repetition signal: raw bytes / zlib-compressed bytes."""
+    raw = text.encode()
+    return round(len(raw) / len(zlib.compress(raw)), 3) if raw else 0.0
+
+
+def to_verbose(t: Transcript, temperature: float) -> dict[str, Any]:
+    return {
+        "task": "transcribe",
+        "language": {"en": "english"}.get(t.language, t.language),
+        "duration": round(t.duration, 3),
+        "text": t.text,
+        "segments": [
+            {
+                "id": s.id,
+                "seek": int(s.start * 100),  # in 10 ms mel frames, as Whisper counts
+                "start": s.start,
+                "end": s.end,
+                "text": s.text,
+                "tokens": s.tokens,
+                "temperature": temperature,
+                "avg_logprob": s.avg_logprob,
+                "compression_ratio": compression_ratio(s.text),
+            }
+            for s in t.segments
+        ],
+        "usage": {"type": "duration", "seconds": round(t.duration)},
+    }

