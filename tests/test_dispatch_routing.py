@@ -1,0 +1,87 @@
+"""The routing policy of ``--dispatch celery`` (pure logic: no Redis, no workers)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from workers.routing import WorkerLoad, affinity_worker, choose_worker, least_loaded, prefix_key
+
+
+def _w(wid: str, inflight: int = 0, capacity: int = 8, kv: float = 0.0, local: int = 0) -> WorkerLoad:
+    return WorkerLoad(wid, ["m"], capacity=capacity, inflight=inflight, kv_usage=kv, local_inflight=local)
+
+
+def test_prefix_key_uses_only_the_leading_full_blocks() -> None:
+    base = list(range(40))
+    assert prefix_key(base[:15]) is None  # no full block: nothing cached to share
+    assert prefix_key(base[:16]) == prefix_key(base[:16] + [999])  # the partial block is ignored
+    assert prefix_key(base) == prefix_key(base[:32] + [7, 7, 7])  # only the first 2 blocks count
+    assert prefix_key(base[:16]) != prefix_key(base[:32])
+    assert prefix_key(base, num_blocks=1) == prefix_key(base[:16])
+    assert prefix_key(base, block_size=8, num_blocks=4) == prefix_key(base[:32], block_size=8, num_blocks=4)
+
+
+@given(st.lists(st.integers(0, 50_000), min_size=16, max_size=80))
+def test_same_prefix_same_worker(ids: list[int]) -> None:
+    workers = [_w("a"), _w("b"), _w("c")]
+    key = prefix_key(ids)
+    assert choose_worker(workers, key) is choose_worker(list(reversed(workers)), key)
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_worker() -> None:
+    keys = [f"k{i}" for i in range(300)]
+    before = {k: affinity_worker(k, ["a", "b", "c"]) for k in keys}
+    after = {k: affinity_worker(k, ["a", "c"]) for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "b")
+    assert {before[k] for k in keys} == {"a", "b", "c"}  # spread over every worker
+
+
+def test_least_loaded_relative_to_capacity() -> None:
+    assert least_loaded([_w("a", 3, capacity=4), _w("b", 4, capacity=16)]).worker_id == "b"
+    assert least_loaded([_w("a", 1, kv=0.9), _w("b", 1, kv=0.1)]).worker_id == "b"
+    assert least_loaded([]) is None
+
+
+def test_gateway_inflight_counts_between_heartbeats() -> None:
+    assert _w("a", inflight=1, local=5).load == 5
+    assert least_loaded([_w("a", local=3), _w("b", inflight=1)]).worker_id == "b"
+
+
+def test_affinity_falls_back_when_overloaded_or_much_busier() -> None:
+    key = "some-prefix"
+    ids = ["a", "b"]
+    home = affinity_worker(key, ids)
+    other = next(i for i in ids if i != home)
+
+    def pick(home_load: int, other_load: int, capacity: int = 8, kv: float = 0.0) -> str:
+        ws = [_w(home, home_load, capacity, kv), _w(other, other_load, capacity)]
+        chosen = choose_worker(ws, key, slack=4)
+        assert chosen is not None
+        return chosen.worker_id
+
+    assert pick(0, 0) == home
+    assert pick(3, 0) == home  # within slack: keep the cache
+    assert pick(5, 0) == other  # too much busier
+    assert pick(8, 6) == other  # full while the other has room
+    assert pick(8, 8) == home  # both full: keep the cache
+    assert pick(0, 0, kv=0.99) == other  # KV cache nearly exhausted
+
+
+def test_no_key_goes_least_loaded_and_exclude_skips_tried_workers() -> None:
+    ws = [_w("a", 2), _w("b", 1), _w("c", 3)]
+    assert choose_worker(ws, None).worker_id == "b"
+    assert choose_worker(ws, None, exclude={"b"}).worker_id == "a"
+    key = "k"
+    home = choose_worker(ws, key)
+    assert home is not None
+    retry = choose_worker(ws, key, exclude={home.worker_id})
+    assert retry is not None and retry.worker_id != home.worker_id
+    assert choose_worker(ws, key, exclude={"a", "b", "c"}) is None
+
+
+def test_heartbeat_parsing() -> None:
+    w = WorkerLoad.from_heartbeat(
+        {"worker_id": "x", "models": ["m"], "capacity": 0, "inflight": 2, "queue_depth": 3, "kv_usage": 0.5}
+    )
+    assert (w.capacity, w.load, w.kv_usage, w.models) == (1, 5, 0.5, ["m"])
