@@ -303,7 +303,8 @@ class DiffusionEngine:
         for row, it in enumerate(batch):
             rows.setdefault(id(it.request), []).append(row)
             reqs[id(it.request)] = it.request
-            it.request.batch_sizes.append(len(batch))
+        for r in reqs.values():
+            r.batch_sizes.append(len(batch))
 
         def on_step(step: int, latents: torch.Tensor) -> None:
             if all(r.cancelled for r in reqs.values()):

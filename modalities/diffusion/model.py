@@ -60,7 +60,7 @@ class DiffusionModel:
         self.path = Path(path)
         if not (self.path / "model_index.json").is_file():
             raise FileNotFoundError(f"{self.path} is not a diffusers pipeline directory (no model_index.json)")
-        self.pipe = DiffusionPipeline.from_pretrained(str(self.path), torch_dtype=torch.float32)
+        self.pipe = DiffusionPipeline.from_pretrained(str(self.path), dtype=torch.float32)
         self.pipe.set_progress_bar_config(disable=True)
         self.name = self.path.name
         self.params = set(inspect.signature(self.pipe.__call__).parameters)
@@ -135,13 +135,15 @@ class DiffusionModel:
         for flag in ("use_resolution_binning", "clean_caption"):  # PixArt-style: keep the asked size, no bs4/ftfy
             if flag in self.params:
                 kwargs[flag] = False
-        if on_step is not None:
+        if on_step is not None and "callback_on_step_end" in self.params:
 
-            def callback(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            def on_step_end(pipe: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 on_step(i + 1, tensors["latents"])
                 return {}
 
-            kwargs["callback_on_step_end"] = callback
+            kwargs["callback_on_step_end"] = on_step_end
+        elif on_step is not None:  # older pipelines (PixArt-alpha): callback(step, timestep, latents)
+            kwargs.update(callback=lambda i, t, latents: on_step(i + 1, latents), callback_steps=1)
         self.cache.set(shape.cache)
         with torch.inference_mode(), self.cache.context():
             out = self.pipe(**kwargs)
