@@ -1,0 +1,191 @@
+"""Autoregressive TTS on the shared engine, with the tiny random ``tts-ar`` model: exact greedy
+codec tokens against transformers ``generate()``, continuous batches shared with text requests
+under a KV budget that forces preemption, frame-by-frame streaming equal to one full codec
+decode, cancellation, and ``/v1/audio/speech`` routing by voice to this backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from modalities.audio import decode_audio
+from modalities.tts.ar_engine import ARTTSEngine, StreamingCodecDecoder
+from modalities.tts.protocol import TTSRequest
+from modalities.tts.tiny import tiny_tts_ar_dir
+from tests.helpers import serve_app
+
+FRAMES = 24
+TEXTS = [("Hello there.", "tiny-a"), ("The quick brown fox.", "tiny-b"), ("Speech, please!", "tiny-a")]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_tts_ar_dir(seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, list[list[int]]]:
+    """transformers ``generate()`` (greedy, same codec-only constraint) on the same directory."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=64)
+    allowed = torch.tensor(ar.sampling_params().allowed_token_ids)
+
+    class OnlyAllowed(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            out = torch.full_like(scores, float("-inf"))
+            out[:, allowed] = scores[:, allowed]
+            return out
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tts = []
+    for text, voice in TEXTS:
+        ids = torch.tensor([ar.prompt_ids(text, voice)])
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=FRAMES * ar.layout.num_codebooks,
+            do_sample=False,
+            eos_token_id=ar.layout.audio_end_id,
+            logits_processor=LogitsProcessorList([OnlyAllowed()]),
+        )
+        tts.append(gen[0, ids.shape[1] :].tolist())
+    text_ids = ar.tokenizer("Once upon a time", add_special_tokens=False).input_ids
+    ids = torch.tensor([text_ids])
+    llm = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    return {"tts": tts, "llm": [llm[0, ids.shape[1] :].tolist()], "llm_prompt": [text_ids]}
+
+
+def test_greedy_codec_tokens_equal_transformers_generate(model_dir: Path, reference: dict) -> None:
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=256)
+    prompts = [ar.prompt_ids(t, v) for t, v in TEXTS]
+    outs = ar.engine.engine.generate(prompts, ar.sampling_params(FRAMES))  # the sync engine, one batch
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == reference["tts"]
+    codec_ids = set(ar.layout.codec_token_ids) | {ar.layout.audio_end_id}
+    assert all(set(t) <= codec_ids for t in got)
+
+
+def test_continuous_batch_with_text_requests_survives_preemption(model_dir: Path, reference: dict) -> None:
+    # 12 blocks of 16 tokens cannot hold 4 TTS pieces (~60 tokens each) and a text request at once.
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=12, max_num_seqs=8)
+    from engine.sampling_params import SamplingParams
+
+    async def collect(prompt: list[int], params: SamplingParams) -> list[int]:
+        tokens: list[int] = []
+        async for out in ar.engine.generate(None, prompt, params):
+            tokens = out.outputs[0].token_ids
+        return tokens
+
+    async def go() -> tuple[list[list[int]], list[int], int]:
+        await ar.start()
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, int(ar.stats()["num_running"]))
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.ensure_future(watch())
+        jobs = [collect(ar.prompt_ids(t, v), ar.sampling_params(FRAMES)) for t, v in TEXTS * 2]
+        text = collect(reference["llm_prompt"][0], SamplingParams(temperature=0, max_tokens=40))
+        *tts, llm = await asyncio.gather(*jobs, text)
+        watcher.cancel()
+        stats = ar.stats()
+        await ar.shutdown()
+        assert stats["num_preemptions"] > 0
+        return tts, llm, peak
+
+    tts, llm, peak = asyncio.run(go())
+    assert tts == reference["tts"] * 2
+    assert llm == reference["llm"][0]
+    assert peak >= 2  # requests shared engine steps
+
+
+def test_streaming_decoder_equals_one_full_decode(model_dir: Path) -> None:
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=16)
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, ar.layout.codebook_size, size=(ar.layout.num_codebooks, 50))
+    with torch.no_grad():
+        full = ar.codec.decode(audio_codes=torch.from_numpy(codes[None])).audio_values[0].numpy()
+    dec = StreamingCodecDecoder(ar.codec, ar.layout.context_frames, decode_every=4)
+    parts: list[tuple[int, np.ndarray]] = []
+    for f in range(codes.shape[1]):
+        out = dec.push(codes[:, f : f + 1])
+        if out is not None:
+            parts.append((f, out))
+    parts.append((codes.shape[1], dec.finish()))
+    assert parts[0][0] == 4 + ar.layout.context_frames - 1  # audio after k + context frames, not at the end
+    assert len(parts) > 5
+    np.testing.assert_allclose(np.concatenate([p for _, p in parts]), full, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[tuple[str, ARTTSEngine]]:
+    from gateway.app import create_app
+    from modalities.tts.api import router
+    from modalities.tts.piper_engine import PiperEngine
+
+    piper = PiperEngine(workers=1, threads=1)
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=64, max_frames=FRAMES, decode_every=4)
+    app = create_app({piper.model_name: piper, ar.model_name: ar}, routers=[router])
+    with serve_app(app) as url:
+        yield url, ar
+
+
+def test_engine_stream_yields_frames_as_they_decode_and_cancels(server: tuple[str, ARTTSEngine]) -> None:
+    _, ar = server
+
+    async def chunks() -> list[np.ndarray]:
+        return [c async for c in ar.stream(TTSRequest("Hello there.", voice="tiny-a"))]
+
+    hop = int(ar.codec.config.hop_length)
+    parts = asyncio.run(chunks())
+    assert len(parts) >= 3
+    assert sum(p.size for p in parts) == FRAMES * hop - 8  # DAC trims 8 samples at the end
+
+    async def cancel() -> tuple[float, float]:
+        ar.max_frames = 1000
+        try:
+            gen = ar.stream(TTSRequest("A long one.", voice="tiny-b"))
+            await gen.__anext__()
+            await gen.aclose()
+            for _ in range(200):
+                if ar.stats()["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            before = ar.stats()["generation_tokens_total"]
+            await asyncio.sleep(0.2)
+            return before, ar.stats()["generation_tokens_total"]
+        finally:
+            ar.max_frames = FRAMES
+
+    before, after = asyncio.run(cancel())
+    assert before == after and ar.stats()["num_running"] == 0
+
+
+def test_speech_route_picks_the_ar_backend_by_voice(server: tuple[str, ARTTSEngine]) -> None:
+    url, ar = server
+    resp = httpx.post(
+        f"{url}/v1/audio/speech", json={"input": "Hi. Bye.", "voice": "tiny-b", "response_format": "wav"}, timeout=60
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-model"] == ar.model_name
+    audio = decode_audio(resp.content, rate=None)
+    assert audio.rate == 24000
+    assert audio.duration == pytest.approx(2 * (FRAMES * 320 - 8) / 24000, abs=1e-3)
+    default = httpx.post(f"{url}/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm"}, timeout=60)
+    assert default.headers["x-model"].startswith("piper-")
+    bad = httpx.post(f"{url}/v1/audio/speech", json={"input": "Hi.", "voice": "tiny-a", "speed": 1.5}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speed"
+    wrong = httpx.post(
+        f"{url}/v1/audio/speech", json={"input": "Hi.", "model": ar.model_name, "voice": "joe"}, timeout=60
+    )
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "voice"
