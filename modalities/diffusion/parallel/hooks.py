@@ -23,6 +23,7 @@ class CPHandle:
     attention: ShardedAttention
     handles: list[Any] = field(default_factory=list)
     attention_modules: list[str] = field(default_factory=list)
+    forward_batches: list[int] = field(default_factory=list)  # batch size of each model forward since reset
 
     def remove(self) -> None:
         for h in self.handles:
@@ -103,6 +104,14 @@ def apply_context_parallel(model: nn.Module, groups: CPGroups, plan: CPPlan | No
                     return _map_output(output, specs, fn, name or "model")
 
                 handle.handles.append(mod.register_forward_hook(post_hook))
+
+    def count_forward(m, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor):
+            handle.forward_batches.append(int(x.shape[0]))
+
+    # Registered first so it runs before the root's own split hook (if any).
+    handle.handles.insert(0, model.register_forward_pre_hook(count_forward, with_kwargs=True, prepend=True))
 
     tokens: dict[int, Any] = {}
     for pattern in plan.sharded_attention:
