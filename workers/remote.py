@@ -5,8 +5,8 @@ reads the reply from the call's Redis Stream. Faults:
 
 - the worker stops heartbeating (killed, hung loop, graceful exit) before anything was streamed:
   the call is resubmitted to another live worker (``max_attempts`` in all);
-- it stops after items were streamed: ``WorkerLostError`` surfaces as a 503 (an SSE error event
-  when the response is already streaming);
+- it stops after items were streamed: a 503 ``worker_lost`` error (an SSE error event when the
+  response is already streaming);
 - Redis unreachable: every call fails at once with a 503 (short socket timeouts), and the view
   recovers by itself when Redis is back;
 - the caller leaves early (client disconnect): the call is aborted on the worker.
@@ -34,7 +34,7 @@ from gateway.errors import APIError
 from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
 from workers.routing import WorkerLoad, choose_worker
 from workers.tasks import ENGINE_CALL
-from workers.wire import END, ERROR, ITEM, START, Call, Keys, WorkerLostError, load, load_error
+from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error
 
 logger = logging.getLogger("mmserve.dispatch")
 
@@ -69,6 +69,7 @@ class Cluster:
         self.workers: dict[str, WorkerLoad] = {}
         self.redis_ok = False
         self.local_inflight: Counter[str] = Counter()
+        self.retries = 0  # calls resubmitted after their worker was lost
         self._refresher: asyncio.Task[None] | None = None
         self._cleanup: set[asyncio.Task[None]] = set()
         self._users = 0
@@ -137,7 +138,7 @@ class Cluster:
     def model_stats(self, model: str) -> dict[str, float]:
         """Engine stats of ``model`` summed over its live workers (rates averaged), plus the count."""
         workers = self.live(model)
-        total: dict[str, float] = {"num_workers": float(len(workers))}
+        total: dict[str, float] = {"num_workers": float(len(workers)), "dispatch_retries_total": float(self.retries)}
         for w in workers:
             for k, v in w.stats.get(model, {}).items():
                 total[k] = total.get(k, 0.0) + v
@@ -181,6 +182,7 @@ class Cluster:
                         return
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
+            self.retries += 1
         raise APIError(503, f"{model!r}: {self.max_attempts} workers were lost during the request", code="worker_lost")
 
     async def _call_on(self, worker_id: str, call: Call) -> AsyncIterator[tuple[bytes | None, Any]]:
@@ -205,7 +207,9 @@ class Cluster:
                     raise broker_down(exc) from exc
                 if not alive:
                     if streamed:
-                        raise WorkerLostError(f"worker {worker_id} stopped while streaming; the reply is incomplete")
+                        raise APIError(
+                            503, f"worker {worker_id} was lost mid-request; the reply is incomplete", code="worker_lost"
+                        )
                     done = True
                     yield None, None
                     return

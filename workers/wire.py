@@ -61,10 +61,6 @@ class RemoteError(RuntimeError):
     """An exception raised on a worker whose class cannot be rebuilt here."""
 
 
-class WorkerLostError(RuntimeError):
-    """The worker running a call stopped (no heartbeat) and the call could not be retried."""
-
-
 def dump(value: Any) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
