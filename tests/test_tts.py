@@ -54,6 +54,7 @@ def test_split_text_keeps_words_in_order_and_short_first_piece() -> None:
     assert all(len(p) <= 120 for p in split_text(long, max_chars=120))
     assert " ".join(split_text(long, max_chars=120)).split() == long.split()
     assert split_text("  \n ") == []
+    assert split_text("one two three four five six seven.", first_chars=14) == ["one two three", "four five six seven."]
 
 
 # -- engine ------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def test_engine_rejects_bad_input_before_audio(engine: GatedPiper) -> None:
         assert err.value.param == param
 
 
-def test_first_pieces_of_new_requests_run_before_later_pieces_of_old_ones() -> None:
+def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
     eng = GatedPiper(workers=1, threads=1)
     eng.gate.clear()
 
@@ -115,7 +116,10 @@ def test_first_pieces_of_new_requests_run_before_later_pieces_of_old_ones() -> N
         first = asyncio.ensure_future(old.__anext__())
         while not eng.events:  # the worker is now blocked inside A's first piece
             await asyncio.sleep(0.01)
-        new = [asyncio.ensure_future(_drain(eng, TTSRequest(t))) for t in ("B zero. B one.", "C zero.")]
+        new = [
+            asyncio.ensure_future(_drain(eng, TTSRequest(t)))
+            for t in ("B zero. B one.", "C one two three four five six seven.")
+        ]
         await asyncio.sleep(0.05)  # both requests queued behind the gate
         eng.gate.set()
         await first
@@ -126,7 +130,10 @@ def test_first_pieces_of_new_requests_run_before_later_pieces_of_old_ones() -> N
 
     run(go())
     order = [e.removeprefix("synth:") for e in eng.events if e.startswith("synth:")]
-    assert order == ["Later A zero.", "B zero.", "C zero.", "A one.", "B one.", "A two."], order
+    # C arrived with two first pieces pending: its first piece was cut to 60 // 3 = 20 characters.
+    expected = ["Later A zero.", "B zero.", "C one two three four", "A one.", "B one.", "five six seven.", "A two."]
+    assert order == expected, order
+    assert eng.stats()["tts_first_pieces_pending"] == 0
 
 
 async def _drain(eng: PiperEngine, req: TTSRequest) -> int:

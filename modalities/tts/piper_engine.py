@@ -6,6 +6,9 @@ every piece is a work item in one priority queue keyed by ``(piece index, arriva
 threads, each with its own ONNX session of ``threads`` intra-op threads, take the lowest key, so
 the first piece of a new request runs before the later pieces of older ones: time-to-first-audio
 stays flat under load while old requests keep streaming (each piece is well under real time).
+Under load the first piece is also made shorter (``first_chars`` divided by one plus the number of
+first pieces already waiting, down to ``min_first_chars``), so a burst of new requests costs each
+of them little before its first audio.
 Pieces of one request may finish out of order on different workers; a per-request reorder
 buffer emits them in order. Cancelling a request drops its queued pieces.
 """
@@ -99,6 +102,7 @@ class PiperEngine:
         threads: int | None = None,
         max_chars: int = 300,
         first_chars: int = 60,
+        min_first_chars: int = 12,
     ) -> None:
         self.path = resolve_voice_path(str(model_path) if model_path is not None else None)
         with open(f"{self.path}.json", encoding="utf-8") as f:
@@ -110,7 +114,8 @@ class PiperEngine:
         self.voices = list(dict.fromkeys([short, stem]))
         self.workers = max(1, workers)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
-        self.max_chars, self.first_chars = max_chars, first_chars
+        self.max_chars, self.first_chars, self.min_first_chars = max_chars, first_chars, min_first_chars
+        self._first_pending = 0  # first pieces queued or running
         self._heap: list[tuple[int, int, _Job]] = []
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -156,6 +161,7 @@ class PiperEngine:
         return {
             "tts_requests_active": self._active,
             "tts_pieces_queued": len(self._heap),
+            "tts_first_pieces_pending": self._first_pending,
             "tts_pieces_done": self._pieces_done,
             "tts_audio_seconds_total": self._audio_s,
             "tts_synthesis_seconds_total": self._synth_s,
@@ -178,19 +184,22 @@ class PiperEngine:
                 if self._stopping:
                     return
                 index, _, job = heapq.heappop(self._heap)
-            if job.cancelled:
-                continue
-            t0 = time.perf_counter()
-            try:
-                audio: np.ndarray | BaseException = self._synthesize(voice, job.pieces[index], job.length_scale)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
-                logger.exception("piper synthesis failed")
-                audio = exc
-            else:
-                self._synth_s += time.perf_counter() - t0
-                self._audio_s += len(audio) / self.sample_rate
-                self._pieces_done += 1
-            if not job.loop.is_closed():
+            audio: np.ndarray | BaseException | None = None
+            if not job.cancelled:
+                t0 = time.perf_counter()
+                try:
+                    audio = self._synthesize(voice, job.pieces[index], job.length_scale)
+                except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
+                    logger.exception("piper synthesis failed")
+                    audio = exc
+                else:
+                    self._synth_s += time.perf_counter() - t0
+                    self._audio_s += len(audio) / self.sample_rate
+                    self._pieces_done += 1
+            if index == 0:
+                with self._cv:
+                    self._first_pending -= 1
+            if audio is not None and not job.loop.is_closed():
                 job.loop.call_soon_threadsafe(job.deliver, index, audio)
 
     # -- the contract --------------------------------------------------------------------------
@@ -199,12 +208,14 @@ class PiperEngine:
         check_request(self, req)
         if not self._threads:
             raise RuntimeError("the Piper engine is not started")
-        pieces = split_text(req.text, self.max_chars, self.first_chars)
-        job = _Job(next(self._seq), pieces, 1.0 / req.speed, asyncio.get_running_loop())
-        if not pieces:
-            return
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         with self._cv:
+            first = max(self.min_first_chars, self.first_chars // (1 + self._first_pending))
+            pieces = split_text(req.text, self.max_chars, first)
+            job = _Job(next(self._seq), pieces, 1.0 / req.speed, asyncio.get_running_loop())
+            if not pieces:
+                return
+            self._first_pending += 1
             for i in range(len(pieces)):
                 heapq.heappush(self._heap, (i, job.seq, job))
             self._cv.notify(len(pieces))
@@ -227,5 +238,7 @@ class PiperEngine:
             if job.next_emit < len(pieces):  # left early: drop what is still queued
                 job.cancelled = True
                 with self._cv:
+                    if any(e[0] == 0 and e[2] is job for e in self._heap):
+                        self._first_pending -= 1
                     self._heap = [e for e in self._heap if e[2] is not job]
                     heapq.heapify(self._heap)

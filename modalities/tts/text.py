@@ -1,8 +1,9 @@
 """Text splitting for streaming TTS: synthesis starts on the first piece while the rest waits.
 
 Pieces are sentences; a sentence longer than ``max_chars`` is cut at clause punctuation, then at
-word boundaries. The first piece is also cut at its first clause boundary when the sentence is
-longer than ``first_chars``: a short first piece is what keeps time-to-first-audio low.
+word boundaries. A first piece longer than ``first_chars`` is cut too, at its first clause
+boundary within ``2 * first_chars``, else at the last word boundary within ``first_chars``: a
+short first piece is what keeps time-to-first-audio low (engines shrink ``first_chars`` under load).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def split_text(text: str, max_chars: int = 300, first_chars: int = 60) -> list[s
         if sentence:
             pieces.extend(_cut(sentence, max_chars))
     if pieces and len(pieces[0]) > first_chars:
-        m = _CLAUSE_END.search(pieces[0], 0, first_chars * 2)
-        if m is not None and m.end() < len(pieces[0]):
-            pieces[:1] = [pieces[0][: m.end()].strip(), pieces[0][m.end() :].strip()]
+        head = pieces[0]
+        m = _CLAUSE_END.search(head, 0, first_chars * 2)
+        cut = m.end() if m is not None else head.rfind(" ", 0, first_chars + 1) + 1
+        if 0 < cut < len(head):
+            pieces[:1] = [head[:cut].strip(), head[cut:].strip()]
     return pieces
