@@ -5,7 +5,8 @@
 - ``CeleryRunner``: the ``mmserve.jobs.run`` task on the kind's modality queue
   (``<queue prefix>.<modality>``, consumed by ``mmserve worker --modality <modality>``); state and
   events in Redis. The worker renews a lease on its running job; ``reap`` (run periodically by the
-  gateway) requeues a job whose lease expired, up to ``max_attempts``, then fails it. Celery's own
+  gateway and by every worker that ran a job) requeues a job whose lease expired, up to
+  ``max_attempts``, then fails it. Celery's own
   redelivery of a killed worker's unacked message (after the visibility timeout) is harmless: the
   message's attempt token is stale by then, so it does nothing.
 
@@ -53,6 +54,7 @@ class JobsConfig:
             "queue_prefix": self.queue_prefix,
             "store": self.store,
             "lease_s": self.lease_s,
+            "reap_interval_s": self.reap_interval_s,
         }
 
 
@@ -356,24 +358,33 @@ class JobService:
         return rec
 
     async def reap(self) -> list[str]:
-        """Requeue (or fail, after ``max_attempts``) running jobs whose lease expired."""
-        touched = []
-        for job_id in await self.backend.running_ids():
-            fn = state.requeue_or_fail(None, "the worker running the job was lost (lease expired)", expired_only=True)
-            rec, changed = await self.backend.update(job_id, fn)
-            if not changed or rec is None:
-                continue
-            touched.append(job_id)
-            logger.warning("job %s: lease expired -> %s", job_id, rec["status"])
-            await self.backend.add_event(job_id, state.status_event(rec))
-            if rec["status"] == "queued":
-                await self.runner.dispatch(rec)
-        return touched
+        return await reap(self.backend, self.runner.dispatch)
 
     async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.reap_interval_s)
-            try:
-                await self.reap()
-            except Exception as exc:  # noqa: BLE001 - Redis down: try again later
-                logger.warning("job reaper failed: %r", exc)
+        await reap_forever(self.backend, self.runner.dispatch, self.cfg.reap_interval_s)
+
+
+async def reap(backend: Backend, dispatch: Callable[[Record], Awaitable[None]]) -> list[str]:
+    """Requeue (or fail, after ``max_attempts``) running jobs whose lease expired; the ids touched.
+    Safe to run in several processes at once: each transition is atomic, so only one requeues."""
+    touched = []
+    for job_id in await backend.running_ids():
+        fn = state.requeue_or_fail(None, "the worker running the job was lost (lease expired)", expired_only=True)
+        rec, changed = await backend.update(job_id, fn)
+        if not changed or rec is None:
+            continue
+        touched.append(job_id)
+        logger.warning("job %s: lease expired -> %s", job_id, rec["status"])
+        await backend.add_event(job_id, state.status_event(rec))
+        if rec["status"] == "queued":
+            await dispatch(rec)
+    return touched
+
+
+async def reap_forever(backend: Backend, dispatch: Callable[[Record], Awaitable[None]], interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await reap(backend, dispatch)
+        except Exception as exc:  # noqa: BLE001 - Redis down: try again later
+            logger.warning("job reaper failed: %r", exc)

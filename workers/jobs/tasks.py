@@ -17,13 +17,14 @@ from typing import Any
 from celery import shared_task
 
 from workers.jobs import state
-from workers.jobs.runner import TASK_NAME, Executor
+from workers.jobs.runner import TASK_NAME, Executor, reap_forever
 from workers.jobs.store import make_store
 
 for _module in filter(None, (m.strip() for m in os.environ.get("MMSERVE_JOB_MODULES", "").split(","))):
     importlib.import_module(_module)
 
 _EXECUTORS: dict[tuple[int, str], tuple[Executor, asyncio.AbstractEventLoop]] = {}
+_REAPERS: list[Any] = []  # keeps the reaper tasks referenced
 _LOCK = threading.Lock()
 
 
@@ -63,6 +64,9 @@ def _executor(cfg: dict[str, Any], app: Any) -> tuple[Executor, asyncio.Abstract
             executor = Executor(
                 backend, make_store(cfg["store"]), engines, lease_s=cfg["lease_s"], redispatch=redispatch
             )
+            # workers reap too, so a dead worker's job is retried even while no gateway runs
+            interval = cfg.get("reap_interval_s", cfg["lease_s"])
+            _REAPERS.append(asyncio.run_coroutine_threadsafe(reap_forever(backend, redispatch, interval), loop))
             _EXECUTORS[key] = (executor, loop)
         return _EXECUTORS[key]
 
