@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -18,32 +17,15 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from gateway.errors import APIError, install_error_handlers, model_not_found
+from gateway.auth import KeyStore, auth_dependency, keystore_from_args
+from gateway.drain import InFlight, InFlightMiddleware
+from gateway.errors import install_error_handlers, model_not_found
 from gateway.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
-from gateway.metrics import HTTPMetricsMiddleware, Metrics
+from gateway.logs import RequestLogMiddleware
+from gateway.metrics import HTTPMetricsMiddleware, Metrics, engine_modality
+from gateway.ratelimit import MemoryRateLimiter, RateLimiter, limiter_from_args
 
 logger = logging.getLogger("mmserve.gateway")
-
-
-def _bearer_auth(api_key: str | None) -> Any:
-    """Dependency checking ``Authorization: Bearer <api_key>`` (no-op without a key)."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(
-                401,
-                "Incorrect API key provided."
-                if header
-                else "You didn't provide an API key (Authorization: Bearer ...).",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    return check
 
 
 def _stats(engine: Any) -> dict[str, Any]:
@@ -67,8 +49,9 @@ def _common_router() -> APIRouter:
         """Readiness: every engine started (503 while starting or after shutdown began); under
         ``--dispatch celery`` also Redis reachable and at least one live worker per model."""
         state = request.app.state
-        ok = bool(state.ready)
-        body: dict[str, Any] = {"status": "ready" if ok else "starting", "models": list(state.engines)}
+        ok = bool(state.ready) and not state.draining
+        status = "draining" if state.draining else "ready" if ok else "starting"
+        body: dict[str, Any] = {"status": status, "models": list(state.engines)}
         cluster = getattr(state, "cluster", None)
         if cluster is not None:
             workers = {name: [w.worker_id for w in cluster.live(name)] for name in state.engines}
@@ -82,7 +65,10 @@ def _common_router() -> APIRouter:
         """Prometheus text: request counters, latency histograms, engine stats."""
         state = request.app.state
         stats = {name: _stats(engine) for name, engine in state.engines.items()}
-        return PlainTextResponse(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        modalities = {name: engine_modality(engine) for name, engine in state.engines.items()}
+        state.metrics.set_gauge("http_inflight_requests", state.inflight.count, help="HTTP requests in progress")
+        text = state.metrics.render(stats, modalities)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return router
 
@@ -125,8 +111,17 @@ def create_app(
     routers: Sequence[APIRouter] | None = None,
     aliases: dict[str, str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    keys: KeyStore | None = None,
+    ratelimiter: RateLimiter | None = None,
+    drain_timeout_s: float = 30.0,
 ) -> FastAPI:
     """An app serving ``engines`` (served model name -> ``AsyncEngine``).
+
+    Auth: ``keys`` (tenants, key hashes, limits; see ``gateway.auth``) and/or ``api_key`` (a
+    tenant ``default``); with neither, every request runs as tenant ``anonymous``. Per-tenant
+    limits are kept by ``ratelimiter`` (default: in memory; see ``gateway.ratelimit``). At
+    shutdown, ``/ready`` turns 503 and in-flight requests get ``drain_timeout_s`` to finish
+    before the engines stop (see ``gateway.drain``).
 
     Request bodies over ``max_body_bytes`` are answered 413 before any route reads them.
 
@@ -153,12 +148,16 @@ def create_app(
             yield
         finally:
             app.state.ready = False
+            app.state.draining = True
+            if not await app.state.inflight.wait_idle(drain_timeout_s):
+                logger.warning("drain timeout: stopping engines with %d request(s) in flight", app.state.inflight.count)
             for engine in reversed(started):
                 if hasattr(engine, "shutdown"):
                     try:
                         await asyncio.wait_for(engine.shutdown(), timeout=30)
                     except Exception:  # noqa: BLE001 - keep shutting the others down
                         logger.exception("engine shutdown failed")
+            await app.state.ratelimiter.aclose()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     app.state.engines = dict(engines)
@@ -166,16 +165,24 @@ def create_app(
     app.state.ready = False
     app.state.created = int(time.time())
     app.state.metrics = Metrics()
+    app.state.draining = False
+    app.state.inflight = InFlight()
+    app.state.ratelimiter = ratelimiter if ratelimiter is not None else MemoryRateLimiter()
+    keys = keys if keys is not None else KeyStore()
+    if api_key:
+        keys.add_plain_key("default", api_key)
+    app.state.keys = keys
     install_error_handlers(app)
 
-    auth = [Depends(_bearer_auth(api_key))]
+    auth = [Depends(auth_dependency(keys))]
     app.include_router(_common_router())
     app.include_router(_models_router(), dependencies=auth)
     for router in routers:
         app.include_router(router, dependencies=auth)
-    known_paths = {p for r in app.routes if isinstance(p := getattr(r, "path", None), str)}
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics, paths=known_paths)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(InFlightMiddleware, inflight=app.state.inflight)
+    app.add_middleware(RequestLogMiddleware)  # outermost: every response carries X-Request-ID
     return app
 
 
@@ -195,10 +202,12 @@ def build_app(args: Any) -> FastAPI:
     max_body = int(max_body_mb * (1 << 20)) if max_body_mb else DEFAULT_MAX_BODY_BYTES
     app = create_app(
         built.engines,
-        api_key=getattr(args, "api_key", None),
         routers=plugins.routers(),
         aliases=built.aliases,
         max_body_bytes=max_body,
+        keys=keystore_from_args(args),  # --keys-file, --api-key, --limit
+        ratelimiter=limiter_from_args(args),
+        drain_timeout_s=getattr(args, "drain_timeout", 30.0),
     )
     app.state.cluster = cluster  # /ready reports its workers
     return app

@@ -108,6 +108,10 @@ class MergedGeneration(Generic[T]):
             await self.aclose()
             raise
 
+    def first_items(self) -> list[tuple[int, T]]:
+        """After ``start``: the first item of each source that produced one (not yet iterated)."""
+        return [(idx, item) for idx, item, exc in self._buffer if exc is None and item is not _DONE]
+
     def __aiter__(self) -> AsyncIterator[tuple[int, T]]:
         return self._iterate()
 

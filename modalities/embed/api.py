@@ -4,12 +4,16 @@ Embedding engines live in ``app.state.engines`` next to the LLM engines; this ro
 answers for ``EmbeddingEngine`` instances (``model`` may be omitted when exactly one is served).
 ``dimensions`` truncates each vector (Matryoshka) and renormalises it; ``encoding_format:
 "base64"`` returns the little-endian float32 bytes, as OpenAI does.
+
+Each request is charged ``len(inputs)`` ``embed_inputs`` against its tenant's rate limit before
+it reaches the engine (refunded when it fails), and answers with ``Server-Timing: queue;dur=…,
+inference;dur=…, total;dur=…`` (ms; queue = until its first batch started).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import time
 from typing import Any
 
 import numpy as np
@@ -17,6 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.logs import annotate
+from gateway.metrics import record_timing, server_timing_header
+from gateway.ratelimit import charge
 from modalities.embed.engine import EmbeddingEngine, InputTooLongError
 from modalities.embed.protocol import EmbeddingRequest
 
@@ -73,26 +80,32 @@ def encode_vectors(vectors: np.ndarray, encoding_format: str) -> list[Any]:
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
     """OpenAI ``POST /v1/embeddings``."""
+    start = time.perf_counter()
     model, engine = resolve_embedding_engine(request, body.model)
     check_dimensions(body.dimensions, engine.dim)
+    inputs = body.inputs()
+    ch = await charge(request, "embed_inputs", len(inputs))
     try:
-        result = await engine.embed(body.inputs(), truncate=body.truncation())
-    except InputTooLongError as exc:
-        raise APIError(400, str(exc), param="input", code="context_length_exceeded") from exc
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        mapped = from_engine_error(exc, param="input")
+        result = await engine.embed(inputs, truncate=body.truncation())
+    except BaseException as exc:
+        await ch.refund()
+        if isinstance(exc, InputTooLongError):
+            raise APIError(400, str(exc), param="input", code="context_length_exceeded") from exc
+        mapped = from_engine_error(exc, param="input") if isinstance(exc, Exception) else None
         if mapped is None:
             raise
         raise mapped from exc
     vectors = shape_vectors(result.embeddings, body.dimensions, engine.dim)
     encoded = encode_vectors(vectors, body.encoding_format)
     tokens = result.prompt_tokens
+    total = time.perf_counter() - start
+    timing = record_timing(request, "embed", model, result.queue_s, result.inference_s, total)
+    annotate(request, prompt_tokens=tokens, inputs=len(inputs))
     content = {
         "object": "list",
         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(encoded)],
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
-    return JSONResponse(content)  # skips FastAPI's per-float jsonable_encoder walk
+    # JSONResponse directly: skips FastAPI's per-float jsonable_encoder walk
+    return JSONResponse(content, headers={"Server-Timing": server_timing_header(timing)})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import itertools
 import logging
 import threading
@@ -35,14 +36,22 @@ class InputTooLongError(ValueError):
 
 @dataclass
 class EmbedResult:
-    """Embeddings [N, dim] (float32, in input order) and the number of tokens each input used."""
+    """Embeddings [N, dim] (float32, in input order), the number of tokens each input used, and
+    the time split: ``queue_s`` (submitted -> its first batch starts) and ``inference_s`` (the rest)."""
 
     embeddings: np.ndarray
     token_counts: list[int]
+    queue_s: float = 0.0
+    inference_s: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
         return int(sum(self.token_counts))
+
+
+# Queue seconds of the last local ``embed_ids`` call in this task (unset for remote engines,
+# which override ``embed_ids``): lets ``embed`` report its split without changing that signature.
+_QUEUE_S: contextvars.ContextVar[float | None] = contextvars.ContextVar("embed_queue_s", default=None)
 
 
 @dataclass(eq=False)
@@ -53,6 +62,8 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     remaining: int
     cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when its first batch began
 
 
 @dataclass(order=True)
@@ -109,7 +120,14 @@ class EmbeddingEngine:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._dead: BaseException | None = None
-        self._stats = {"num_batches": 0, "num_inputs": 0, "num_tokens": 0, "num_padded_tokens": 0, "busy_s": 0.0}
+        self._stats = {
+            "num_batches": 0,
+            "num_inputs": 0,
+            "num_tokens": 0,
+            "num_padded_tokens": 0,
+            "busy_s": 0.0,
+            "num_running": 0,  # inputs in the batches running now
+        }
 
     @classmethod
     def from_path(cls, path: str | None = None, **kwargs: Any) -> EmbeddingEngine:
@@ -183,7 +201,12 @@ class EmbeddingEngine:
         """Embed ``inputs`` (strings or token-id lists); batched with every other concurrent call."""
         big = sum(len(x) for x in inputs) > 20_000
         ids = await asyncio.to_thread(self.prepare, inputs, truncate) if big else self.prepare(inputs, truncate)
-        return EmbedResult(await self.embed_ids(ids), [len(x) for x in ids])
+        _QUEUE_S.set(None)
+        start = time.perf_counter()
+        vectors = await self.embed_ids(ids)
+        total = time.perf_counter() - start
+        queue = min(total, _QUEUE_S.get() or 0.0)
+        return EmbedResult(vectors, [len(x) for x in ids], queue_s=queue, inference_s=total - queue)
 
     async def embed_ids(self, ids: list[list[int]]) -> np.ndarray:
         """Embeddings [N, dim] for already-checked token-id lists."""
@@ -200,7 +223,9 @@ class EmbeddingEngine:
                 bisect.insort(self._pending, _Item(len(x), req.seq, i, x, req))
             self._cond.notify()
         try:
-            return await req.future
+            vectors = await req.future
+            _QUEUE_S.set((req.started or req.submitted) - req.submitted)
+            return vectors
         finally:
             req.cancelled = True  # a client that left frees its queued inputs
 
@@ -255,12 +280,19 @@ class EmbeddingEngine:
 
     def _run(self, batch: list[_Item]) -> None:
         start = time.perf_counter()
+        for it in batch:
+            if it.request.started is None:
+                it.request.started = start
+        with self._cond:
+            self._stats["num_running"] += len(batch)
         try:
             vectors = self.model.forward([it.ids for it in batch]).numpy()
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("embedding batch failed")
             for req in {id(it.request): it.request for it in batch}.values():
                 _resolve(req, exc)
+            with self._cond:
+                self._stats["num_running"] -= len(batch)
             return
         done: list[_Request] = []
         for row, it in enumerate(batch):
@@ -273,6 +305,7 @@ class EmbeddingEngine:
         with self._cond:
             s = self._stats
             s["num_batches"] += 1
+            s["num_running"] -= len(batch)
             s["num_inputs"] += len(batch)
             s["num_tokens"] += sum(it.length for it in batch)
             s["num_padded_tokens"] += len(batch) * max(it.length for it in batch)

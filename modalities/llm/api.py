@@ -59,7 +59,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     tracker = Tracker(request, model, "completions", body.n, len(prompts))
-    gen = await start_generation(request, engine, rids, prompts, params, body.priority, "prompt")
+    gen = await start_generation(request, engine, rids, prompts, params, body.priority, "prompt", tracker)
     created = int(time.time())
     n = body.n
     cache: dict[int, str] = {}
@@ -93,17 +93,19 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                     chunk["choices"] = [choice]
                     if body.include_usage:
                         chunk["usage"] = None
+                    elif tracker.all_finished:
+                        chunk["timing"] = tracker.timing()[1]
                     yield sse(chunk)
             if body.include_usage:
                 chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-                yield sse({**chunk, "choices": [], "usage": tracker.usage()})
+                yield sse({**chunk, "choices": [], "usage": tracker.usage(), "timing": tracker.timing()[1]})
 
         return sse_response(events(), gen, tracker)
 
     finals = await collect_or_raise(gen, tracker, "prompt")
     if finals is None:
         return disconnected_response()
-    response.headers["Server-Timing"] = tracker.server_timing(list(finals.values()))
+    response.headers["Server-Timing"] = tracker.timing()[0]
     choices = []
     for idx in range(len(prompts)):
         for co in sorted(finals[idx].outputs, key=lambda c: c.index):
@@ -117,7 +119,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                     "stop_reason": co.stop_reason,
                 }
             )
-    tracker.done("ok")
+    await tracker.done("ok")
     return {
         "id": request_id,
         "object": "text_completion",
@@ -184,7 +186,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, str(exc)) from exc
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = Tracker(request, model, "chat_completions", body.n, 1)
-    gen = await start_generation(request, engine, [request_id], [prompt_ids], params, body.priority, "messages")
+    gen = await start_generation(
+        request, engine, [request_id], [prompt_ids], params, body.priority, "messages", tracker
+    )
     created = int(time.time())
     cache: dict[int, str] = {}
     want_lp = body.logprobs
@@ -209,16 +213,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                         continue
                     if co.finished:
                         tracker.finished.add(co.index)
-                    yield sse(chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp)]))
+                    data = chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp)])
+                    if not body.include_usage and tracker.all_finished:
+                        data["timing"] = tracker.timing()[1]
+                    yield sse(data)
             if body.include_usage:
-                yield sse({**chunk([]), "usage": tracker.usage()})
+                yield sse({**chunk([]), "usage": tracker.usage(), "timing": tracker.timing()[1]})
 
         return sse_response(events(), gen, tracker)
 
     finals = await collect_or_raise(gen, tracker, "messages")
     if finals is None:
         return disconnected_response()
-    response.headers["Server-Timing"] = tracker.server_timing(list(finals.values()))
+    response.headers["Server-Timing"] = tracker.timing()[0]
     choices = [
         {
             "index": co.index,
@@ -229,7 +236,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         }
         for co in sorted(finals[0].outputs, key=lambda c: c.index)
     ]
-    tracker.done("ok")
+    await tracker.done("ok")
     return {
         "id": request_id,
         "object": "chat.completion",

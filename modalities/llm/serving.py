@@ -1,5 +1,16 @@
-"""Helpers shared by the LLM routes: engine lookup, admission, fan-in, usage/metrics
-bookkeeping, and OpenAI logprob formatting."""
+"""Helpers shared by the LLM routes: engine lookup, admission (context cap, rate limit, engine
+queue), fan-in, usage/metrics bookkeeping, timing, and OpenAI logprob formatting.
+
+Timing: non-streamed responses carry ``Server-Timing: queue;dur=…, inference;dur=…, total;dur=…``
+(ms; queue = arrival → first scheduled, inference = first scheduled → done, total = request
+received → done). A stream's headers leave before its body, so they carry what is known then:
+``queue`` and ``ttft`` (request received → first output); the full split is in the last SSE
+chunk before ``[DONE]`` (the usage chunk when ``stream_options.include_usage``, else the chunk
+that finishes the last choice) as ``"timing": {"queue_ms", "inference_ms", "total_ms", "ttft_ms"}``.
+
+Rate limit: a request is charged ``prompt tokens + max_tokens × n`` (``llm_tokens``) before it
+reaches the engine, and settled to its real usage when it ends.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +23,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.async_engine import AsyncEngine
+from engine.errors import PromptTooLongError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.logs import annotate
+from gateway.metrics import record_timing, server_timing_header
+from gateway.ratelimit import Charge, charge
 from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, MergedGeneration, sse
 
 
@@ -64,21 +79,30 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 class Tracker:
-    """Per-response bookkeeping: token counts, finished choices, metrics."""
+    """Per-response bookkeeping: token counts, finished choices, timing, metrics, the rate-limit charge."""
 
     def __init__(self, request: Request, model: str, endpoint: str, n: int, num_prompts: int) -> None:
+        self.request = request
         self.metrics = getattr(request.app.state, "metrics", None)
         self.model, self.endpoint, self.n = model, endpoint, n
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.last_token: float | None = None
         self.prompt_tokens = [0] * num_prompts
         self.completion_tokens = [0] * (num_prompts * n)
         self.finished: set[int] = set()
+        self.charge: Charge | None = None
+        self.last: dict[int, RequestOutput] = {}
+        self._timing: tuple[str, dict[str, float]] | None = None
+        self.stream_header = ""
 
     def update(self, prompt_idx: int, out: RequestOutput) -> None:
         self.prompt_tokens[prompt_idx] = len(out.prompt_token_ids)
+        self.last[prompt_idx] = out
         for co in out.outputs:
             self.completion_tokens[prompt_idx * self.n + co.index] = len(co.token_ids)
+        if any(co.delta_token_ids for co in out.outputs):
+            self.last_token = time.monotonic()
         if self.first_token is None and any(co.token_ids for co in out.outputs):
             self.first_token = time.monotonic()
             if self.metrics is not None:
@@ -86,20 +110,45 @@ class Tracker:
                     "time_to_first_token_seconds", self.first_token - self.start, help="TTFT", model=self.model
                 )
 
-    def server_timing(self, finals: list[RequestOutput]) -> str:
-        """``Server-Timing`` value: queue (arrival → first scheduled, worst prompt), inference
-        (first scheduled → now) and total (request received → now), in ms."""
-        now = time.time()
-        scheduled = [o.metrics.get("scheduled_time", now) for o in finals]
-        queue = max((s - o.metrics.get("arrival_time", s) for s, o in zip(scheduled, finals, strict=True)), default=0.0)
-        inference = now - min(scheduled, default=now)
-        total = time.monotonic() - self.start
-        return f"queue;dur={queue * 1e3:.1f}, inference;dur={inference * 1e3:.1f}, total;dur={total * 1e3:.1f}"
+    @property
+    def all_finished(self) -> bool:
+        return len(self.finished) == len(self.completion_tokens)
+
+    def _queue_s(self, outputs: list[RequestOutput], now: float) -> tuple[float, float]:
+        """(queue seconds of the slowest-admitted prompt, earliest first-scheduled wall time)."""
+        scheduled = [o.metrics.get("scheduled_time", now) for o in outputs]
+        queue = max((s - o.metrics.get("arrival_time", s) for s, o in zip(scheduled, outputs, strict=True)), default=0)
+        return max(0.0, queue), min(scheduled, default=now)
+
+    def header_timing(self, first: list[RequestOutput]) -> str:
+        """``Server-Timing`` for a stream's headers (``first``: each prompt's first output)."""
+        queue, _ = self._queue_s(first, time.time())
+        ttft = time.monotonic() - self.start
+        return server_timing_header({"queue_ms": round(queue * 1e3, 1), "ttft_ms": round(ttft * 1e3, 1)})
+
+    def timing(self) -> tuple[str, dict[str, float]]:
+        """``(Server-Timing value, {queue_ms, inference_ms, total_ms, ttft_ms})`` of the finished
+        response; recorded in the metrics and the request's log line once."""
+        if self._timing is None:
+            now = time.time()
+            queue, scheduled = self._queue_s(list(self.last.values()), now)
+            total = time.monotonic() - self.start
+            fields = record_timing(self.request, "llm", self.model, queue, max(0.0, now - scheduled), total)
+            header = server_timing_header(fields)
+            if self.first_token is not None:
+                fields["ttft_ms"] = round((self.first_token - self.start) * 1e3, 1)
+            self._timing = header, fields
+        return self._timing
 
     def usage(self) -> dict[str, int]:
         return usage_dict(sum(self.prompt_tokens), sum(self.completion_tokens))
 
-    def done(self, status: str) -> None:
+    async def done(self, status: str) -> None:
+        """Record the outcome (metrics, log fields) and settle the rate-limit charge to the usage."""
+        prompt, completion = sum(self.prompt_tokens), sum(self.completion_tokens)
+        annotate(self.request, model=self.model, prompt_tokens=prompt, completion_tokens=completion, outcome=status)
+        if self.charge is not None:
+            await self.charge.settle(prompt + completion)
         if self.metrics is None:
             return
         m = self.metrics
@@ -110,11 +159,35 @@ class Tracker:
             endpoint=self.endpoint,
             status=status,
         )
-        m.inc("prompt_tokens_total", sum(self.prompt_tokens), help="prompt tokens", model=self.model)
-        m.inc("generation_tokens_total", sum(self.completion_tokens), help="generated tokens", model=self.model)
+        m.inc("prompt_tokens_total", prompt, help="prompt tokens", model=self.model)
+        m.inc("generation_tokens_total", completion, help="generated tokens", model=self.model)
         m.observe(
             "e2e_request_latency_seconds", time.monotonic() - self.start, help="request latency", model=self.model
         )
+        longest = max(self.completion_tokens, default=0)
+        if status == "ok" and self.first_token is not None and self.last_token is not None and longest > 1:
+            tpot = (self.last_token - self.first_token) / (longest - 1)
+            m.observe("time_per_output_token_seconds", tpot, help="TPOT (decode time per token)", model=self.model)
+
+
+def _check_context(engine: Any, prompts: list[list[int]], params: SamplingParams) -> None:
+    """The engine's context cap, enforced before any budget is charged or work queued."""
+    limit = getattr(engine, "max_model_len", None)
+    if not isinstance(limit, int):
+        return
+    for ids in prompts:
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            raise PromptTooLongError(len(ids), max(max_tokens, 1), limit)
+
+
+def _charge_amount(engine: Any, prompts: list[list[int]], params: SamplingParams) -> int:
+    limit = getattr(engine, "max_model_len", None) or 0
+    total = 0
+    for ids in prompts:
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, limit - len(ids))
+        total += len(ids) + max_tokens * params.n
+    return total
 
 
 async def start_generation(
@@ -125,9 +198,17 @@ async def start_generation(
     params: SamplingParams,
     priority: int,
     param: str,
+    tracker: Tracker,
 ) -> MergedGeneration[RequestOutput]:
-    """Submit one engine request per prompt and wait until all are admitted and producing.
-    Admission errors become ``APIError`` (400/429/503) naming ``param``; the others are aborted."""
+    """Check the context cap, charge the tenant's ``llm_tokens``, then submit one engine request
+    per prompt and wait until all are admitted and producing. Admission errors become
+    ``APIError`` (400/429/503) naming ``param`` and refund the charge; the others are aborted.
+    Sets ``tracker.stream_header`` (the ``Server-Timing`` known before a stream's body)."""
+    try:
+        _check_context(engine, prompts, params)
+    except PromptTooLongError as exc:
+        raise admit_error(exc, param) from exc
+    tracker.charge = await charge(request, "llm_tokens", _charge_amount(engine, prompts, params))
     sources: list[AsyncIterator[RequestOutput]] = []
     gen: MergedGeneration[RequestOutput] | None = None
     try:
@@ -136,13 +217,16 @@ async def start_generation(
         gen = MergedGeneration(request, sources)
         await gen.start()
     except ClientDisconnected as exc:  # gone while queued: nothing to answer, nothing left running
+        await tracker.charge.refund()
         raise APIError(499, "client closed the request", type="client_closed_request") from exc
     except Exception as exc:
+        await tracker.charge.refund()
         if gen is None:
             for s in sources:
                 if hasattr(s, "aclose"):
                     await s.aclose()  # type: ignore[attr-defined]
         raise admit_error(exc, param) from exc
+    tracker.stream_header = tracker.header_timing([item for _, item in gen.first_items()])
     return gen
 
 
@@ -162,10 +246,10 @@ async def collect_or_raise(
     try:
         return await collect(gen, tracker)
     except ClientDisconnected:
-        tracker.done("disconnected")
+        await tracker.done("disconnected")
         return None
     except Exception as exc:
-        tracker.done("error")
+        await tracker.done("error")
         raise admit_error(exc, param) from exc
 
 
@@ -190,9 +274,10 @@ def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker
             yield SSE_DONE
         finally:
             await gen.aclose()
-            tracker.done(status)
+            await tracker.done(status)
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    headers = {**SSE_HEADERS, "Server-Timing": tracker.stream_header}
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
 
 def disconnected_response() -> JSONResponse:
