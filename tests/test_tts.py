@@ -255,3 +255,21 @@ def test_wav_stream_header_is_readable_by_soundfile(base_url: str) -> None:
     resp = httpx.post(f"{base_url}/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"}, timeout=60)
     data, rate = sf.read(io.BytesIO(resp.content))
     assert rate == 22050 and len(data) > 2000
+
+
+def test_client_disconnect_cancels_queued_pieces(base_url: str, engine: GatedPiper) -> None:
+    import time
+
+    engine.gate.clear()
+    text = "First piece here. " + " ".join(f"Later piece {i}." for i in range(10))
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/audio/speech", json={"input": text, "response_format": "pcm"}) as r:
+            assert r.status_code == 200
+            next(r.iter_bytes())  # the first piece's audio; the workers are now held at the gate
+        deadline = time.monotonic() + 20
+        while engine.stats()["tts_requests_active"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.stats()["tts_requests_active"] == 0
+        assert engine.stats()["tts_pieces_queued"] == 0  # the 8+ pieces not yet started were dropped
+    finally:
+        engine.gate.set()
