@@ -187,8 +187,8 @@ async def test_progress_and_cancel(engines: dict[str, DiffusionEngine]) -> None:
 async def test_validation_before_compute(engines: dict[str, DiffusionEngine]) -> None:
     image, video = engines["dit"], engines["video"]
     bad = [
-        (image, GenerateRequest(prompt="x", width=62, height=64), "multiple of 4"),
-        (image, GenerateRequest(prompt="x", width=4096, height=64), "multiple of 4"),
+        (image, GenerateRequest(prompt="x", width=62, height=64), "multiple of 8"),
+        (image, GenerateRequest(prompt="x", width=4096, height=64), "multiple of 8"),
         (image, GenerateRequest(prompt="  "), "prompt"),
         (image, GenerateRequest(prompt="x", n=11), "n must"),
         (image, GenerateRequest(prompt="x", steps=1000), "steps"),

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -79,11 +80,26 @@ async def _generate(engine: Any, req: Any) -> Any:
         raise mapped from None
 
 
-def _store(request: Request, prefix: str) -> tuple[Any, str]:
-    """The job result store and a fresh object namespace (a pseudo job id) for one response."""
+async def _store_file(request: Request, data: bytes, filename: str, content_type: str) -> str:
+    """Keep ``data`` as a file of the job API (``/v1/files/<id>``, same store and metadata as an
+    upload) and return its absolute content URL."""
     from workers.jobs.api import service
+    from workers.jobs.store import UPLOADS, file_url
 
-    return service(request.app).store, f"{prefix}-{secrets.token_hex(8)}"
+    svc = service(request.app)
+    fid = f"file-{secrets.token_hex(12)}{Path(filename).suffix}"  # the suffix gives the served content type
+    await asyncio.to_thread(svc.store.put, UPLOADS, fid, data, content_type)
+    meta = {
+        "id": fid,
+        "object": "file",
+        "bytes": len(data),
+        "created_at": int(time.time()),
+        "filename": filename,
+        "purpose": "generation_output",
+        "status": "processed",
+    }
+    await svc.backend.put_meta(f"file:{fid}", meta)
+    return _absolute(request, file_url(UPLOADS, fid))
 
 
 def _absolute(request: Request, url: str) -> str:
@@ -99,10 +115,9 @@ async def images_generations(body: ImageGenerationRequest, request: Request) -> 
     pngs = await asyncio.to_thread(lambda: [encode_png(img) for img in result.outputs])
     data: list[dict[str, Any]] = []
     if body.response_format == "url":
-        store, ns = _store(request, "img")
         for i, (png, seed) in enumerate(zip(pngs, result.seeds, strict=True)):
-            url = await asyncio.to_thread(store.put, ns, f"image-{i}.png", png, "image/png")
-            data.append({"url": _absolute(request, url), "revised_prompt": None, "seed": seed})
+            url = await _store_file(request, png, f"image-{i}.png", "image/png")
+            data.append({"url": url, "revised_prompt": None, "seed": seed})
     else:
         for png, seed in zip(pngs, result.seeds, strict=True):
             data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None, "seed": seed})
@@ -145,6 +160,4 @@ async def videos(body: VideoGenerationRequest, request: Request) -> Response:
         return Response(mp4, media_type="video/mp4", headers=headers)
     if body.response_format == "b64_json":
         return JSONResponse({**meta, "b64_json": base64.b64encode(mp4).decode()})
-    store, ns = _store(request, "vid")
-    url = await asyncio.to_thread(store.put, ns, "video.mp4", mp4, "video/mp4")
-    return JSONResponse({**meta, "url": _absolute(request, url)})
+    return JSONResponse({**meta, "url": await _store_file(request, mp4, "video.mp4", "video/mp4")})

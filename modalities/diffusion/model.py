@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,7 +89,8 @@ class DiffusionModel:
         side = (
             int(sample[-1] if isinstance(sample, (list, tuple)) else sample) * vae if sample else 8 * vae * per_latent
         )
-        return vae * per_latent, side
+        # lcm with 8: most pipelines' check_inputs insist on multiples of 8 whatever their VAE factor
+        return math.lcm(vae * per_latent, 8), side
 
     # -- validation (no compute) ----------------------------------------------------------------
 

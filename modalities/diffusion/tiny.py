@@ -5,9 +5,9 @@ one folder per component) so that ``DiffusionPipeline.from_pretrained(dir)`` loa
 it loads a real checkpoint:
 
 - ``sd-unet``: ``StableDiffusionPipeline`` (UNet2DConditionModel, AutoencoderKL, CLIP text encoder,
-  DDIM), VAE factor 2, UNet downsampling 2: sizes are multiples of 4 px;
+  DDIM), VAE factor 2, UNet downsampling 2: sizes are multiples of 8 px (the pipelines' own check);
 - ``dit``: ``PixArtAlphaPipeline`` (PixArtTransformer2DModel, 4 blocks, patch 2; T5 encoder;
-  DPM-Solver), VAE factor 2: sizes are multiples of 4 px;
+  DPM-Solver), VAE factor 2: sizes are multiples of 8 px (the pipelines' own check);
 - ``video``: ``WanPipeline`` (WanTransformer3DModel, 4 blocks, patch (1, 2, 2); Wan 3D VAE,
   spatial factor 8, temporal factor 4; UMT5 encoder; UniPC flow matching): sizes are multiples of
   16 px and frame counts are ``4k + 1``.
