@@ -34,3 +34,13 @@ async def realtime(ws: WebSocket, model: str | None = None) -> None:
         return
     served = next(n for n, e in engines.items() if e is services.llm)
     await RealtimeSession(ws, services, served).run()
+
+
+def _register_job_kind() -> None:
+    from pipelines import jobs
+    from workers.jobs import register_job_kind
+
+    register_job_kind(jobs.KIND, "asr", jobs.run, validate=jobs.validate, concurrency=4)
+
+
+_register_job_kind()

