@@ -210,4 +210,5 @@ def build_app(args: Any) -> FastAPI:
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
     )
     app.state.cluster = cluster  # /ready reports its workers
+    app.state.args = args  # services without engines (workers.jobs) read their options from it
     return app
