@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.profile_engine import add_profile_args
 
     add_profile_args(sub.add_parser("profile", help="per-phase time breakdown of mmserve decode steps"))
+    sub.add_parser("diffusion", help="image/video generation: batching, video, step cache (see diffusion --help)")
     sub.add_parser("embed", help="embeddings: engine vs sentence-transformers, HTTP latency (see embed --help)")
     sub.add_parser("tts", help="TTS time-to-first-audio, 1 vs N concurrent, per backend (see tts --help)")
     sub.add_parser("jobs", help="job-queue throughput, concurrent submitters, local or celery (see jobs --help)")
@@ -29,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "diffusion":  # diffusion benchmark (bench/diffusion.py) parses its own flags
+        from bench.diffusion import main as diffusion_main
+
+        return int(diffusion_main(argv[1:]) or 0)
     if argv and argv[0] == "embed":  # embeddings benchmark (bench/embed.py) parses its own flags
         from bench.embed import main as embed_main
 
