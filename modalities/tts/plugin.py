@@ -25,6 +25,15 @@ def _make_tiny_tts_ar(out_dir: str | Path, seed: int = 0) -> Path:
 TINY_ARCHS = {"tts-ar": _make_tiny_tts_ar}
 
 
+def _register_job_kind() -> None:
+    from modalities.tts import jobs
+
+    jobs.register()
+
+
+_register_job_kind()  # ``speech.generate``: long text to an audio file (see modalities/tts/jobs.py)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("tts")
     g.add_argument("--tts", default=None, help="Piper voice: 'joe' (default, packaged) or a .onnx voice file")
