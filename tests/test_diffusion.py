@@ -192,6 +192,7 @@ async def test_validation_before_compute(engines: dict[str, DiffusionEngine]) ->
         (image, GenerateRequest(prompt="  "), "prompt"),
         (image, GenerateRequest(prompt="x", n=11), "n must"),
         (image, GenerateRequest(prompt="x", steps=1000), "steps"),
+        (image, GenerateRequest(prompt="x", steps=1), "steps must be between 2"),
         (image, GenerateRequest(prompt="x", cache="nope"), "preset"),
         (image, GenerateRequest(prompt="x", cache_interval=3), "UNet"),
         (image, GenerateRequest(prompt="x", num_frames=5), "image model"),

@@ -185,8 +185,8 @@ class DiffusionEngine:
         if not 1 <= req.n <= self.max_n:
             raise ValueError(f"n must be between 1 and {self.max_n}")
         steps = self.default_steps if req.steps is None else req.steps
-        if not 1 <= steps <= self.max_steps:
-            raise ValueError(f"steps must be between 1 and {self.max_steps}")
+        if not self.model.min_steps <= steps <= self.max_steps:
+            raise ValueError(f"steps must be between {self.model.min_steps} and {self.max_steps}")
         guidance = self.default_guidance if req.guidance_scale is None else float(req.guidance_scale)
         if not 0 <= guidance <= 100:
             raise ValueError("guidance_scale must be between 0 and 100")

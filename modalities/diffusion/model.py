@@ -73,6 +73,8 @@ class DiffusionModel:
         self.frame_step = int(getattr(self.pipe, "vae_scale_factor_temporal", 1)) if self.is_video else 1
         self.max_frames = max_frames
         self.default_frames = 1 + 4 * self.frame_step if self.is_video else 1
+        # PixArt-alpha treats 1 step as its DMD one-step mode, which needs a scheduler returning x0
+        self.min_steps = 2 if type(self.pipe).__name__.startswith("PixArtAlpha") else 1
         self.cache = CacheSwitch(self.denoiser)
         self.counter = BlockCounter(self.denoiser)
 
