@@ -71,12 +71,12 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         services = Services.from_engines(ctx.engines, opts.llm, opts.asr, opts.tts, ctx.aliases, need=need)
         await run_local(store, chain_id, services)
     else:
-        from celery import current_app
+        from workers.celery_app import make_celery
 
         store = StageStore(rt.redis_url, rt.prefix)
         if store.status(chain_id) is None:  # a retried job resumes its chain: done stages are skipped
             store.create(chain_id, audio, opts)
-        celery_chain(current_app, chain_id, opts, rt.prefix).apply_async()
+        celery_chain(make_celery(rt.redis_url), chain_id, opts, rt.prefix).apply_async()
         while (status := store.status(chain_id)) is not None and status["status"] not in ("succeeded", "failed"):
             ctx.check_cancelled()
             await asyncio.sleep(0.05)

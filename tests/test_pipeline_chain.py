@@ -44,14 +44,40 @@ def question_wav() -> bytes:
     return buf.getvalue()
 
 
-def check_result(out: dict[str, Any]) -> None:
+def check_result(out: dict[str, Any], attempts: tuple[int, ...] = (1, 1, 2, 1)) -> None:
     assert "capital" in out["transcript"].lower() and "france" in out["transcript"].lower()
     assert out["segments"] and out["segments"][0]["end_ms"] > out["segments"][0]["start_ms"]
     assert "paris" in out["reply"].lower()
     stages = out["stages"]
     assert list(stages) == ["vad", "asr", "llm", "tts"]
-    assert [s["attempts"] for s in stages.values()] == [1, 1, 2, 1]  # only the failed stage ran again
+    assert tuple(s["attempts"] for s in stages.values()) == attempts  # only a failed stage runs again
     assert all(s["seconds"] is not None and s["seconds"] >= 0 for s in stages.values())
+
+
+def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any]) -> dict[str, Any]:
+    """Upload ``wav``, check bad params are 400s, run an ``audio.pipeline`` job; its result."""
+    up = http.post("/v1/files", files={"file": ("q.wav", wav, "audio/wav")}, data={"purpose": "user_data"})
+    assert up.status_code == 200, up.text
+    params = {"file_id": up.json()["id"], **params}
+    for bad in ({**params, "max_tokens": 0}, {**params, "nope": 1}, {"max_tokens": 4}):
+        resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad})
+        assert resp.status_code == 400 and resp.json()["error"]["message"], resp.text
+    resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": params})
+    assert resp.status_code == 202, resp.text
+    job_id = resp.json()["id"]
+    deadline = time.monotonic() + 120
+    while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    assert job["status"] == "succeeded", job
+    out = job["result"]
+    wav_out = http.get(out["files"]["audio"])
+    assert wav_out.status_code == 200
+    import soundfile as sf
+
+    audio, rate = sf.read(io.BytesIO(wav_out.content))
+    assert rate == 24_000 and len(audio) / rate > 0.3
+    return out
 
 
 def test_local_dispatch_through_the_jobs_api(question_wav: bytes, smollm2_dir: Path, tmp_path: Path) -> None:
@@ -72,33 +98,13 @@ def test_local_dispatch_through_the_jobs_api(question_wav: bytes, smollm2_dir: P
     )
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(tmp_path)}), app.state.engines)
     with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
-        up = http.post("/v1/files", files={"file": ("q.wav", question_wav, "audio/wav")}, data={"purpose": "user_data"})
-        assert up.status_code == 200, up.text
-        params = {"file_id": up.json()["id"], "max_tokens": 24, "fail_once": ["llm"]}
-        for bad in ({**params, "max_tokens": 0}, {**params, "nope": 1}, {"max_tokens": 4}):
-            resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad})
-            assert resp.status_code == 400 and resp.json()["error"]["message"], resp.text
-        resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": params})
-        assert resp.status_code == 202, resp.text
-        job_id = resp.json()["id"]
-        deadline = time.monotonic() + 60
-        while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed"):
-            assert time.monotonic() < deadline, job
-            time.sleep(0.1)
-        assert job["status"] == "succeeded", job
-        out = job["result"]
+        out = run_job(http, question_wav, {"max_tokens": 24, "fail_once": ["llm"]})
         check_result(out)
         assert all(s["worker"] == "local" for s in out["stages"].values())
-        wav = http.get(out["files"]["audio"])
-        assert wav.status_code == 200
-        import soundfile as sf
-
-        audio, rate = sf.read(io.BytesIO(wav.content))
-        assert rate == 24_000 and len(audio) / rate > 0.3
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_dir: Path) -> Iterator[str]:
+def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """One ``mmserve worker`` process per modality on db 14 under a fresh prefix."""
     import redis
 
@@ -125,14 +131,29 @@ def cluster(smollm2_dir: Path) -> Iterator[str]:
         )
         for m, args in extra.items()
     ]
+    from gateway.app import create_app
+    from pipelines.plugin import router as pipelines_router  # registers the audio.pipeline job kind
+    from workers.jobs.plugin import router as jobs_router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    app = create_app({}, routers=[jobs_router, pipelines_router])
+    cfg = JobsConfig(
+        dispatch="celery",
+        redis_url=REDIS_URL,
+        key_prefix=f"{prefix}:jobs",
+        queue_prefix=prefix,
+        store={"type": "local", "root": str(tmp_path_factory.mktemp("results"))},
+    )
+    app.state.jobs = JobService(cfg, app.state.engines)
     try:
-        yield prefix
+        with serve_app(app) as base:
+            yield {"prefix": prefix, "base": base}
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
         r = redis.Redis.from_url(REDIS_URL)
@@ -140,17 +161,18 @@ def cluster(smollm2_dir: Path) -> Iterator[str]:
             r.delete(key)
 
 
-def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes, cluster: str) -> None:
+def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes, cluster: dict[str, str]) -> None:
     from modalities.audio import decode_audio
     from pipelines.chain import ChainOptions, StageStore, celery_chain, result
     from workers.celery_app import make_celery
 
     app = make_celery(REDIS_URL)
-    store = StageStore(REDIS_URL, cluster)
+    prefix = cluster["prefix"]
+    store = StageStore(REDIS_URL, prefix)
     chain_id = uuid.uuid4().hex
     opts = ChainOptions(max_tokens=24, fail_once=["llm"])
     store.create(chain_id, decode_audio(question_wav).samples, opts)
-    async_result = celery_chain(app, chain_id, opts, cluster).apply_async()
+    async_result = celery_chain(app, chain_id, opts, prefix).apply_async()
     assert async_result.id  # the chain's id, before any stage ran
     assert store.status(chain_id)["status"] == "queued"
     deadline = time.monotonic() + 120
@@ -161,9 +183,20 @@ def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes
     out = result(store, chain_id)
     out["stages"] = out.pop("status")["stages"]
     check_result(out)
-    workers = {name: s["worker"] for name, s in out["stages"].items()}
-    assert workers["vad"].startswith("asr-") and workers["asr"].startswith("asr-")
-    assert workers["llm"].startswith("llm-") and workers["tts"].startswith("tts-")
+    check_workers(out["stages"])
     assert out["audio"].size / out["sample_rate"] > 0.3
     final = async_result.get(timeout=30)  # the last task's return value: the result without audio
     assert final["reply"] == out["reply"] and "audio" not in final
+
+
+def check_workers(stages: dict[str, Any]) -> None:
+    workers = {name: s["worker"] for name, s in stages.items()}
+    assert workers["vad"].startswith("asr-") and workers["asr"].startswith("asr-")
+    assert workers["llm"].startswith("llm-") and workers["tts"].startswith("tts-")
+
+
+def test_celery_dispatch_through_the_jobs_api(question_wav: bytes, cluster: dict[str, str]) -> None:
+    with httpx.Client(base_url=cluster["base"], timeout=30) as http:
+        out = run_job(http, question_wav, {"max_tokens": 24})
+    check_result(out, attempts=(1, 1, 1, 1))
+    check_workers(out["stages"])
