@@ -19,7 +19,9 @@ import time
 from typing import Any
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError
 
 logger = logging.getLogger("mmserve.gateway")
 
@@ -41,7 +43,8 @@ class InFlight:
 
 
 class InFlightMiddleware:
-    """Pure ASGI: counts HTTP requests until their response is complete."""
+    """Pure ASGI: counts HTTP requests until their response is complete. A request cancelled by
+    the server (the drain timeout passed) before its response started is answered 503."""
 
     def __init__(self, app: ASGIApp, inflight: InFlight) -> None:
         self.app = app
@@ -51,9 +54,23 @@ class InFlightMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
+        async def _send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         self.inflight.count += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, _send)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            # uvicorn would answer 500; the request was fine, the server is going away
+            error = APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+            error.headers = {"Connection": "close", "Retry-After": "1"}
+            await error.response()(scope, receive, send)
         finally:
             self.inflight.count -= 1
 
