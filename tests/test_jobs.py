@@ -22,18 +22,24 @@ from tests import test_jobs_kinds as kinds
 from tests.helpers import serve_app
 
 API_KEY = "jobs-key"
+BOB_KEY = "bob-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+BOB = {"Authorization": f"Bearer {BOB_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from gateway.app import create_app
+    from gateway.auth import KeyStore
     from modalities.embed.api import router as embed_router
     from workers.jobs.plugin import router as jobs_router
     from workers.jobs.runner import JobsConfig, JobService
 
+    keys = KeyStore()
+    keys.add_plain_key("alice", API_KEY)
+    keys.add_plain_key("bob", BOB_KEY)
     engine = EmbeddingEngine.from_path(None)
-    app = create_app({DEFAULT_EMBED: engine}, api_key=API_KEY, routers=[embed_router, jobs_router])
+    app = create_app({DEFAULT_EMBED: engine}, keys=keys, routers=[embed_router, jobs_router])
     root = tmp_path_factory.mktemp("results")
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     with serve_app(app) as url:
@@ -284,3 +290,48 @@ def test_bad_uploads(base: str) -> None:
     up = upload("a.jsonl", b'{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}\n', "batch").json()
     assert client(base).files.delete(up["id"]).deleted
     error(get(base, f"/v1/files/{up['id']}"), 404)
+
+
+def test_tenants_see_only_their_own_jobs_and_files(base: str) -> None:
+    body = {"kind": "test.steps", "params": {"steps": 1}}
+    mine = post(base, "/v1/jobs", body, headers={"Idempotency-Key": "shared-key"}).json()
+    theirs = httpx.post(f"{base}/v1/jobs", json=body, headers={**BOB, "Idempotency-Key": "shared-key"}).json()
+    assert theirs["id"] != mine["id"]  # idempotency keys are per tenant
+    done = wait(base, mine["id"])
+    for path in (
+        f"/v1/jobs/{mine['id']}",
+        f"/v1/jobs/{mine['id']}/events",
+        f"/v1/files/{done['files'][0]['id']}",
+        done["files"][0]["url"],
+    ):
+        error(httpx.get(f"{base}{path}", headers=BOB), 404)
+    error(httpx.post(f"{base}/v1/jobs/{mine['id']}/cancel", headers=BOB), 404)
+    files = {"file": ("a.jsonl", b'{"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x"}}\n', "x/y")}
+    up = httpx.post(f"{base}/v1/files", files=files, data={"purpose": "batch"}, headers=HEADERS).json()
+    assert up["id"] in [f["id"] for f in get(base, "/v1/files").json()["data"]]
+    assert up["id"] not in [f["id"] for f in httpx.get(f"{base}/v1/files", headers=BOB).json()["data"]]
+    batch = {"input_file_id": up["id"], "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    error(httpx.post(f"{base}/v1/batches", json=batch, headers=BOB), 404)
+    created = post(base, "/v1/batches", batch).json()
+    listed = get(base, "/v1/batches?limit=1").json()
+    assert listed["data"][0]["id"] == created["id"] and listed["object"] == "list"
+    assert httpx.get(f"{base}/v1/batches", headers=BOB).json()["data"] == []
+    wait(base, created["id"])
+
+
+def test_unreachable_job_store_is_503() -> None:
+    from gateway.app import create_app
+    from workers.jobs.plugin import router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    app = create_app({}, routers=[router])
+    app.state.jobs = JobService(JobsConfig(dispatch="celery", redis_url="redis://127.0.0.1:1/0"), {})
+    with serve_app(app) as url:
+        t0 = time.monotonic()
+        error(httpx.post(f"{url}/v1/jobs", json={"kind": "test.steps"}), 503)
+        error(httpx.get(f"{url}/v1/jobs/job_x"), 503)
+        error(httpx.post(f"{url}/v1/jobs/job_x/cancel"), 503)
+        files = {"file": ("a.jsonl", b"{}", "x/y")}
+        error(httpx.post(f"{url}/v1/files", files=files, data={"purpose": "batch"}), 503)
+        error(httpx.get(f"{url}/v1/batches"), 503)
+        assert time.monotonic() - t0 < 20

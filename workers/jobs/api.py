@@ -8,8 +8,12 @@
   until the job ends; previews are included with ``?previews=true``. ``WS /v1/jobs/{id}/ws``: the
   same events as JSON messages; send ``{"type": "cancel"}`` to cancel.
 - ``POST /v1/jobs/{id}/cancel``.
-- ``POST /v1/files`` (multipart ``file`` + ``purpose``), ``GET /v1/files/{id}``,
+- ``POST /v1/files`` (multipart ``file`` + ``purpose``), ``GET /v1/files``, ``GET /v1/files/{id}``,
   ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}`` (OpenAI Files API).
+
+Jobs and files belong to the tenant that created them (``request.state.tenant`` from the gateway's
+auth); other tenants get 404s, and idempotency keys are per tenant. An unreachable job store
+(Redis, S3) is a 503 on every route.
 
 ``workers.jobs.batch`` adds the ``/v1/batches`` routes to this router.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,16 +30,50 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Header, Query, Request, UploadFile, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import HTTPConnection
 
 from gateway.errors import APIError
 from workers.jobs import state
 from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService
 from workers.jobs.store import UPLOADS, check_name, parse_file_id
 
-router = APIRouter(tags=["jobs"], strict_content_type=False)
+
+def unavailable(exc: BaseException) -> APIError:
+    return APIError(
+        503, f"the job store is unavailable: {exc}", code="service_unavailable", headers={"Retry-After": "1"}
+    )
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    """Redis, the Celery broker or the S3 endpoint could not be reached."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    return any(c.__module__.split(".")[0] in ("redis", "kombu", "botocore") for c in type(exc).__mro__)
+
+
+class _JobsRoute(APIRoute):
+    """Every job route answers 503 (OpenAI error JSON) when the job store is unreachable."""
+
+    def get_route_handler(self) -> Any:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                if not isinstance(exc, APIError) and _is_unavailable(exc):
+                    raise unavailable(exc) from exc
+                raise
+
+        return guarded
+
+
+router = APIRouter(tags=["jobs"], strict_content_type=False, route_class=_JobsRoute)
 
 MAX_UPLOAD_BYTES = 200 << 20
+_SAFE_FILENAME = re.compile(r"[^A-Za-z0-9._ -]")
 FILE_PURPOSES = ("batch", "user_data")
 
 
@@ -81,20 +120,21 @@ def not_found(what: str, ident: str) -> APIError:
     return APIError(404, f"No {what} found with id '{ident}'.", code="not_found")
 
 
-async def get_job_or_404(svc: JobService, job_id: str) -> state.Record:
-    try:
-        rec = await svc.get(job_id)
-    except Exception as exc:  # noqa: BLE001 - Redis unreachable
-        raise unavailable(exc) from exc
-    if rec is None:
+def owner_of(conn: HTTPConnection) -> str | None:
+    """The caller's tenant name (set by the gateway's auth), which owns the jobs it creates."""
+    return getattr(getattr(conn.state, "tenant", None), "name", None)
+
+
+def visible(item_owner: str | None, owner: str | None) -> bool:
+    """Tenants see only their own jobs and files."""
+    return item_owner is None or owner is None or item_owner == owner
+
+
+async def get_job_or_404(svc: JobService, job_id: str, owner: str | None) -> state.Record:
+    rec = await svc.get(job_id)
+    if rec is None or not visible(rec.get("owner"), owner):
         raise not_found("job", job_id)
     return rec
-
-
-def unavailable(exc: BaseException) -> APIError:
-    return APIError(
-        503, f"the job store is unavailable: {exc}", code="service_unavailable", headers={"Retry-After": "1"}
-    )
 
 
 async def submit_or_raise(
@@ -103,6 +143,7 @@ async def submit_or_raise(
     params: dict[str, Any],
     key: str | None,
     *,
+    owner: str | None,
     preview: bool = False,
     id_prefix: str = "job",
 ) -> tuple[state.Record, bool]:
@@ -110,7 +151,9 @@ async def submit_or_raise(
     if key is not None and not (0 < len(key) <= 255):
         raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
     try:
-        return await svc.submit(kind, params, idempotency_key=key, wants_preview=preview, id_prefix=id_prefix)
+        return await svc.submit(
+            kind, params, idempotency_key=key, wants_preview=preview, id_prefix=id_prefix, owner=owner
+        )
     except KeyError as exc:
         known = ", ".join(sorted(_kinds())) or "(none)"
         raise APIError(
@@ -127,12 +170,6 @@ async def submit_or_raise(
         raise
     except ValueError as exc:
         raise APIError(400, str(exc), param="params", code="invalid_value") from exc
-    except (ConnectionError, OSError) as exc:
-        raise unavailable(exc) from exc
-    except Exception as exc:
-        if type(exc).__module__.startswith(("redis", "kombu", "celery")):
-            raise unavailable(exc) from exc
-        raise
 
 
 def _kinds() -> list[str]:
@@ -157,7 +194,9 @@ async def create_job(
 ) -> JSONResponse:
     """Queue a job; 202 with the job object at once."""
     svc = service(request.app)
-    rec, created = await submit_or_raise(svc, body.kind, body.params, idempotency_key, preview=body.preview)
+    rec, created = await submit_or_raise(
+        svc, body.kind, body.params, idempotency_key, owner=owner_of(request), preview=body.preview
+    )
     headers = {"Location": f"/v1/jobs/{rec['id']}"}
     if not created:
         headers["Idempotent-Replayed"] = "true"
@@ -166,14 +205,14 @@ async def create_job(
 
 @router.get("/v1/jobs/{job_id}")
 async def get_job(job_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(job_view(await get_job_or_404(service(request.app), job_id)))
+    return JSONResponse(job_view(await get_job_or_404(service(request.app), job_id, owner_of(request))))
 
 
 @router.post("/v1/jobs/{job_id}/cancel")
 async def cancel_job(job_id: str, request: Request) -> JSONResponse:
     """Cancel a queued or running job (409 when it already ended)."""
     svc = service(request.app)
-    rec = await get_job_or_404(svc, job_id)
+    rec = await get_job_or_404(svc, job_id, owner_of(request))
     if rec["status"] in state.TERMINAL and rec["status"] != "cancelled":
         raise APIError(409, f"job {job_id} already {rec['status']}", code="job_finished")
     rec = await svc.cancel(job_id)
@@ -197,7 +236,7 @@ async def job_events(
 ) -> StreamingResponse:
     """SSE: ``event: status|progress``, ``id: <cursor>``, ``data: <json>``; closes after the end."""
     svc = service(request.app)
-    await get_job_or_404(svc, job_id)
+    await get_job_or_404(svc, job_id, owner_of(request))
 
     async def stream() -> AsyncIterator[str]:
         async for cursor, ev in svc.backend.events(job_id, after or last_event_id):
@@ -214,7 +253,8 @@ async def job_ws(websocket: WebSocket, job_id: str, previews: bool = False) -> N
     """The job's events as JSON messages; ``{"type": "cancel"}`` from the client cancels it."""
     svc = service(websocket.app)
     await websocket.accept()
-    if await svc.get(job_id) is None:
+    rec = await svc.get(job_id)
+    if rec is None or not visible(rec.get("owner"), owner_of(websocket)):
         await websocket.send_json(not_found("job", job_id).to_dict())
         await websocket.close(code=4404)
         return
@@ -239,20 +279,20 @@ async def job_ws(websocket: WebSocket, job_id: str, previews: bool = False) -> N
 # -- files ---------------------------------------------------------------------------------------
 
 
-async def file_object(svc: JobService, fid: str) -> dict[str, Any]:
-    """The OpenAI file object for an upload or a job output (404 when unknown)."""
+async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str, Any]:
+    """The OpenAI file object for an upload or a job output (404 when unknown or not the caller's)."""
     try:
         job_id, name = parse_file_id(fid)
     except ValueError as exc:
         raise not_found("file", fid) from exc
     if job_id == UPLOADS:
         meta = await svc.backend.get_meta(f"file:{fid}")
-        if meta is None:
+        if meta is None or not visible(meta.get("owner"), owner):
             raise not_found("file", fid)
-        return meta
+        return {k: v for k, v in meta.items() if k != "owner"}
     rec = await svc.get(job_id)
     info = next((f for f in rec["files"] if f["name"] == name), None) if rec else None
-    if rec is None or info is None:
+    if rec is None or info is None or not visible(rec.get("owner"), owner):
         raise not_found("file", fid)
     purpose = "batch_output" if rec["kind"].startswith("batch:") else "job_result"
     return {
@@ -288,24 +328,50 @@ async def upload_file(
         "object": "file",
         "bytes": len(data),
         "created_at": int(time.time()),
-        "filename": file.filename or "upload",
+        "filename": _SAFE_FILENAME.sub("_", file.filename or "upload")[-200:],
         "purpose": purpose,
         "status": "processed",
     }
-    await svc.backend.put_meta(f"file:{fid}", obj)
+    owner = owner_of(request)
+    await svc.backend.put_meta(f"file:{fid}", {**obj, "owner": owner})
+    await svc.backend.index_add(f"files:{owner or ''}", fid)
     return JSONResponse(obj)
+
+
+@router.get("/v1/files")
+async def list_files(
+    request: Request,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    after: str | None = None,
+) -> JSONResponse:
+    """The caller's uploaded files, newest first (OpenAI list object)."""
+    svc, owner = service(request.app), owner_of(request)
+    ids = await svc.backend.index_list(f"files:{owner or ''}", limit + 1, after)
+    data = []
+    for fid in ids:
+        meta = await svc.backend.get_meta(f"file:{fid}")
+        if meta is not None and (purpose is None or meta["purpose"] == purpose):
+            data.append({k: v for k, v in meta.items() if k != "owner"})
+    return JSONResponse(list_object(data[:limit], more=len(ids) > limit))
+
+
+def list_object(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page."""
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
 
 @router.get("/v1/files/{file_id}")
 async def get_file(file_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(await file_object(service(request.app), file_id))
+    return JSONResponse(await file_object(service(request.app), file_id, owner_of(request)))
 
 
 @router.get("/v1/files/{file_id}/content")
 async def get_file_content(file_id: str, request: Request) -> Response:
     """The file's bytes (uploads, batch outputs, job results)."""
     svc = service(request.app)
-    obj = await file_object(svc, file_id)
+    obj = await file_object(svc, file_id, owner_of(request))
     job_id, name = parse_file_id(file_id)
     try:
         data, content_type = await asyncio.to_thread(svc.store.get, job_id, check_name(name))
@@ -320,7 +386,7 @@ async def get_file_content(file_id: str, request: Request) -> Response:
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
     """Delete an uploaded file (job outputs go with their job)."""
     svc = service(request.app)
-    obj = await file_object(svc, file_id)
+    obj = await file_object(svc, file_id, owner_of(request))
     if obj["purpose"] not in FILE_PURPOSES:
         raise APIError(400, "job outputs cannot be deleted one by one", param="file_id")
     await asyncio.to_thread(svc.store.delete, UPLOADS, file_id)

@@ -14,15 +14,24 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Header, Request
+from fastapi import Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import APIError
 from workers.jobs import state
-from workers.jobs.api import file_object, get_job_or_404, not_found, router, service, submit_or_raise
+from workers.jobs.api import (
+    file_object,
+    get_job_or_404,
+    list_object,
+    not_found,
+    owner_of,
+    router,
+    service,
+    submit_or_raise,
+)
 from workers.jobs.registry import JobContext, register_job_kind
 from workers.jobs.store import UPLOADS, file_id
 
@@ -222,7 +231,7 @@ def batch_view(rec: state.Record) -> dict[str, Any]:
 
 
 async def _batch_or_404(request: Request, batch_id: str) -> state.Record:
-    rec = await get_job_or_404(service(request.app), batch_id)
+    rec = await get_job_or_404(service(request.app), batch_id, owner_of(request))
     if not rec["kind"].startswith("batch:"):
         raise not_found("batch", batch_id)
     return rec
@@ -238,7 +247,8 @@ async def create_batch(
         raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint", code="invalid_value")
     if body.completion_window != "24h":
         raise APIError(400, "completion_window must be '24h'", param="completion_window", code="invalid_value")
-    meta = await file_object(svc, body.input_file_id)
+    owner = owner_of(request)
+    meta = await file_object(svc, body.input_file_id, owner)
     if meta["purpose"] != "batch":
         raise APIError(
             400, f"file {body.input_file_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id"
@@ -257,8 +267,23 @@ async def create_batch(
         "metadata": body.metadata,
         "total": len(lines),
     }
-    rec, _ = await submit_or_raise(svc, f"batch:{body.endpoint}", params, idempotency_key, id_prefix="batch")
+    rec, created = await submit_or_raise(
+        svc, f"batch:{body.endpoint}", params, idempotency_key, owner=owner, id_prefix="batch"
+    )
+    if created:
+        await svc.backend.index_add(f"batches:{owner or ''}", rec["id"])
     return JSONResponse(batch_view(rec))
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    request: Request, limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None
+) -> JSONResponse:
+    """The caller's batches, newest first (OpenAI list object)."""
+    svc, owner = service(request.app), owner_of(request)
+    ids = await svc.backend.index_list(f"batches:{owner or ''}", limit + 1, after)
+    data = [batch_view(rec) for bid in ids[:limit] if (rec := await svc.get(bid)) is not None]
+    return JSONResponse(list_object(data, more=len(ids) > limit))
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -316,8 +316,10 @@ class JobService:
         idempotency_key: str | None = None,
         wants_preview: bool = False,
         id_prefix: str = "job",
+        owner: str | None = None,
     ) -> tuple[Record, bool]:
-        """Queue a job (``KeyError``: unknown kind; ``ValueError``: bad params; ``IdempotencyConflict``)."""
+        """Queue a job for ``owner`` (the tenant; idempotency keys are per owner). Raises ``KeyError``
+        (unknown kind), ``ValueError`` (bad params), ``IdempotencyConflict``, ``ConnectionError``."""
         self.ensure_started()
         kind = get_job_kind(kind_name)
         if kind is None:
@@ -331,7 +333,8 @@ class JobService:
             params,
             max_attempts=self.cfg.max_attempts,
             wants_preview=wants_preview,
-            idempotency_key=idempotency_key,
+            idempotency_key=f"{owner or ''}:{idempotency_key}" if idempotency_key else None,
+            owner=owner,
         )
         stored, created = await self.backend.create(rec)
         if not created:
@@ -342,7 +345,9 @@ class JobService:
         try:
             await self.runner.dispatch(stored)
         except Exception as exc:
-            await self.backend.update(stored["id"], state.cancel)
+            failed, _ = await self.backend.update(stored["id"], state.fail_queued(f"could not queue the job: {exc}"))
+            if failed is not None:
+                await self.backend.add_event(stored["id"], state.status_event(failed))
             raise ConnectionError(f"could not queue the job: {exc}") from exc
         return stored, True
 

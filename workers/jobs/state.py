@@ -19,6 +19,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -42,6 +43,7 @@ def new_record(
     max_attempts: int,
     wants_preview: bool = False,
     idempotency_key: str | None = None,
+    owner: str | None = None,
 ) -> Record:
     return {
         "id": job_id,
@@ -64,6 +66,7 @@ def new_record(
         "token": uuid.uuid4().hex,
         "lease_until": None,
         "worker": None,
+        "owner": owner,
     }
 
 
@@ -163,6 +166,22 @@ def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Tr
     return fn
 
 
+def fail_queued(message: str) -> Transition:
+    """queued -> failed (the job could not be queued)."""
+
+    def fn(rec: Record) -> Record | None:
+        if rec["status"] != "queued":
+            return None
+        return {
+            **rec,
+            "status": "failed",
+            "error": {"message": message, "type": "queue_error"},
+            "finished_at": time.time(),
+        }
+
+    return fn
+
+
 def cancel(rec: Record) -> Record | None:
     if rec["status"] in TERMINAL:
         return None
@@ -204,6 +223,14 @@ class Backend(Protocol):
 
     async def delete_meta(self, key: str) -> bool: ...
 
+    async def index_add(self, index: str, item_id: str) -> None:
+        """Remember ``item_id`` in the listing ``index`` (for ``GET /v1/batches``, ``/v1/files``)."""
+        ...
+
+    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
+        """Up to ``limit`` ids of ``index``, newest first, starting after the id ``after``."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -212,13 +239,17 @@ def _is_terminal_event(ev: dict[str, Any]) -> bool:
 
 
 class MemoryBackend:
-    """In-process state (local runner): lost with the process, which also runs the jobs."""
+    """In-process state (local runner): lost with the process, which also runs the jobs. Only the
+    ``max_finished`` most recently finished jobs are kept."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_finished: int = 10_000) -> None:
         self.jobs: dict[str, Record] = {}
         self.idem: dict[str, str] = {}
         self.log: dict[str, list[dict[str, Any]]] = {}
         self.meta: dict[str, dict[str, Any]] = {}
+        self.indexes: dict[str, list[str]] = {}
+        self.max_finished = max_finished
+        self._finished: deque[str] = deque()
         self._changed = asyncio.Condition()
 
     async def create(self, rec: Record) -> tuple[Record, bool]:
@@ -242,7 +273,17 @@ class MemoryBackend:
         if new is None:
             return rec, False
         self.jobs[job_id] = new
+        if new["status"] in TERMINAL and rec["status"] not in TERMINAL:
+            self._finished.append(job_id)
+            while len(self._finished) > self.max_finished:
+                self._forget(self._finished.popleft())
         return new, True
+
+    def _forget(self, job_id: str) -> None:
+        rec = self.jobs.pop(job_id, None)
+        self.log.pop(job_id, None)
+        if rec and rec.get("idempotency_key"):
+            self.idem.pop(rec["idempotency_key"], None)
 
     async def add_event(self, job_id: str, event: dict[str, Any]) -> None:
         self.log.setdefault(job_id, []).append({**event, "ts": time.time()})
@@ -275,6 +316,14 @@ class MemoryBackend:
     async def delete_meta(self, key: str) -> bool:
         return self.meta.pop(key, None) is not None
 
+    async def index_add(self, index: str, item_id: str) -> None:
+        self.indexes.setdefault(index, []).append(item_id)
+
+    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
+        ids = self.indexes.get(index, [])[::-1]
+        start = ids.index(after) + 1 if after in ids else 0
+        return ids[start : start + limit]
+
     async def close(self) -> None:
         return None
 
@@ -282,12 +331,12 @@ class MemoryBackend:
 class RedisBackend:
     """Job state in Redis under ``prefix`` (celery runner): ``<prefix>:job:<id>`` (JSON),
     ``<prefix>:idem:<key>``, ``<prefix>:events:<id>`` (stream), ``<prefix>:running`` (set),
-    ``<prefix>:meta:<key>``. Finished jobs and their events expire after ``ttl_s``."""
+    ``<prefix>:meta:<key>``, ``<prefix>:index:<name>`` (sorted sets). Finished jobs and their events expire after ``ttl_s``."""
 
     def __init__(self, redis_url: str, prefix: str = "mmserve:jobs", ttl_s: float = 7 * 86400) -> None:
         import redis.asyncio as aioredis
 
-        self.r = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self.r = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.prefix = prefix
         self.ttl_s = int(ttl_s)
 
@@ -375,6 +424,17 @@ class RedisBackend:
 
     async def delete_meta(self, key: str) -> bool:
         return bool(await self.r.delete(self._k("meta", key)))
+
+    async def index_add(self, index: str, item_id: str) -> None:
+        key = self._k("index", index)
+        await self.r.zadd(key, {item_id: time.time()})
+        await self.r.zremrangebyscore(key, 0, time.time() - self.ttl_s)  # entries outlive nothing they name
+
+    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
+        key = self._k("index", index)
+        rank = await self.r.zrevrank(key, after) if after else None
+        start = rank + 1 if rank is not None else 0
+        return [m.decode() for m in await self.r.zrevrange(key, start, start + limit - 1)]
 
     async def close(self) -> None:
         await self.r.aclose()
