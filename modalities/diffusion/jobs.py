@@ -47,9 +47,12 @@ def _request(kind: str, body: Any, request_id: str) -> Any:
 def _validator(kind: str) -> Any:
     def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
         body = _parse(kind, params)
+        req = _request(kind, body, "validate")  # the size syntax
+        if not any(getattr(e, "modality", None) == KINDS[kind] for e in engines.values()):
+            return params  # the model lives on workers only (celery dispatch): they check the rest
         engine = _engine(engines, {}, body.model, KINDS[kind])
         if hasattr(engine, "prepare"):
-            engine.prepare(_request(kind, body, "validate"))
+            engine.prepare(req)
         return params
 
     return validate
