@@ -116,6 +116,7 @@ class PiperEngine:
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
         self.max_chars, self.first_chars, self.min_first_chars = max_chars, first_chars, min_first_chars
         self._first_pending = 0  # first pieces queued or running
+        self._start_lock: asyncio.Lock | None = None
         self._heap: list[tuple[int, int, _Job]] = []
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -139,8 +140,13 @@ class PiperEngine:
         return PiperVoice(config=PiperConfig.from_dict(self._config_dict), session=session)
 
     async def start(self) -> None:
-        if self._threads:
-            return
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:  # concurrent first requests load the sessions once
+            if not self._threads:
+                await self._start()
+
+    async def _start(self) -> None:
         self._stopping = False
         voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
         for i, voice in enumerate(voices):
@@ -206,8 +212,7 @@ class PiperEngine:
     async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
         """Float32 chunks, one per text piece, at ``req.sample_rate or sample_rate``."""
         check_request(self, req)
-        if not self._threads:
-            raise RuntimeError("the Piper engine is not started")
+        await self.start()  # no-op once started
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         with self._cv:
             first = max(self.min_first_chars, self.first_chars // (1 + self._first_pending))
