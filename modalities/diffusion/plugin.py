@@ -47,6 +47,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--diffusion-max-batch", type=int, default=8, help="most outputs generated in one batch")
     g.add_argument("--diffusion-batch-window-ms", type=float, default=50.0, help="how long requests are collected")
     g.add_argument("--diffusion-max-side", type=int, default=1024, help="largest width/height accepted")
+    g.add_argument(
+        "--cp-degree", type=int, default=1, help="context parallelism: run each DiT batch across N rank processes"
+    )
+    g.add_argument("--cp-mode", default="ulysses", choices=("ulysses", "ring", "hybrid"), help="context-parallel kind")
 
 
 def resolve_pipeline_path(spec: str) -> Path:
@@ -79,6 +83,10 @@ def build(args: Any, explicit: bool = False) -> Built:
         )
         if engine.modality != want:
             raise ValueError(f"--{flag} {spec} is a {engine.modality} pipeline")
+        if (getattr(args, "cp_degree", 1) or 1) > 1:
+            from modalities.diffusion.parallel.serving import enable_context_parallel
+
+            enable_context_parallel(engine, args.cp_degree, getattr(args, "cp_mode", "ulysses"))
         built.engines[engine.model_name] = engine
         if spec != engine.model_name:
             built.aliases[spec] = engine.model_name

@@ -197,7 +197,7 @@ class ContextParallelRunner:
         if all(p.is_alive() for p in procs):
             self._requests.put(None)
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)

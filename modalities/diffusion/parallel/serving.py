@@ -1,0 +1,62 @@
+"""Serve a diffusion engine's requests with context parallelism (``mmserve serve --cp-degree N``).
+
+:func:`enable_context_parallel` gives a ``DiffusionEngine`` a :class:`ContextParallelModel`: the
+engine keeps batching, validating and previewing with its local ``DiffusionModel``, and every batch
+runs across the runner's ranks instead of in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from modalities.diffusion.parallel.plans import plan_for
+from modalities.diffusion.parallel.runner import ContextParallelRunner, _forward_shape
+from modalities.diffusion.parallel.volume import check_divisible
+
+logger = logging.getLogger("mmserve.diffusion")
+
+
+class ContextParallelModel:
+    """A ``DiffusionModel`` whose :meth:`generate` runs on ``runner``; everything else (size rules,
+    previews, counters) is the local model's. :meth:`check_shape` also rejects sizes the CP degree
+    cannot shard, so they are a 400 before any compute."""
+
+    def __init__(self, model: Any, runner: ContextParallelRunner) -> None:
+        self._model = model
+        self.runner = runner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def check_shape(self, width: int, height: int, num_frames: int | None = None) -> int:
+        frames = self._model.check_shape(width, height, num_frames)
+        shape = SimpleNamespace(width=width, height=height, num_frames=frames)
+        check_divisible(self.runner.config, _forward_shape(self._model, shape, batch=1))
+        return frames
+
+    def generate(
+        self, shape: Any, items: Sequence[Any], on_step: Callable[[int, torch.Tensor], None] | None = None
+    ) -> np.ndarray:
+        return self.runner.generate(shape, items, on_step)
+
+
+def enable_context_parallel(engine: Any, degree: int, mode: str = "ulysses") -> ContextParallelRunner:
+    """Start ``degree`` ranks for ``engine``'s pipeline and route its batches through them.
+
+    Raises ``ValueError`` for a denoiser without a CP plan (UNets, unsupported DiTs) or a server
+    default step cache (caching decisions would differ between ranks)."""
+    model = engine.model
+    plan_for(model.denoiser)  # raises for unsupported models
+    if engine.default_cache.kind != "off":
+        raise ValueError("--cp-degree does not combine with a default step cache (--diffusion-cache)")
+    runner = ContextParallelRunner(model.path, degree, mode)
+    runner.start()
+    engine.model = ContextParallelModel(model, runner)
+    logger.info("%s runs on %d context-parallel ranks (%s, %s)", engine.model_name, degree, mode, runner.backend)
+    return runner
