@@ -124,7 +124,7 @@ class ARTTSEngine:
         self.layout = layout
         self.max_frames = max_frames
         self.decode_every = decode_every
-        self.model_name = name or f"{engine.model_name}"
+        self.model_name = name or engine.model_name
         self.voices = list(layout.voices)
         self.sample_rate = int(codec.config.sampling_rate)
         self.tokenizer = engine.tokenizer
