@@ -38,8 +38,17 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys = KeyStore()
     keys.add_plain_key("alice", API_KEY)
     keys.add_plain_key("bob", BOB_KEY)
-    engine = EmbeddingEngine.from_path(None)
-    app = create_app({DEFAULT_EMBED: engine}, keys=keys, routers=[embed_router, jobs_router])
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_loader import load_model
+    from engine.tiny_models import tiny_model_dir
+    from modalities.llm.api import router as llm_router
+
+    loaded = load_model(str(tiny_model_dir("llama")), max_model_len=256)
+    config = EngineConfig(model=str(loaded.path), max_model_len=256, num_kv_blocks=96, max_num_seqs=8)
+    engines = {DEFAULT_EMBED: EmbeddingEngine.from_path(None), "tiny": AsyncEngine(LLMEngine(config, loaded=loaded))}
+    app = create_app(engines, keys=keys, routers=[embed_router, llm_router, jobs_router])
     root = tmp_path_factory.mktemp("results")
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     with serve_app(app) as url:
@@ -206,6 +215,39 @@ TEXTS = ["Hello world.", "A much longer passage that keeps going. " * 8, "short"
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def run_batch(base: str, lines: list[dict[str, Any]], endpoint: str) -> tuple[Any, list[dict[str, Any]]]:
+    """Upload ``lines``, run them as a batch, return the finished batch and its output lines."""
+    c = client(base)
+    upload = c.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode()), purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    out = (
+        [json.loads(x) for x in c.files.content(batch.output_file_id).text.splitlines()] if batch.output_file_id else []
+    )
+    return batch, out
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_llm_batches_equal_the_online_endpoints(base: str, endpoint: str) -> None:
+    prompts = ["Hello there", "Once upon a time", "1 2 3 4", "The capital of France"]
+    bodies = [
+        {"model": "tiny", "max_tokens": 8, "temperature": 0, "seed": 1}
+        | ({"messages": [{"role": "user", "content": p}]} if "chat" in endpoint else {"prompt": p})
+        for p in prompts
+    ]
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": endpoint, "body": b} for i, b in enumerate(bodies)]
+    batch, out = run_batch(base, lines, endpoint)
+    assert batch.status == "completed" and batch.request_counts.completed == len(prompts)
+    for o, body in zip(out, bodies, strict=True):
+        online = post(base, endpoint, body).json()
+        got, want = o["response"]["body"]["choices"][0], online["choices"][0]
+        key = "message" if "chat" in endpoint else "text"
+        assert got[key] == want[key] and o["response"]["body"]["usage"] == online["usage"]
 
 
 def test_embeddings_batch_equals_the_online_endpoint(base: str, tmp_path: Path) -> None:
