@@ -91,15 +91,3 @@ class Services:
                 yield np.asarray(chunk, np.float32)
         finally:
             await stream.aclose()
-
-
-class StreamResampler:
-    """Streaming mono float32 resampler (soxr): chunk boundaries do not click."""
-
-    def __init__(self, src: int, dst: int) -> None:
-        import soxr
-
-        self._stream = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ")
-
-    def __call__(self, chunk: np.ndarray) -> np.ndarray:
-        return self._stream.resample_chunk(np.asarray(chunk, np.float32))

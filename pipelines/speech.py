@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from modalities.audio import ASR_RATE
+from modalities.tts.base import Resampler
 from pipelines.conversation import Conversation
 from pipelines.frames import (
     AudioFrame,
@@ -33,7 +34,7 @@ from pipelines.frames import (
     UserAudio,
 )
 from pipelines.processor import Processor
-from pipelines.services import Services, StreamResampler
+from pipelines.services import Services
 from pipelines.vad import VADConfig, VADSegmenter
 
 
@@ -42,11 +43,11 @@ class Resample(Processor):
 
     def __init__(self, rate: int = ASR_RATE) -> None:
         self.rate = rate
-        self._streams: dict[int, StreamResampler] = {}
+        self._streams: dict[int, Resampler] = {}
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, AudioFrame) and frame.sample_rate != self.rate:
-            rs = self._streams.setdefault(frame.sample_rate, StreamResampler(frame.sample_rate, self.rate))
+            rs = self._streams.setdefault(frame.sample_rate, Resampler(frame.sample_rate, self.rate))
             yield AudioFrame(rs(frame.samples), self.rate, created=frame.created)
         else:
             yield frame

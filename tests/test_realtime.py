@@ -46,7 +46,8 @@ def server(smollm2_dir: Any) -> Iterator[dict[str, Any]]:
     tts = PiperEngine(workers=1)
     app = create_app({"smollm2": llm, asr.model_name: asr, tts.model_name: tts}, routers=[router])
     with serve_app(app) as url:
-        yield {"url": url.replace("http://", "ws://") + "/v1/realtime", "llm": llm, "question": speech(QUESTION)}
+        ws_url = url.replace("http://", "ws://") + "/v1/realtime"
+        yield {"url": ws_url, "llm": llm, "tts": tts, "question": speech(QUESTION)}
 
 
 QUESTION = "What is the capital of France?"
@@ -128,6 +129,12 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             assert said and said == done["response"]["output"][0]["content"][0]["transcript"]
             assert "paris" in said.lower()
 
+            # The client says it played only 300 ms of the reply: the item is cut there.
+            item_id = done["response"]["output"][0]["id"]
+            await c.send("conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=300)
+            cut = await c.until("conversation.item.truncated")
+            assert cut["item_id"] == item_id and cut["audio_end_ms"] == 300
+
             # Second turn: the conversation so far is a cached prefix of the new prompt.
             hits = server["llm"].stats()["prefix_cache_hits"]
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]}
@@ -136,13 +143,14 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             done2 = await c.until("response.done")
             usage = done2["response"]["usage"]
             assert usage["input_token_details"]["cached_tokens"] >= done["response"]["usage"]["input_tokens"] - 16
+            assert usage["input_tokens"] > usage["input_token_details"]["cached_tokens"] > 0
             assert server["llm"].stats()["prefix_cache_hits"] > hits
 
     run(go())
 
 
 def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> None:
-    llm = server["llm"]
+    llm, tts = server["llm"], server["tts"]
 
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
@@ -173,6 +181,7 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
             assert stats["num_running"] == 0  # the decode was aborted inside the engine
             assert stats["generation_tokens_total"] - generated <= 2
             assert generated < 400
+            assert tts.stats()["tts_requests_active"] == 0  # and the synthesis was closed
             # The user's turn goes on: transcribed, answered; cancel that answer by event.
             await c.until("conversation.item.input_audio_transcription.completed")
             created = await c.until("response.created")
