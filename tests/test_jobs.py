@@ -147,7 +147,7 @@ def test_cancel_stops_a_running_job(base: str, kind: str) -> None:
     time.sleep(0.1)
     resp = post(base, f"/v1/jobs/{job['id']}/cancel", None)
     assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
-    time.sleep(0.2)  # a sync job stops at its next progress report
+    time.sleep(0.2)  # a sync job stops at its next check_cancelled()
     step = get(base, f"/v1/jobs/{job['id']}").json()["progress"]["step"]
     time.sleep(0.3)
     after = get(base, f"/v1/jobs/{job['id']}").json()

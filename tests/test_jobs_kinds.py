@@ -28,11 +28,12 @@ async def steps(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
 
 
 def sync_steps(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
-    """The same on a worker thread (cooperative cancellation through ``progress``)."""
+    """The same on a worker thread (cooperative cancellation through ``check_cancelled``)."""
     RUNS[params.get("tag", "")] += 1
     n = int(params.get("steps", 3))
     for i in range(n):
         time.sleep(float(params.get("delay", 0.01)))
+        ctx.check_cancelled()
         ctx.progress(i + 1, n)
     return {"steps": n}
 

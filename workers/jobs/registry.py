@@ -142,7 +142,8 @@ class JobContext:
       accepted model names -> served name.
     - ``store``: the result store; ``store.put(job_id, name, data, content_type) -> url``.
     - ``progress(step, total, preview=None)``: report progress (streamed to SSE/WebSocket clients
-      in order); ``preview`` bytes are kept only when the client asked (``wants_preview``).
+      in order); ``preview`` bytes are kept only when the client asked (``wants_preview``). It
+      never raises, so it is safe to call from an engine thread's callback.
     - ``check_cancelled()``: raises ``JobCancelled`` once the job was cancelled.
     """
 
@@ -158,8 +159,10 @@ class JobContext:
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def progress(self, step: int, total: int, preview: bytes | None = None, preview_type: str = "image/png") -> None:
-        """Report ``step`` of ``total`` done (raises ``JobCancelled`` if the job was cancelled)."""
-        self.check_cancelled()
+        """Report ``step`` of ``total`` done. Never raises (safe in engine-thread callbacks); a
+        cancelled job's reports are dropped, so call ``check_cancelled`` to stop."""
+        if self.cancel_event.is_set():
+            return
         keep = preview if (preview is not None and self.wants_preview) else None
         self.on_progress(ProgressEvent(int(step), int(total), keep, preview_type if keep is not None else None))
 
