@@ -105,7 +105,7 @@ class Executor:
         self.active: dict[str, tuple[JobContext, asyncio.Task[Any]]] = {}
 
     def cancel_local(self, job_id: str) -> None:
-        """Stop a job running here now (a sync ``run`` stops at its next ``progress``/``check_cancelled``)."""
+        """Stop a job running here now (a sync ``run`` stops at its next ``check_cancelled``)."""
         if job_id in self.active:
             ctx, task = self.active[job_id]
             ctx.cancel_event.set()
