@@ -111,12 +111,19 @@ def _is_json_content_type(value: str | None) -> bool:
     return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
 
 
+def _takes_form(request: Request) -> bool:
+    """Whether the matched route reads form fields or uploads (not a JSON body)."""
+    from fastapi import params
+
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    return any(isinstance(getattr(p, "field_info", None), params.Form) for p in getattr(dependant, "body_params", []))
+
+
 def validation_error(request: Request, exc: RequestValidationError) -> APIError:
     """Turn FastAPI/pydantic validation errors into one readable 400 (or 415 for non-JSON)."""
     errors = list(exc.errors())
     content_type = request.headers.get("content-type")
-    form = (content_type or "").lower().startswith(("multipart/form-data", "application/x-www-form-urlencoded"))
-    if not _is_json_content_type(content_type) and not form:  # form routes (uploads) report the field
+    if not _is_json_content_type(content_type) and not _takes_form(request):  # form routes report the field
         return APIError(415, f"unsupported media type {content_type!r}: send the body as application/json")
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid")
