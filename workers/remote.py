@@ -29,6 +29,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from gateway.errors import APIError
 from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
@@ -60,10 +62,13 @@ class Cluster:
         poll_s: float = 0.5,
         socket_timeout_s: float = 2.0,
         max_attempts: int = 3,
+        start_timeout_s: float = 3.0,
+        max_queue_wait_s: float = 60.0,
     ) -> None:
         self.redis_url, self.prefix, self.keys = redis_url, prefix, Keys(prefix)
         self.refresh_s, self.poll_s, self.max_attempts = refresh_s, poll_s, max_attempts
         self.socket_timeout_s = socket_timeout_s
+        self.start_timeout_s, self.max_queue_wait_s = start_timeout_s, max_queue_wait_s
         self.celery = make_celery(redis_url, socket_timeout_s=socket_timeout_s)
         self.redis: aioredis.Redis | None = None
         self.workers: dict[str, WorkerLoad] = {}
@@ -84,6 +89,9 @@ class Cluster:
                 self.redis_url,
                 socket_timeout=self.poll_s + self.socket_timeout_s,
                 socket_connect_timeout=self.socket_timeout_s,
+                # one immediate retry on a fresh connection: pooled ones are stale after a Redis restart
+                retry=Retry(NoBackoff(), 1),
+                retry_on_error=[redis.exceptions.ConnectionError],
             )
             await self.refresh()
             self._refresher = asyncio.create_task(self._refresh_loop())
@@ -100,16 +108,21 @@ class Cluster:
             await self.redis.aclose()
 
     async def refresh(self) -> None:
-        """Re-read every worker's heartbeat (a missing key is a dead worker)."""
+        """Re-read every worker's heartbeat (a missing key is a dead worker). Redis counts as down
+        after two failed reads in a row (one may hit a connection left stale by a Redis restart)."""
         assert self.redis is not None
-        try:
-            keys = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=500)]
-            values = await self.redis.mget(keys) if keys else []
-        except (redis.exceptions.RedisError, OSError) as exc:
-            if self.redis_ok:
-                logger.warning("Redis unreachable: %r", exc)
-            self.redis_ok, self.workers = False, {}
-            return
+        values: list[Any] = []
+        for attempt in (1, 2):
+            try:
+                keys = [k async for k in self.redis.scan_iter(match=self.keys.worker_pattern, count=500)]
+                values = await self.redis.mget(keys) if keys else []
+                break
+            except (redis.exceptions.RedisError, OSError) as exc:
+                if attempt == 2:
+                    if self.redis_ok:
+                        logger.warning("Redis unreachable: %s: %s", type(exc).__name__, exc)
+                    self.redis_ok, self.workers = False, {}
+                    return
         workers = {}
         for value in values:
             if value is None:
@@ -198,21 +211,22 @@ class Cluster:
                 )
             except Exception as exc:  # kombu wraps the connection error in its own types
                 raise broker_down(exc) from exc
-            last, streamed = "0-0", False
+            last, streamed, started, sent_at = "0-0", False, False, time.time()
             while True:
                 try:
                     reply = await self.redis.xread({stream: last}, count=256, block=int(self.poll_s * 1000))
-                    alive = True if reply else bool(await self.redis.exists(self.keys.worker(worker_id)))
+                    beat = None if reply else await self.redis.get(self.keys.worker(worker_id))
                 except (redis.exceptions.RedisError, OSError) as exc:
                     raise broker_down(exc) from exc
-                if not alive:
-                    if streamed:
+                if not reply:
+                    lost = self._lost(worker_id, beat, started, sent_at)
+                    if lost and streamed:
                         raise APIError(
                             503, f"worker {worker_id} was lost mid-request; the reply is incomplete", code="worker_lost"
                         )
-                    done = True
-                    yield None, None
-                    return
+                    if lost:
+                        yield None, None  # retry elsewhere; ``finally`` aborts this call in case it surfaces
+                        return
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
                         last = entry_id
@@ -226,12 +240,48 @@ class Cluster:
                             return
                         elif kind == ERROR:
                             done = True
-                            raise load_error(fields[b"d"])
-                        elif kind != START:
+                            error = load_error(fields[b"d"])
+                            if isinstance(error, (redis.exceptions.RedisError, OSError)):
+                                raise broker_down(error) from error  # the worker lost Redis mid-call
+                            raise error
+                        elif kind == START:
+                            started = True
+                        else:
                             logger.warning("unknown stream entry %r", kind)
         finally:
             self.local_inflight[worker_id] -= 1
             self._spawn(self._finish(worker_id, call.call_id, aborted=not done))
+
+    def _lost(self, worker_id: str, beat: bytes | None, started: bool, sent_at: float) -> bool:
+        """Whether a call that has been silent for a poll period is lost: its worker's heartbeat
+        expired, or the call never started although a heartbeat taken a while after sending it
+        shows free slots and an empty queue (the message vanished, e.g. Redis restarted without
+        persistence). A call still queued behind busy slots after ``max_queue_wait_s`` is a 503."""
+        if beat is None:
+            return True
+        waited_s = time.time() - sent_at
+        if started or waited_s < self.start_timeout_s:
+            return False
+        try:
+            data = json.loads(beat)
+            load_now = WorkerLoad.from_heartbeat(data)
+            fresh = float(data.get("ts", 0.0)) > sent_at + 1.0
+        except (ValueError, KeyError, TypeError):
+            return False
+        if fresh and load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
+            logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
+            return True
+        if load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
+            logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
+            return True
+        if waited_s > self.max_queue_wait_s:
+            raise APIError(
+                503,
+                f"worker {worker_id} did not pick the request up within {self.max_queue_wait_s:.0f}s",
+                code="queue_timeout",
+                headers={"Retry-After": "1"},
+            )
+        return False
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

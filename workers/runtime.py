@@ -23,6 +23,9 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from workers.celery_app import modality_queue, worker_queue
 from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error
@@ -84,7 +87,13 @@ class WorkerRuntime:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _astart(self) -> None:
-        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = aioredis.Redis.from_url(
+            self.redis_url,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            retry=Retry(NoBackoff(), 1),  # pooled connections are stale after a Redis restart
+            retry_on_error=[redis.exceptions.ConnectionError],
+        )
         for engine in self.engines.values():
             if hasattr(engine, "start"):
                 await engine.start()
