@@ -6,9 +6,10 @@
    between the two runs (batched outputs must equal the one-at-a-time ones).
 2. **Video**: seconds per video at a fixed size and frame count.
 3. **Step caching**: for each model and setting (first-block thresholds for the DiT and video
-   transformers, DeepCache intervals for the UNet), the time against the uncached run at the same
-   seed, the share of denoiser blocks skipped, and PSNR / SSIM (scikit-image) of the decoded
-   pixels against the uncached output.
+   transformers, DeepCache intervals for the UNet), alone and with ``--cache-batch`` requests
+   batched: the time against the uncached run at the same seeds, the share of denoiser block calls
+   skipped, PSNR / SSIM (scikit-image) of the decoded pixels against the uncached output, and for
+   batches the difference from the same request cached alone.
 
 Models default to the tiny random pipelines (``tiny-dit``, ``tiny-sd-unet``, ``tiny-video``);
 pass real pipeline directories for meaningful figures. See ``explain()`` for why random weights
@@ -138,46 +139,54 @@ async def bench_video(args: argparse.Namespace) -> dict[str, Any]:
     return {"s_per_video": round(s, 3), "frames": args.frames}
 
 
-async def timed(engine: Any, args: argparse.Namespace, setting: Any) -> tuple[float, np.ndarray, float]:
-    """Median seconds, outputs and share of blocks skipped for one cache ``setting`` at a fixed seed."""
+async def timed(engine: Any, args: argparse.Namespace, setting: Any, batch: int = 1) -> tuple[float, np.ndarray, float]:
+    """Median seconds, request 0's outputs and the share of block calls skipped for one cache
+    ``setting``, with ``batch`` concurrent requests (distinct prompts and seeds) batched together."""
     kw = {"cache_interval": int(setting[9:])} if str(setting).startswith("interval:") else {"cache": setting}
     times, skipped = [], 0.0
     for _ in range(args.repeats):
         before = engine.stats()
         start = time.perf_counter()
-        res = await engine.run(request(engine, args, 0, **kw))
+        res = await asyncio.gather(*(engine.run(request(engine, args, i, **kw)) for i in range(batch)))
         times.append(time.perf_counter() - start)
         after = engine.stats()
         calls = after["blocks_called"] - before["blocks_called"]
         skipped = (after["blocks_skipped"] - before["blocks_skipped"]) / max(1, calls)
-    return statistics.median(times), res.outputs, skipped
+    return statistics.median(times), res[0].outputs, skipped
 
 
 async def bench_cache(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per model, batch size and setting: time and speed-up against the uncached run of
+    the same batch, blocks skipped, PSNR/SSIM of request 0 against its uncached output, and (for
+    batches) the max abs difference from request 0 cached alone (per-request caching: ~0)."""
     rows: list[dict[str, Any]] = []
     models = [("dit", args.image, args.thresholds), ("video", args.video, args.thresholds)]
     models.append(("unet", args.unet, [f"interval:{n}" for n in args.intervals]))
     for label, spec, settings in models:
         if not spec:
             continue
-        engine = load(spec)
-
+        engine = load(spec, max_batch_size=max(args.cache_batch, 1))
         await engine.run(request(engine, args, 0, steps=2))  # warm-up
-        base_s, base, _ = await timed(engine, args, "off")
-        rows.append({"model": label, "cache": "off", "s": round(base_s, 3), "speedup": 1.0, "skipped": "0%"})
-        for setting in settings:
-            s, out, skipped = await timed(engine, args, setting)
-            rows.append(
-                {
-                    "model": label,
-                    "cache": setting,
-                    "s": round(s, 3),
-                    "speedup": round(base_s / s, 2),
-                    "skipped": f"{100 * skipped:.0f}%",
-                    "psnr_db": round(psnr(out, base), 1),
-                    "ssim": round(ssim(out, base), 4),
-                }
-            )
+        alone: dict[Any, np.ndarray] = {}
+        for batch in sorted({1, args.cache_batch}):
+            base_s, base, _ = await timed(engine, args, "off", batch)
+            rows.append({"model": label, "batch": batch, "cache": "off", "s": round(base_s, 3), "speedup": 1.0})
+            for setting in settings:
+                s, out, skipped = await timed(engine, args, setting, batch)
+                alone.setdefault(setting, out)
+                rows.append(
+                    {
+                        "model": label,
+                        "batch": batch,
+                        "cache": setting,
+                        "s": round(s, 3),
+                        "speedup": round(base_s / s, 2),
+                        "skipped": f"{100 * skipped:.0f}%",
+                        "psnr_db": round(psnr(out, base), 1),
+                        "ssim": round(ssim(out, base), 4),
+                        "diff_vs_alone": f"{np.abs(out - alone[setting]).max():.1e}" if batch > 1 else None,
+                    }
+                )
         await engine.shutdown()
     return rows
 
@@ -194,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=8, help="concurrent image requests in the batching run")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--thresholds", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.1, 0.2, 0.4])
+    ap.add_argument(
+        "--cache-batch", type=int, default=4, help="also run the cache table with this many batched requests"
+    )
     ap.add_argument("--intervals", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 5])
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting (median)")
     ap.add_argument("--seed", type=int, default=0)
@@ -225,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if "cache" not in skip:
         print("\n## step caching (same seed; quality against the uncached output)")
         rows = asyncio.run(bench_cache(args))
-        print_table(rows, ["model", "cache", "s", "speedup", "skipped", "psnr_db", "ssim"])
+        print_table(rows, ["model", "batch", "cache", "s", "speedup", "skipped", "psnr_db", "ssim", "diff_vs_alone"])
         results["cache"] = rows
         print("\n" + explain())
     if args.out:

@@ -5,6 +5,7 @@
   same request run alone (max abs diff on [0, 1] pixels < 1e-4);
 - step caching: ``off`` is the uncached run exactly; first-block cache (DiT, video) and DeepCache
   (UNet) skip block bodies (counted by hooks) and stay close to the uncached output (PSNR bound);
+  our per-request first-block cache equals diffusers' on a lone request, and batching keeps it exact;
 - progress per step, cancellation between steps, and 400-class validation before any compute.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from modalities.diffusion.cache import OFF
 from modalities.diffusion.engine import DiffusionEngine, GenerateRequest, GenerationCancelled
 from modalities.diffusion.tiny import make_tiny, tiny_model_dir
 
@@ -119,24 +121,50 @@ async def test_batched_equals_alone(engines: dict[str, DiffusionEngine], arch: s
     assert np.abs(batched[1].outputs[0] - batched[1].outputs[1]).max() > 0.01  # seeds 2 and 3 differ
 
 
-async def test_cache_off_is_exact_and_fbc_skips_blocks(engines: dict[str, DiffusionEngine]) -> None:
-    for arch in ("dit", "video"):
-        engine = engines[arch]
-        fk = frames_kw(engine)
-        off = await engine.run(req("a mountain lake", 5, steps=8, cache="off", **fk))
-        assert np.abs(off.outputs[0] - direct(engine, "a mountain lake", 5, 8)).max() < 1e-5
-        before = engine.stats()
-        cached = await engine.run(req("a mountain lake", 5, steps=8, cache=0.2, **fk))
-        after = engine.stats()
-        assert cached.cache == "fbc@0.2"
-        called = after["blocks_called"] - before["blocks_called"]
-        skipped = after["blocks_skipped"] - before["blocks_skipped"]
-        assert 0 < skipped < called, (arch, skipped, called)
-        assert 0 < np.abs(cached.outputs - off.outputs).max()
-        assert psnr(cached.outputs, off.outputs) > MIN_PSNR
-        # first-block-cached requests never share a batch (the skip decision is batch-wide)
-        pair = await asyncio.gather(*(engine.run(req(p, 5, steps=4, cache=0.2, **fk)) for p in ("a", "b")))
-        assert [r.batch_sizes for r in pair] == [[1], [1]]
+def diffusers_fbc(engine: DiffusionEngine, threshold: float, prompt: str, seed: int, steps: int) -> np.ndarray:
+    """The reference for our per-request first-block cache: diffusers' own, on a lone request."""
+    from diffusers.hooks import FirstBlockCacheConfig, HookRegistry, apply_first_block_cache
+    from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    model = engine.model
+    model.cache.set(OFF)
+    registry = HookRegistry.check_if_exists_or_initialize(model.denoiser)
+    apply_first_block_cache(model.denoiser, FirstBlockCacheConfig(threshold=threshold))
+    registry.invalidate_child_registries_cache()
+    try:
+        _set_cache_context(model.denoiser, CacheContext("default"))  # PixArt names no context itself
+        return direct(engine, prompt, seed, steps)
+    finally:
+        registry.remove_hook(_FBC_LEADER_BLOCK_HOOK, recurse=True)
+        registry.remove_hook(_FBC_BLOCK_HOOK, recurse=True)
+        registry.invalidate_child_registries_cache()
+
+
+@pytest.mark.parametrize("arch", ["dit", "video"])
+async def test_first_block_cache(engines: dict[str, DiffusionEngine], arch: str) -> None:
+    engine = engines[arch]
+    fk = frames_kw(engine)
+    off = await engine.run(req("a mountain lake", 5, steps=8, cache="off", **fk))
+    assert np.abs(off.outputs[0] - direct(engine, "a mountain lake", 5, 8)).max() < 1e-5  # off == uncached
+    before = engine.stats()
+    cached = await engine.run(req("a mountain lake", 5, steps=8, cache=0.2, **fk))
+    after = engine.stats()
+    assert cached.cache == "fbc@0.2"
+    called = after["blocks_called"] - before["blocks_called"]
+    skipped = after["blocks_skipped"] - before["blocks_skipped"]
+    assert 0 < skipped < called, (arch, skipped, called)
+    assert 0 < np.abs(cached.outputs - off.outputs).max()
+    assert psnr(cached.outputs, off.outputs) > MIN_PSNR
+    # alone, our per-request cache is diffusers' first-block cache
+    assert np.abs(cached.outputs[0] - diffusers_fbc(engine, 0.2, "a mountain lake", 5, 8)).max() < 1e-5
+    # batched, each request keeps its solo output (its own skip decisions)
+    requests = [req(p, s, steps=8, cache=0.2, **fk) for p, s in (("a mountain lake", 5), ("a red car", 6), ("fog", 7))]
+    batched = await asyncio.gather(*(engine.run(r) for r in requests))
+    assert [r.batch_sizes for r in batched] == [[3]] * 3
+    assert np.abs(batched[0].outputs - cached.outputs).max() < TOL
+    for r, res in zip(requests[1:], batched[1:], strict=True):
+        assert np.abs(res.outputs - (await engine.run(r)).outputs).max() < TOL
 
 
 async def test_deepcache_unet_skips_and_batches_exactly(engines: dict[str, DiffusionEngine]) -> None:

@@ -1,20 +1,18 @@
 """Step caching for diffusion denoisers: first-block cache (DiT / video transformers) and DeepCache (UNets).
 
-- **First-block cache** (ParaAttention's FBCache, the dynamic cousin of TeaCache) is diffusers' own
-  hook (``FirstBlockCacheConfig`` through ``ModelMixin.enable_cache``): every step runs the first
-  transformer block; when its residual changed by less than ``threshold`` (relative mean absolute
-  difference) since the last full step, the remaining blocks are skipped and their cached residual
-  is added instead.
+- **First-block cache** (ParaAttention's FBCache, the dynamic cousin of TeaCache): every step runs
+  the first transformer block; when its residual changed by less than ``threshold`` (relative mean
+  absolute difference) since the last full step, the remaining blocks are skipped and their cached
+  residual is added instead. diffusers has it (``apply_first_block_cache``) but decides for the
+  whole batch at once; ``fbcache.py`` is the same algorithm as diffusers hooks, deciding per request,
+  so batched requests keep their solo outputs.
 - **DeepCache** is not in diffusers, so it is written here as a diffusers ``ModelHook``
   (:class:`DeepCacheConfig`): every ``interval`` steps the UNet runs fully and each deep module
   (down blocks after the first, the mid block, up blocks before the last) stores its output; on the
   steps in between those modules return their stored output without computing, and only the
   shallow branch (``conv_in``, the first down block, the last up block, ``conv_out``) runs on the
-  fresh input, with the current skip connections.
-
-The DeepCache schedule depends only on the step index, so a batch of requests gives each the
-output it would get alone. The first-block decision is taken on the whole batch (one mean over
-every row), so the engine never batches first-block-cached requests together.
+  fresh input, with the current skip connections. Its schedule depends only on the step index, so
+  batching is exact too.
 
 :class:`BlockCounter` counts, per denoiser block, how many calls ran its body versus how many
 were answered from a cache; tests and ``stats()`` use it to show that caching skipped work.
@@ -182,30 +180,31 @@ class CacheSwitch:
         self.denoiser = denoiser
         self.unet = hasattr(denoiser, "up_blocks") and hasattr(denoiser, "down_blocks")
         self.current = OFF
+        self.fbc: Any = None
 
-    def set(self, spec: CacheSpec) -> None:
-        """Install ``spec`` (removing the previous one) and reset the cache state for a new generation."""
+    def set(self, spec: CacheSpec, requests: int = 1) -> None:
+        """Install ``spec`` (removing the previous one) and reset the cache state for a new
+        generation of ``requests`` outputs."""
         from diffusers.hooks import HookRegistry
+
+        from modalities.diffusion.fbcache import BatchFBCConfig, apply_batch_fbc, remove_batch_fbc
 
         registry = HookRegistry.check_if_exists_or_initialize(self.denoiser)
         if spec != self.current:
             if self.current.kind == "fbc":
-                from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
-
-                registry.remove_hook(_FBC_LEADER_BLOCK_HOOK, recurse=True)
-                registry.remove_hook(_FBC_BLOCK_HOOK, recurse=True)
+                remove_batch_fbc(self.denoiser)
             elif self.current.kind == "deepcache":
                 remove_deepcache(self.denoiser)
             self.current = OFF
-            # The low-level functions, not ``enable_cache``: not every transformer has CacheMixin (PixArt).
             if spec.kind == "fbc":
-                from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
-
-                apply_first_block_cache(self.denoiser, FirstBlockCacheConfig(threshold=spec.threshold))
+                self.fbc = BatchFBCConfig(threshold=spec.threshold)
+                apply_batch_fbc(self.denoiser, self.fbc)
             elif spec.kind == "deepcache":
                 apply_deepcache(self.denoiser, DeepCacheConfig(interval=spec.interval))
             registry.invalidate_child_registries_cache()
             self.current = spec
+        if spec.kind == "fbc":
+            self.fbc.requests = requests
         if spec.kind != "off":
             registry.reset_stateful_hooks(recurse=True)
 

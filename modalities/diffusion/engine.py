@@ -5,8 +5,8 @@ oldest pending item, waits out a short collection window (``batch_window_s``) fr
 and runs every pending item with the same :class:`~modalities.diffusion.model.Shape` (size,
 frames, steps, guidance, cache setting) as one pipeline call, up to ``max_batch_size`` outputs.
 Every item has its own ``torch.Generator``, so a batched output equals the output of the same
-request run alone (within fp32 noise; see ``tests/test_diffusion.py``). First-block-cached items
-never share a batch: that cache decides for the whole batch at once (see ``cache.py``).
+request run alone (within fp32 noise; see ``tests/test_diffusion.py``), step caching included: both
+caches decide per request (see ``cache.py``).
 
 The thread is the engine's own, so a long generation never blocks other modalities' event loop.
 Between steps it reports progress to each request's ``on_step`` and stops early when every
@@ -259,10 +259,6 @@ class DiffusionEngine:
 
     # -- engine thread ---------------------------------------------------------------------------
 
-    def _key(self, it: _Item) -> tuple[Shape, int]:
-        solo = it.request.seq if it.request.shape.cache.kind == "fbc" else -1
-        return it.request.shape, solo
-
     def _next_batch(self) -> list[_Item] | None:
         """The batch to run now, ``None`` to wait (call with the lock held)."""
         self._pending = [it for it in self._pending if not it.request.cancelled]
@@ -273,8 +269,7 @@ class DiffusionEngine:
         if wait > 0 and len(self._pending) < self.max_batch_size:
             self._cond.wait(wait)
             return None
-        key = self._key(first)
-        batch = [it for it in self._pending if self._key(it) == key][: self.max_batch_size]
+        batch = [it for it in self._pending if it.request.shape == first.request.shape][: self.max_batch_size]
         taken = {id(it) for it in batch}
         self._pending = [it for it in self._pending if id(it) not in taken]
         return batch

@@ -148,7 +148,7 @@ class DiffusionModel:
             kwargs["callback_on_step_end"] = on_step_end
         elif on_step is not None:  # older pipelines (PixArt-alpha): callback(step, timestep, latents)
             kwargs.update(callback=lambda i, t, latents: on_step(i + 1, latents), callback_steps=1)
-        self.cache.set(shape.cache)
+        self.cache.set(shape.cache, requests=len(items))
         with torch.inference_mode(), self.cache.context():
             out = self.pipe(**kwargs)
         frames = out.frames if self.is_video else out.images
