@@ -105,6 +105,7 @@ def jobs_config(prefix: str, results: Path, max_attempts: int = 2) -> Any:
         max_attempts=max_attempts,
         lease_s=1.5,
         reap_interval_s=0.3,
+        redispatch_after_s=1.0,
     )
 
 
@@ -193,6 +194,26 @@ def test_embeddings_batch_runs_on_the_embed_worker(cluster: Cluster) -> None:
     out = [json.loads(x) for x in get(cluster.base, f"/v1/files/{batch['output_file_id']}/content").text.splitlines()]
     assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(20)]
     assert all(len(o["response"]["body"]["data"][0]["embedding"]) == 384 for o in out)
+
+
+def test_lost_message_is_sent_again(cluster: Cluster) -> None:
+    """A queued job whose Celery message was lost (e.g. reserved by a worker that died) runs anyway."""
+    from workers.jobs.runner import JobService
+
+    async def submit_and_lose_the_message() -> str:
+        svc = JobService(jobs_config(cluster.prefix, cluster.results), {})
+
+        async def lost(rec: Any) -> None:
+            return None
+
+        svc.runner.dispatch = lost  # type: ignore[method-assign]
+        rec, _ = await svc.submit("test.steps", {"steps": 2})
+        await svc.shutdown()
+        return rec["id"]
+
+    job_id = asyncio.run(submit_and_lose_the_message())
+    done = wait(cluster.base, job_id)
+    assert done["status"] == "succeeded" and done["attempts"] == 1
 
 
 def _pid_running(cluster: Cluster, job_id: str) -> int:

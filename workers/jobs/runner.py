@@ -46,6 +46,7 @@ class JobsConfig:
     max_attempts: int = 3
     lease_s: float = 30.0
     reap_interval_s: float = 5.0
+    redispatch_after_s: float = 120.0  # a job queued this long is sent again (duplicates are harmless)
 
     def task_config(self) -> dict[str, Any]:
         return {
@@ -55,6 +56,7 @@ class JobsConfig:
             "store": self.store,
             "lease_s": self.lease_s,
             "reap_interval_s": self.reap_interval_s,
+            "redispatch_after_s": self.redispatch_after_s,
         }
 
 
@@ -290,7 +292,9 @@ class JobService:
         self.store = make_store(cfg.store)
         self.backend: Backend
         if cfg.dispatch == "celery":
-            self.backend = state.RedisBackend(cfg.redis_url, cfg.key_prefix)
+            from workers.jobs.redis_backend import RedisBackend
+
+            self.backend = RedisBackend(cfg.redis_url, cfg.key_prefix)
             self.runner: LocalRunner | CeleryRunner = CeleryRunner(cfg)
         else:
             self.backend = state.MemoryBackend()
@@ -363,16 +367,25 @@ class JobService:
         return rec
 
     async def reap(self) -> list[str]:
-        return await reap(self.backend, self.runner.dispatch)
+        return await reap(self.backend, self.runner.dispatch, self.cfg.redispatch_after_s)
 
     async def _reap_forever(self) -> None:
-        await reap_forever(self.backend, self.runner.dispatch, self.cfg.reap_interval_s)
+        await reap_forever(self.backend, self.runner.dispatch, self.cfg.reap_interval_s, self.cfg.redispatch_after_s)
 
 
-async def reap(backend: Backend, dispatch: Callable[[Record], Awaitable[None]]) -> list[str]:
-    """Requeue (or fail, after ``max_attempts``) running jobs whose lease expired; the ids touched.
-    Safe to run in several processes at once: each transition is atomic, so only one requeues."""
+async def reap(
+    backend: Backend, dispatch: Callable[[Record], Awaitable[None]], redispatch_after_s: float = 120.0
+) -> list[str]:
+    """Requeue (or fail, after ``max_attempts``) running jobs whose lease expired, and send again
+    jobs queued longer than ``redispatch_after_s`` (their message may have died with a worker that
+    had reserved it; a duplicate message finds the job claimed and does nothing); the ids touched.
+    Safe to run in several processes at once: each transition is atomic, so only one acts."""
     touched = []
+    for job_id in await backend.stale_queued(redispatch_after_s):
+        rec = await backend.get(job_id)
+        if rec is not None and rec["status"] == "queued":
+            touched.append(job_id)
+            await dispatch(rec)
     for job_id in await backend.running_ids():
         fn = state.requeue_or_fail(None, "the worker running the job was lost (lease expired)", expired_only=True)
         rec, changed = await backend.update(job_id, fn)
@@ -386,10 +399,12 @@ async def reap(backend: Backend, dispatch: Callable[[Record], Awaitable[None]]) 
     return touched
 
 
-async def reap_forever(backend: Backend, dispatch: Callable[[Record], Awaitable[None]], interval_s: float) -> None:
+async def reap_forever(
+    backend: Backend, dispatch: Callable[[Record], Awaitable[None]], interval_s: float, redispatch_after_s: float
+) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await reap(backend, dispatch)
+            await reap(backend, dispatch, redispatch_after_s)
         except Exception as exc:  # noqa: BLE001 - Redis down: try again later
             logger.warning("job reaper failed: %r", exc)

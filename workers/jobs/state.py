@@ -9,14 +9,13 @@ reaper, the worker's heartbeat and a client's cancel never overwrite each other.
 requeued) Celery message does nothing.
 
 Events (status changes, progress) are an ordered log per job: a list in memory, a Redis Stream
-(``<prefix>:events:<id>``) in Redis. ``events(id, after)`` yields them from a cursor and ends after
+(``<prefix>:events:<id>``) in Redis (``workers.jobs.redis_backend``). ``events(id, after)`` yields them from a cursor and ends after
 the terminal status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections import deque
@@ -217,6 +216,11 @@ class Backend(Protocol):
 
     async def running_ids(self) -> list[str]: ...
 
+    async def stale_queued(self, older_than_s: float) -> list[str]:
+        """Queued jobs last dispatched over ``older_than_s`` ago, each handed to one caller only
+        (which dispatches it again: a message may have been lost with a worker that reserved it)."""
+        ...
+
     async def put_meta(self, key: str, value: dict[str, Any]) -> None: ...
 
     async def get_meta(self, key: str) -> dict[str, Any] | None: ...
@@ -234,7 +238,7 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def _is_terminal_event(ev: dict[str, Any]) -> bool:
+def is_terminal_event(ev: dict[str, Any]) -> bool:
     return ev.get("type") == "status" and ev.get("status") in TERMINAL
 
 
@@ -298,7 +302,7 @@ class MemoryBackend:
                 ev = log[i]
                 yield str(i), ev
                 i += 1
-                if _is_terminal_event(ev):
+                if is_terminal_event(ev):
                     return
             async with self._changed:
                 if i >= len(self.log.get(job_id, [])):
@@ -306,6 +310,9 @@ class MemoryBackend:
 
     async def running_ids(self) -> list[str]:
         return [j for j, r in self.jobs.items() if r["status"] == "running"]
+
+    async def stale_queued(self, older_than_s: float) -> list[str]:
+        return []  # in-process dispatch is never lost
 
     async def put_meta(self, key: str, value: dict[str, Any]) -> None:
         self.meta[key] = value
@@ -326,115 +333,3 @@ class MemoryBackend:
 
     async def close(self) -> None:
         return None
-
-
-class RedisBackend:
-    """Job state in Redis under ``prefix`` (celery runner): ``<prefix>:job:<id>`` (JSON),
-    ``<prefix>:idem:<key>``, ``<prefix>:events:<id>`` (stream), ``<prefix>:running`` (set),
-    ``<prefix>:meta:<key>``, ``<prefix>:index:<name>`` (sorted sets). Finished jobs and their events expire after ``ttl_s``."""
-
-    def __init__(self, redis_url: str, prefix: str = "mmserve:jobs", ttl_s: float = 7 * 86400) -> None:
-        import redis.asyncio as aioredis
-
-        self.r = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
-        self.prefix = prefix
-        self.ttl_s = int(ttl_s)
-
-    def _k(self, *parts: str) -> str:
-        return ":".join((self.prefix, *parts))
-
-    async def create(self, rec: Record) -> tuple[Record, bool]:
-        key = rec.get("idempotency_key")
-        # The record is written first, so whoever wins the idempotency key points at a complete record.
-        await self.r.set(self._k("job", rec["id"]), json.dumps(rec))
-        if key and not await self.r.set(self._k("idem", key), rec["id"], nx=True, ex=self.ttl_s):
-            await self.r.delete(self._k("job", rec["id"]))
-            existing_id = (await self.r.get(self._k("idem", key))).decode()
-            existing = await self.get(existing_id)
-            if existing is not None:
-                return existing, False
-        return rec, True
-
-    async def get(self, job_id: str) -> Record | None:
-        raw = await self.r.get(self._k("job", job_id))
-        return json.loads(raw) if raw else None
-
-    async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
-        from redis.exceptions import WatchError
-
-        key = self._k("job", job_id)
-        async with self.r.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key)
-                    if raw is None:
-                        return None, False
-                    rec = json.loads(raw)
-                    new = fn(rec)
-                    if new is None:
-                        await pipe.unwatch()
-                        return rec, False
-                    pipe.multi()
-                    pipe.set(key, json.dumps(new))
-                    if new["status"] == "running":
-                        pipe.sadd(self._k("running"), job_id)
-                    else:
-                        pipe.srem(self._k("running"), job_id)
-                    if new["status"] in TERMINAL:
-                        pipe.expire(key, self.ttl_s)
-                        pipe.expire(self._k("events", job_id), self.ttl_s)
-                    await pipe.execute()
-                    return new, True
-                except WatchError:
-                    continue
-
-    async def add_event(self, job_id: str, event: dict[str, Any]) -> None:
-        stream = self._k("events", job_id)
-        await self.r.xadd(stream, {"data": json.dumps({**event, "ts": time.time()})}, maxlen=10000, approximate=True)
-        if _is_terminal_event(event):
-            await self.r.expire(stream, self.ttl_s)
-
-    async def events(self, job_id: str, after: str | None = None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        cursor = after or "0-0"
-        stream = self._k("events", job_id)
-        while True:
-            got = await self.r.xread({stream: cursor}, block=1000, count=100)
-            if not got:
-                rec = await self.get(job_id)
-                if rec is None or rec["status"] in TERMINAL and not await self.r.exists(stream):
-                    return  # expired, or finished without a readable log
-                continue
-            for entry_id, fields in got[0][1]:
-                cursor = entry_id.decode()
-                ev = json.loads(fields[b"data"])
-                yield cursor, ev
-                if _is_terminal_event(ev):
-                    return
-
-    async def running_ids(self) -> list[str]:
-        return [m.decode() for m in await self.r.smembers(self._k("running"))]
-
-    async def put_meta(self, key: str, value: dict[str, Any]) -> None:
-        await self.r.set(self._k("meta", key), json.dumps(value), ex=self.ttl_s)
-
-    async def get_meta(self, key: str) -> dict[str, Any] | None:
-        raw = await self.r.get(self._k("meta", key))
-        return json.loads(raw) if raw else None
-
-    async def delete_meta(self, key: str) -> bool:
-        return bool(await self.r.delete(self._k("meta", key)))
-
-    async def index_add(self, index: str, item_id: str) -> None:
-        key = self._k("index", index)
-        await self.r.zadd(key, {item_id: time.time()})
-        await self.r.zremrangebyscore(key, 0, time.time() - self.ttl_s)  # entries outlive nothing they name
-
-    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
-        key = self._k("index", index)
-        rank = await self.r.zrevrank(key, after) if after else None
-        start = rank + 1 if rank is not None else 0
-        return [m.decode() for m in await self.r.zrevrange(key, start, start + limit - 1)]
-
-    async def close(self) -> None:
-        await self.r.aclose()

@@ -17,6 +17,7 @@ from typing import Any
 from celery import shared_task
 
 from workers.jobs import state
+from workers.jobs.redis_backend import RedisBackend
 from workers.jobs.runner import TASK_NAME, Executor, reap_forever
 from workers.jobs.store import make_store
 
@@ -65,14 +66,14 @@ def _executor(cfg: dict[str, Any], app: Any) -> tuple[Executor, asyncio.Abstract
                 backend, make_store(cfg["store"]), engines, lease_s=cfg["lease_s"], redispatch=redispatch
             )
             # workers reap too, so a dead worker's job is retried even while no gateway runs
-            interval = cfg.get("reap_interval_s", cfg["lease_s"])
-            _REAPERS.append(asyncio.run_coroutine_threadsafe(reap_forever(backend, redispatch, interval), loop))
+            interval, again = cfg.get("reap_interval_s", cfg["lease_s"]), cfg.get("redispatch_after_s", 120.0)
+            _REAPERS.append(asyncio.run_coroutine_threadsafe(reap_forever(backend, redispatch, interval, again), loop))
             _EXECUTORS[key] = (executor, loop)
         return _EXECUTORS[key]
 
 
-async def _backend(cfg: dict[str, Any]) -> state.RedisBackend:
-    return state.RedisBackend(cfg["redis_url"], cfg["key_prefix"])  # created on the loop that uses it
+async def _backend(cfg: dict[str, Any]) -> RedisBackend:
+    return RedisBackend(cfg["redis_url"], cfg["key_prefix"])  # created on the loop that uses it
 
 
 @shared_task(name=TASK_NAME, bind=True)
