@@ -211,6 +211,20 @@ async def test_progress_and_cancel(engines: dict[str, DiffusionEngine]) -> None:
     assert ok.outputs.shape[0] == 1
     assert max(steps_run) <= 3  # stopped at the next step boundary, not after 50 steps
 
+    # a caller that goes away (its task cancelled: the HTTP client left) stops its batch as well
+    before = engine.stats()
+    seen.clear()
+    task = asyncio.create_task(engine.run(req("left", 4, steps=50), on_step=lambda i, n, lat: seen.append((i, n, ()))))
+    while not seen:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await engine.run(req("after", 3, steps=2))
+    after = engine.stats()
+    assert after["num_cancelled"] == before["num_cancelled"] + 1
+    assert after["num_outputs"] == before["num_outputs"] + 1  # only "after": the 50-step batch was dropped
+
 
 async def test_validation_before_compute(engines: dict[str, DiffusionEngine]) -> None:
     image, video = engines["dit"], engines["video"]
