@@ -70,7 +70,9 @@ class SpeechStopped(SystemFrame):
 @dataclass
 class UserAudio(Frame):
     """One utterance (16 kHz mono float32), from ``start_ms`` to ``end_ms`` of the input;
-    ``respond``: the LLM answers it as soon as it is transcribed."""
+    ``respond``: the LLM answers it as soon as it is transcribed. ``tentative``: the speaker
+    paused but the turn is not over yet (ASR may start early); a final utterance with the same
+    ``turn_key`` (the end-of-speech sample) had no speech since, so its transcript is the same."""
 
     samples: np.ndarray
     sample_rate: int
@@ -78,6 +80,8 @@ class UserAudio(Frame):
     end_ms: int = 0
     item_id: str = ""
     respond: bool = True
+    tentative: bool = False
+    turn_key: int = -1
 
 
 # -- text ----------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ plain objects, so the same processors run in the real-time session and in the Ce
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 from collections.abc import AsyncIterator
@@ -75,6 +76,10 @@ class VAD(Processor):
                 if ev.kind == "start":
                     yield SpeechStarted(ev.ms, item_id=self._next_item())
                     yield Interrupt("speech_started")
+                elif ev.kind == "pause":
+                    yield UserAudio(
+                        ev.samples, ASR_RATE, ev.start_ms, ev.ms, item_id=self.item_id, tentative=True, turn_key=ev.key
+                    )
                 else:
                     yield SpeechStopped(ev.ms, item_id=self.item_id)
                     yield UserAudio(
@@ -84,6 +89,7 @@ class VAD(Processor):
                         ev.ms,
                         item_id=self.item_id,
                         respond=self.config.create_response,
+                        turn_key=ev.key,
                     )
         elif isinstance(frame, CommitFrame):
             samples, start_ms, end_ms = self.seg.take()
@@ -96,17 +102,27 @@ class VAD(Processor):
 
 
 class ASR(Processor):
-    """``UserAudio`` → ``Transcript`` (the audio is consumed)."""
+    """``UserAudio`` → ``Transcript`` (the audio is consumed). A tentative utterance starts its
+    transcription in the background; the final one with the same ``turn_key`` takes that result
+    (the silence wait and the ASR overlap), any other discards it."""
 
     def __init__(self, services: Services) -> None:
         self.services = services
+        self.early: tuple[int, asyncio.Task[str]] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
-        if isinstance(frame, UserAudio):
-            text = await self.services.transcribe(frame.samples)
-            yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
-        else:
+        if not isinstance(frame, UserAudio):
             yield frame
+            return
+        early, self.early = self.early, None
+        if early is not None and (frame.tentative or early[0] != frame.turn_key):
+            early[1].cancel()
+            early = None
+        if frame.tentative:
+            self.early = (frame.turn_key, asyncio.create_task(self.services.transcribe(frame.samples)))
+            return
+        text = await (early[1] if early is not None else self.services.transcribe(frame.samples))
+        yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
 
 
 @dataclass
@@ -132,7 +148,7 @@ class LLM(Processor):
         if isinstance(frame, Transcript):
             self.conversation.add("user", frame.text, frame.item_id or None)
             yield frame
-            if frame.respond:
+            if frame.respond and frame.text:  # nothing was said (noise): no reply
                 async for out in self._reply(None):
                     yield out
         elif isinstance(frame, ResponseRequest):

@@ -24,15 +24,17 @@ class VADConfig:
     silence_duration_ms: int = 500
     create_response: bool = True
     min_speech_ms: int = 150
+    eager_ms: int = 200  # a pause this long starts ASR early (0: off); the turn still ends at silence_duration_ms
     backend: Literal["webrtc", "silero"] = "webrtc"
 
 
 @dataclass
 class VADEvent:
-    kind: Literal["start", "stop"]
-    ms: int  # start: where speech began (padded); stop: where the utterance ends
-    samples: np.ndarray  # stop: the utterance
+    kind: Literal["start", "pause", "stop"]
+    ms: int  # start: where speech began (padded); pause/stop: where the utterance ends
+    samples: np.ndarray  # pause/stop: the utterance (so far)
     start_ms: int = 0
+    key: int = -1  # pause/stop: the padded end-of-speech sample (equal keys: no speech in between)
 
 
 class VADSegmenter:
@@ -45,20 +47,38 @@ class VADSegmenter:
         self.pos = 0  # samples received
         self.start = 0  # sample where the current speech began
         self.stream: VadStream | None = None
-        self.origin = 0  # input sample of the stream's time 0
+        self.eager: VadStream | None = None  # same detector with a short silence: pauses
+        self.origin = 0  # input sample of the streams' time 0
 
     def _vad(self) -> VadStream | None:
         c = self.config
         if not c.server_vad:
-            self.stream = None
+            self.stream = self.eager = None
             return None
         if self.stream is None:
             self.stream = VadStream(make_classifier(c.backend), VadParams())
+            self.eager = VadStream(make_classifier(c.backend), VadParams())
             self.origin = self.pos
-        p = self.stream.params
-        p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
-        p.min_silence_ms, p.pad_ms = c.silence_duration_ms, c.prefix_padding_ms
+        for stream, silence in ((self.stream, c.silence_duration_ms), (self.eager, c.eager_ms)):
+            p = stream.params  # type: ignore[union-attr]
+            p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
+            p.min_silence_ms, p.pad_ms = silence, c.prefix_padding_ms
         return self.stream
+
+    def _pauses(self, samples: np.ndarray) -> list[VADEvent]:
+        """Pauses of ``eager_ms`` while the turn goes on (both detectors see every sample)."""
+        c, eager = self.config, self.eager
+        events = eager.push(samples) if eager is not None else []
+        if self.stream is None or not self.stream.speaking or not 0 < c.eager_ms < c.silence_duration_ms:
+            return []
+        out = []
+        for ev in events:
+            if ev.kind == "speech_stopped":
+                key = self.origin + round(ev.time * ASR_RATE)
+                at = min(self.pos, key)
+                utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
+                out.append(VADEvent("pause", self._ms(at), utterance, self._ms(self.start), key))
+        return out
 
     def _ms(self, sample: int) -> int:
         return sample * 1000 // ASR_RATE
@@ -72,14 +92,16 @@ class VADSegmenter:
             return []
         out = []
         for ev in vad.push(samples):
-            at = min(self.pos, max(self.buf_start, self.origin + round(ev.time * ASR_RATE)))
+            key = self.origin + round(ev.time * ASR_RATE)
+            at = min(self.pos, max(self.buf_start, key))
             if ev.kind == "speech_started":
                 self.start = at
                 out.append(VADEvent("start", self._ms(at), np.zeros(0, np.float32)))
             else:
                 utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
-                out.append(VADEvent("stop", self._ms(at), utterance, self._ms(self.start)))
+                out.append(VADEvent("stop", self._ms(at), utterance, self._ms(self.start), key))
                 self.buf, self.buf_start = self.buf[at - self.buf_start :], at
+        out += self._pauses(samples)
         if not vad.speaking:  # idle: keep only what a padded start may reach back to
             keep = (self.config.prefix_padding_ms + self.config.min_speech_ms + 100) * ASR_RATE // 1000
             if self.buf.size > 2 * keep:
@@ -91,5 +113,5 @@ class VADSegmenter:
         """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
         audio, start = self.buf, self.buf_start
         self.buf, self.buf_start = np.zeros(0, np.float32), self.pos
-        self.stream = None  # a fresh detector for the next turn
+        self.stream = self.eager = None  # fresh detectors for the next turn
         return audio, self._ms(start), self._ms(self.pos)

