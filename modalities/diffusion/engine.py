@@ -319,6 +319,7 @@ class DiffusionEngine:
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("diffusion batch failed")
             for r in reqs.values():
+                r.cancelled = True  # drops its items still pending (n > max batch)
                 _resolve(r, exc)
             return
         with self._cond:
