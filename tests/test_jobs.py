@@ -125,6 +125,17 @@ def test_sse_progress_in_order_with_previews_on_request(base: str) -> None:
     assert all("preview" not in e[1] for e in sse(base, f"/v1/jobs/{job['id']}/events"))
 
 
+def test_sse_keepalive_while_a_step_runs(base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.jobs.api
+
+    monkeypatch.setattr(workers.jobs.api, "SSE_KEEPALIVE_S", 0.05)
+    job = post(base, "/v1/jobs", {"kind": "test.steps", "params": {"steps": 2, "delay": 0.3}}).json()
+    with httpx.stream("GET", f"{base}/v1/jobs/{job['id']}/events", headers=HEADERS, timeout=30) as resp:
+        text = "".join(resp.iter_text())
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    assert ": keep-alive" in blocks and '"status": "succeeded"' in blocks[-1]
+
+
 def test_websocket_events_and_cancel(base: str) -> None:
     job = post(base, "/v1/jobs", {"kind": "test.steps", "params": {"steps": 2000, "delay": 0.01}}).json()
     url = base.replace("http://", "ws://") + f"/v1/jobs/{job['id']}/ws"

@@ -26,7 +26,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, File, Form, Header, Query, Request, UploadFile, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -73,6 +73,8 @@ class _JobsRoute(APIRoute):
 router = APIRouter(tags=["jobs"], strict_content_type=False, route_class=_JobsRoute)
 
 MAX_UPLOAD_BYTES = 200 << 20
+SSE_KEEPALIVE_S = 15.0
+T = TypeVar("T")
 _SAFE_FILENAME = re.compile(r"[^A-Za-z0-9._ -]")
 FILE_PURPOSES = ("batch", "user_data")
 
@@ -226,6 +228,35 @@ def _public_event(ev: dict[str, Any], previews: bool) -> dict[str, Any]:
     return ev
 
 
+async def with_keepalive(events: AsyncIterator[T], every_s: float) -> AsyncIterator[T | None]:
+    """``events``, with a ``None`` whenever nothing arrived for ``every_s`` seconds."""
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue(maxsize=64)
+
+    async def pump() -> None:
+        try:
+            async for ev in events:
+                await queue.put((False, ev))
+            await queue.put((True, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((True, exc))
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                end, item = await asyncio.wait_for(queue.get(), every_s)
+            except TimeoutError:
+                yield None
+                continue
+            if end:
+                if item is not None:
+                    raise item
+                return
+            yield item
+    finally:
+        task.cancel()
+
+
 @router.get("/v1/jobs/{job_id}/events")
 async def job_events(
     job_id: str,
@@ -239,7 +270,11 @@ async def job_events(
     await get_job_or_404(svc, job_id, owner_of(request))
 
     async def stream() -> AsyncIterator[str]:
-        async for cursor, ev in svc.backend.events(job_id, after or last_event_id):
+        async for item in with_keepalive(svc.backend.events(job_id, after or last_event_id), SSE_KEEPALIVE_S):
+            if item is None:
+                yield ": keep-alive\n\n"  # a comment line: proxies keep the idle stream open
+                continue
+            cursor, ev = item
             data = json.dumps(_public_event(ev, previews))
             yield f"id: {cursor}\nevent: {ev.get('type', 'message')}\ndata: {data}\n\n"
 

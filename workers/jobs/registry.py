@@ -22,6 +22,9 @@ Contract of ``run(params, ctx)``:
 - ``params`` is the JSON object the client posted (after ``validate``, if given); plain data only.
 - A sync ``run`` runs on a worker thread; an ``async`` one on the event loop that owns the
   engines (so it may ``await engine.run(...)``). Keep heavy imports (torch, diffusers) inside it.
+  An ``async`` run must not block that loop (wrap CPU work and slow ``ctx.store`` calls in
+  ``asyncio.to_thread``): under celery the lease is renewed from the same loop, and a job silent
+  for ``--jobs-lease-s`` is taken for dead and run again elsewhere.
 - Its return value (a JSON-serialisable dict, or ``None``) is stored as the job's ``result``.
   Every ``ctx.store.put`` is also listed in the job's ``files`` with its URL.
 - Raising ``JobCancelled`` (from ``check_cancelled``) ends the job as ``cancelled``; any other
