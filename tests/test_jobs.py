@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import websockets.exceptions
 import websockets.sync.client
 
 from modalities.embed.engine import EmbeddingEngine
@@ -215,6 +216,12 @@ def test_unknown_ids_and_auth(base: str) -> None:
         error(get(base, path), 404)
     error(post(base, "/v1/jobs/job_nope/cancel", None), 404)
     error(httpx.post(f"{base}/v1/jobs", json={"kind": "test.steps"}), 401)
+    ws_base = base.replace("http://", "ws://")
+    with pytest.raises(websockets.exceptions.InvalidStatus) as rejected:
+        websockets.sync.client.connect(f"{ws_base}/v1/jobs/job_nope/ws")
+    assert rejected.value.response.status_code == 401
+    with websockets.sync.client.connect(f"{ws_base}/v1/jobs/job_nope/ws", additional_headers=HEADERS) as ws:
+        assert json.loads(ws.recv())["error"]["code"] == "not_found"
     resp = httpx.post(f"{base}/v1/jobs", content=b"{not json", headers={**HEADERS, "content-type": "application/json"})
     error(resp, 400)
 
