@@ -131,14 +131,18 @@ _STANDARD = (
 
 
 def engine_modality(engine: Any) -> str:
-    """``engine.modality``, else ``<name>`` of a ``modalities.<name>`` module, ``llm`` for the shared engine."""
+    """``engine.modality``, else ``<name>`` of the first ``modalities.<name>`` module in its class
+    hierarchy, ``llm`` for the shared engine's classes."""
     explicit = getattr(engine, "modality", None)
     if isinstance(explicit, str):
         return explicit
-    parts = type(engine).__module__.split(".")
-    if parts[0] == "modalities" and len(parts) > 1:
-        return parts[1]
-    return "llm" if parts[0] == "engine" else "other"
+    for cls in type(engine).__mro__:  # through subclasses such as the Celery proxies
+        parts = cls.__module__.split(".")
+        if parts[0] == "modalities" and len(parts) > 1:
+            return parts[1]
+        if parts[0] == "engine":
+            return "llm"
+    return "other"
 
 
 def _standard_series(
