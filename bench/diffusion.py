@@ -4,7 +4,7 @@
    shape) through ``DiffusionEngine`` with request batching (``--max-batch``) against the same
    requests one at a time (max batch 1); images/s for both, and the max abs pixel difference
    between the two runs (batched outputs must equal the one-at-a-time ones).
-2. **Video**: seconds per video at a fixed size and frame count.
+2. **Video**: seconds per video at a fixed size and frame count, one at a time and batched.
 3. **Step caching**: for each model and setting (first-block thresholds for the DiT and video
    transformers, DeepCache intervals for the UNet), alone and with ``--cache-batch`` requests
    batched: the time against the uncached run at the same seeds, the share of denoiser block calls
@@ -124,19 +124,29 @@ async def bench_batching(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def bench_video(args: argparse.Namespace) -> dict[str, Any]:
-    engine = load(args.video)
+    """Seconds per video: ``--video-batch`` videos one at a time, then the same videos batched."""
+    engine = load(args.video, max_batch_size=max(1, args.video_batch))
     await engine.run(request(engine, args, 0, steps=2))  # warm-up
-    times = []
-    for i in range(args.repeats):
-        start = time.perf_counter()
-        await engine.run(request(engine, args, i))
-        times.append(time.perf_counter() - start)
+    n = max(1, args.video_batch)
+    out: dict[str, Any] = {"frames": args.frames, "videos": n}
+    for mode in ("one_at_a_time", "batched") if n > 1 else ("one_at_a_time",):
+        engine.max_batch_size = n if mode == "batched" else 1  # 1: no collection window either
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            if mode == "batched":
+                await asyncio.gather(*(engine.run(request(engine, args, i)) for i in range(n)))
+            else:
+                for i in range(n):
+                    await engine.run(request(engine, args, i))
+            times.append((time.perf_counter() - start) / n)
+        out[mode] = {"s_per_video": round(statistics.median(times), 3)}
+        print(
+            f"  {mode:<14} {args.frames} frames {args.width}x{args.height}, {args.steps} steps: "
+            f"{out[mode]['s_per_video']:.2f} s/video (median of {len(times)} runs of {n})"
+        )
     await engine.shutdown()
-    s = statistics.median(times)
-    print(
-        f"  {args.frames} frames {args.width}x{args.height}, {args.steps} steps: {s:.2f} s/video (median of {len(times)})"
-    )
-    return {"s_per_video": round(s, 3), "frames": args.frames}
+    return out
 
 
 async def timed(engine: Any, args: argparse.Namespace, setting: Any, batch: int = 1) -> tuple[float, np.ndarray, float]:
@@ -199,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--height", type=int, default=64)
     ap.add_argument("--frames", type=int, default=9, help="video frames (4k+1)")
+    ap.add_argument("--video-batch", type=int, default=2, help="videos per run (one at a time, then batched)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--requests", type=int, default=8, help="concurrent image requests in the batching run")
     ap.add_argument("--max-batch", type=int, default=8)
