@@ -37,7 +37,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _forward_shape(model: Any, shape: Any, batch: int) -> Any:
+def forward_shape_for(model: Any, shape: Any, batch: int) -> Any:
     """The CP forward shape of ``model``'s denoiser for a request ``shape`` (no compute)."""
     from modalities.diffusion.parallel.volume import dit_forward_shape
 
@@ -105,7 +105,7 @@ def _rank_main(
         try:
             if shape.cache.kind != "off":
                 raise ValueError("step caching is not supported with context parallelism (cache must be off)")
-            check_divisible(cfg, _forward_shape(model, shape, len(items)))
+            check_divisible(cfg, forward_shape_for(model, shape, len(items)))
             groups.counter.reset()
             handle.forward_batches.clear()
             out = model.generate(shape, items, on_step=on_step)
@@ -123,7 +123,7 @@ def _rank_main(
         if rank == 0:
             expected: dict[str, int] = {}
             for b in handle.forward_batches:
-                for k, v in bytes_per_forward(cfg, _forward_shape(model, shape, b)).items():
+                for k, v in bytes_per_forward(cfg, forward_shape_for(model, shape, b)).items():
                     expected[k] = expected.get(k, 0) + v
             stats = {
                 "steps": shape.steps,

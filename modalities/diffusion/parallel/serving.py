@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from modalities.diffusion.parallel.plans import plan_for
-from modalities.diffusion.parallel.runner import ContextParallelRunner, _forward_shape
+from modalities.diffusion.parallel.runner import ContextParallelRunner, forward_shape_for
 from modalities.diffusion.parallel.volume import check_divisible
 
 logger = logging.getLogger("mmserve.diffusion")
@@ -37,7 +37,7 @@ class ContextParallelModel:
     def check_shape(self, width: int, height: int, num_frames: int | None = None) -> int:
         frames = self._model.check_shape(width, height, num_frames)
         shape = SimpleNamespace(width=width, height=height, num_frames=frames)
-        check_divisible(self.runner.config, _forward_shape(self._model, shape, batch=1))
+        check_divisible(self.runner.config, forward_shape_for(self._model, shape, batch=1))
         return frames
 
     def generate(
