@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
@@ -43,37 +42,22 @@ from pipelines.frames import (
     TTSDone,
 )
 from pipelines.processor import Pipeline
-from pipelines.realtime_events import RATE, EventError, SessionConfig, decode_audio_b64, message_text
+from pipelines.realtime_events import (
+    RATE,
+    EventError,
+    Reply,
+    SessionConfig,
+    decode_audio_b64,
+    item_event,
+    message_text,
+    response_event,
+)
 from pipelines.services import Services
 from pipelines.speech import ASR, LLM, TTS, VAD, LLMOptions, Resample, Sentences, TTSOptions
 from pipelines.vad import VADConfig
 
 logger = logging.getLogger("mmserve.realtime")
 _sessions = itertools.count(1)
-
-
-@dataclass
-class Reply:
-    """Book-keeping of one response for events, truncation and usage."""
-
-    id: str
-    item_id: str
-    audio: bool
-    text: str = ""
-    spoken: list[Spoken] = field(default_factory=list)
-    audio_ms: float = 0.0
-    first_audio: float | None = None  # monotonic time the first audio delta was sent
-    done: bool = False
-    usage: dict[str, Any] = field(default_factory=dict)
-
-    def played_ms(self) -> float:
-        """How much the client can have played: real-time clock since the first chunk, capped."""
-        if self.first_audio is None:
-            return 0.0
-        return min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
-
-    def playing(self) -> bool:
-        return self.audio and self.played_ms() < self.audio_ms
 
 
 class RealtimeSession:
@@ -165,7 +149,14 @@ class RealtimeSession:
             async for frame in self.pipeline.stream(self._source()):
                 await self._on_frame(frame)
         except (WebSocketDisconnect, RuntimeError):
-            pass
+            pass  # client gone
+        except Exception as exc:  # a bug here must end the session visibly, not hang it
+            logger.exception("realtime session %s failed", self.id)
+            with contextlib.suppress(Exception):
+                await self.send(
+                    "error", error={"type": "server_error", "code": None, "message": repr(exc), "param": None}
+                )
+                await self.ws.close(code=1011)
 
     # -- client events ------------------------------------------------------------------------
     async def _handle(self, raw: str) -> None:
@@ -223,7 +214,7 @@ class RealtimeSession:
         await self.send(
             "conversation.item.created",
             previous_item_id=previous,
-            item=_item(item.id, role, [{"type": "input_text" if role != "assistant" else "text", "text": text}]),
+            item=item_event(item.id, role, [{"type": "input_text" if role != "assistant" else "text", "text": text}]),
         )
 
     async def _ev_response_create(self, event: dict[str, Any]) -> None:
@@ -260,7 +251,9 @@ class RealtimeSession:
         previous = self.conv.items[-1].id if self.conv.items else None
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         content = [{"type": "input_audio", "transcript": None}]
-        await self.send("conversation.item.created", previous_item_id=previous, item=_item(item_id, "user", content))
+        await self.send(
+            "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
+        )
 
     async def _truncate(self, reply: Reply, audio_end_ms: float) -> None:
         item = self.conv.get(reply.item_id)
@@ -330,8 +323,8 @@ class RealtimeSession:
         self.requested = False
         audio = self.tts_options.enabled
         self.reply = r = Reply(frame.response_id, frame.item_id, audio)
-        await self.send("response.created", response=_response(r, "in_progress", []))
-        item = _item(r.item_id, "assistant", [], status="in_progress")
+        await self.send("response.created", response=response_event(r, "in_progress", []))
+        item = item_event(r.item_id, "assistant", [], status="in_progress")
         await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
         previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
         await self.send("conversation.item.created", previous_item_id=previous, item=item)
@@ -354,9 +347,9 @@ class RealtimeSession:
             else:
                 await self.send("response.text.done", **where, text=part["text"])
             await self.send("response.content_part.done", **where, part=part)
-        item = _item(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
+        item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
         await self.send("response.output_item.done", response_id=r.id, output_index=0, item=item)
-        await self.send("response.done", response=_response(r, status, [item], reason))
+        await self.send("response.done", response=response_event(r, status, [item], reason))
 
     async def _interrupted(self, frame: Interrupt) -> None:
         r = self.reply
@@ -372,26 +365,3 @@ class RealtimeSession:
             await self._finish(r, "cancelled", reason)
         elif r.playing():  # finished sending but still playing on the client: cut what is unheard
             await self._truncate(r, r.played_ms())
-
-
-def _item(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "message",
-        "status": status,
-        "role": role,
-        "content": content,
-    }
-
-
-def _response(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
-    details = {"type": status, "reason": reason} if reason else None
-    return {
-        "id": r.id,
-        "object": "realtime.response",
-        "status": status,
-        "status_details": details,
-        "output": output,
-        "usage": r.usage or None,
-    }

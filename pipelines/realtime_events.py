@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.conversation import DEFAULT_INSTRUCTIONS
+from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
@@ -155,3 +156,50 @@ def message_text(item: Any) -> tuple[str, str]:
             raise EventError("item.content parts must be {'type': 'input_text', 'text': str}", param="item.content")
         texts.append(part["text"])
     return role, " ".join(texts)
+
+
+@dataclass
+class Reply:
+    """Book-keeping of one response for events, truncation and usage."""
+
+    id: str
+    item_id: str
+    audio: bool
+    text: str = ""
+    spoken: list[Spoken] = field(default_factory=list)
+    audio_ms: float = 0.0
+    first_audio: float | None = None  # monotonic time the first audio delta was sent
+    done: bool = False
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def played_ms(self) -> float:
+        """How much the client can have played: real-time clock since the first chunk, capped."""
+        if self.first_audio is None:
+            return 0.0
+        return min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
+
+    def playing(self) -> bool:
+        return self.audio and self.played_ms() < self.audio_ms
+
+
+def item_event(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": status,
+        "role": role,
+        "content": content,
+    }
+
+
+def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
+    details = {"type": status, "reason": reason} if reason else None
+    return {
+        "id": r.id,
+        "object": "realtime.response",
+        "status": status,
+        "status_details": details,
+        "output": output,
+        "usage": r.usage or None,
+    }
