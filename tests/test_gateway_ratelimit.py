@@ -55,7 +55,10 @@ def test_memory_bucket_take_refill_and_settle() -> None:
 
 def test_redis_two_instances_share_one_budget(prefix: str) -> None:
     async def run() -> None:
-        a, b = RedisRateLimiter(REDIS_URL, prefix=prefix), RedisRateLimiter(REDIS_URL, prefix=prefix)
+        a, b = (
+            RedisRateLimiter(REDIS_URL, prefix=prefix, timeout_s=10),
+            RedisRateLimiter(REDIS_URL, prefix=prefix, timeout_s=10),
+        )
         try:
             assert await a.take("acme:image_steps", 40, 60) == 0.0
             wait = await b.take("acme:image_steps", 40, 60)  # the other gateway sees a's charge
@@ -76,8 +79,9 @@ def test_redis_two_instances_share_one_budget(prefix: str) -> None:
 
 def test_redis_concurrent_takes_are_atomic(prefix: str) -> None:
     async def run() -> int:
-        limiters = [RedisRateLimiter(REDIS_URL, prefix=prefix) for _ in range(4)]
+        limiters = [RedisRateLimiter(REDIS_URL, prefix=prefix, timeout_s=10) for _ in range(4)]
         try:
+            # (timeouts are generous: this checks atomicity on a loaded machine, not latency)
             # 1000/min refills ~17/s; 120 takes of 10 against a 1000 bucket: 100 fit, plus at
             # most what refills during the burst
             results = await asyncio.gather(*(limiters[i % 4].take("burst:llm_tokens", 10, 1000) for i in range(120)))
