@@ -92,10 +92,6 @@ class KeyStore:
         """True when at least one key is configured (requests must then authenticate)."""
         return bool(self._digests)
 
-    @property
-    def tenants(self) -> dict[str, Tenant]:
-        return dict(self._tenants)
-
     def add_tenant(self, name: str, key_hashes: list[str], limits: dict[str, float] | None = None) -> Tenant:
         if not name or name == ANONYMOUS:
             raise ValueError(f"invalid tenant name {name!r}")
