@@ -379,6 +379,25 @@ def test_tenants_see_only_their_own_jobs_and_files(base: str) -> None:
     wait(base, created["id"])
 
 
+def test_too_many_waiting_jobs_is_429() -> None:
+    from gateway.app import create_app
+    from workers.jobs.plugin import router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    app = create_app({}, routers=[router])
+    app.state.jobs = JobService(JobsConfig(max_queued=1), {})
+    body = {"kind": "test.sync_steps", "params": {"steps": 1000, "delay": 0.01}}  # 2 run at once
+    with serve_app(app) as url:
+        ids = [httpx.post(f"{url}/v1/jobs", json=body).json()["id"] for _ in range(2)]
+        for job_id in ids:
+            wait(url, job_id, ("running",))
+        ids.append(httpx.post(f"{url}/v1/jobs", json=body).json()["id"])  # waits
+        full = httpx.post(f"{url}/v1/jobs", json=body)
+        assert error(full, 429)["code"] == "rate_limit_exceeded" and full.headers["retry-after"] == "5"
+        for job_id in ids:
+            httpx.post(f"{url}/v1/jobs/{job_id}/cancel")
+
+
 def test_unreachable_job_store_is_503() -> None:
     from gateway.app import create_app
     from workers.jobs.plugin import router

@@ -34,6 +34,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import HTTPConnection
 
+from engine.errors import QueueFullError
 from gateway.errors import APIError
 from workers.jobs import state
 from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService
@@ -170,6 +171,13 @@ async def submit_or_raise(
         ) from exc
     except APIError:
         raise
+    except QueueFullError as exc:
+        raise APIError(
+            429,
+            f"too many jobs are waiting (at most {svc.cfg.max_queued}); retry later",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(int(exc.retry_after_s))},
+        ) from exc
     except ValueError as exc:
         raise APIError(400, str(exc), param="params", code="invalid_value") from exc
 

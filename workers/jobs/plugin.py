@@ -26,6 +26,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--results-s3-prefix", default="mmserve/", help="key prefix inside the bucket")
     g.add_argument("--jobs-max-attempts", type=int, default=3, help="attempts per job before it is failed")
     g.add_argument("--jobs-lease-s", type=float, default=30.0, help="a job whose worker is silent this long is retried")
+    g.add_argument("--jobs-max-queued", type=int, default=10_000, help="waiting jobs before submissions get 429")
 
 
 def config_from_args(args: Any) -> JobsConfig:
@@ -50,4 +51,5 @@ def config_from_args(args: Any) -> JobsConfig:
         store=store,
         max_attempts=getattr(args, "jobs_max_attempts", 3),
         lease_s=getattr(args, "jobs_lease_s", 30.0),
+        max_queued=getattr(args, "jobs_max_queued", 10_000),
     )

@@ -104,6 +104,9 @@ class RedisBackend:
     async def running_ids(self) -> list[str]:
         return [m.decode() for m in await self.r.smembers(self._k("running"))]
 
+    async def queued_count(self) -> int:
+        return int(await self.r.zcard(self._k("queued")))
+
     async def stale_queued(self, older_than_s: float) -> list[str]:
         key, now = self._k("queued"), time.time()
         out = []

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import QueueFullError
 from workers.jobs import state
 from workers.jobs.registry import JobCancelled, JobContext, JobKind, ProgressEvent, get_job_kind
 from workers.jobs.state import Backend, Record
@@ -47,6 +48,7 @@ class JobsConfig:
     lease_s: float = 30.0
     reap_interval_s: float = 5.0
     redispatch_after_s: float = 120.0  # a job queued this long is sent again (duplicates are harmless)
+    max_queued: int = 10_000  # admission control: more waiting jobs than this is a 429
 
     def task_config(self) -> dict[str, Any]:
         return {
@@ -323,13 +325,16 @@ class JobService:
         owner: str | None = None,
     ) -> tuple[Record, bool]:
         """Queue a job for ``owner`` (the tenant; idempotency keys are per owner). Raises ``KeyError``
-        (unknown kind), ``ValueError`` (bad params), ``IdempotencyConflict``, ``ConnectionError``."""
+        (unknown kind), ``ValueError`` (bad params), ``IdempotencyConflict``, ``QueueFullError`` (too many
+        jobs waiting), ``ConnectionError``."""
         self.ensure_started()
         kind = get_job_kind(kind_name)
         if kind is None:
             raise KeyError(kind_name)
         if kind.validate is not None:
             params = kind.validate(params, self.engines)
+        if (waiting := await self.backend.queued_count()) >= self.cfg.max_queued:
+            raise QueueFullError(waiting, retry_after_s=5.0)
         rec = state.new_record(
             state.new_id(id_prefix),
             kind.kind,

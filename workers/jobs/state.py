@@ -216,6 +216,8 @@ class Backend(Protocol):
 
     async def running_ids(self) -> list[str]: ...
 
+    async def queued_count(self) -> int: ...
+
     async def stale_queued(self, older_than_s: float) -> list[str]:
         """Queued jobs last dispatched over ``older_than_s`` ago, each handed to one caller only
         (which dispatches it again: a message may have been lost with a worker that reserved it)."""
@@ -313,6 +315,9 @@ class MemoryBackend:
 
     async def stale_queued(self, older_than_s: float) -> list[str]:
         return []  # in-process dispatch is never lost
+
+    async def queued_count(self) -> int:
+        return sum(r["status"] == "queued" for r in self.jobs.values())
 
     async def put_meta(self, key: str, value: dict[str, Any]) -> None:
         self.meta[key] = value
