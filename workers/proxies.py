@@ -6,7 +6,9 @@ local engines, so the modality routes do not change.
   length are loaded locally from the same model path (no weights).
 - ``RemoteEmbeddingEngine`` is an ``EmbeddingEngine``: validation and tokenization run here,
   ``embed_ids`` on the least-loaded worker.
-- Other modalities get the generic ``RemoteEngine`` once their plugins name their engines.
+- Any other modality is proxied when its plugin defines ``remote_engines(args, cluster) -> Built``,
+  typically ``RemoteEngine(cluster, served_name, modality)`` per engine (``run``/``stream`` and any
+  other method forwarded); its routes must accept that proxy where they check engine types.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from gateway.plugins import Built
 from modalities.embed.engine import EmbeddingEngine
 from workers.remote import Cluster
 from workers.routing import prefix_key
-from workers.wire import END, ITEM
+from workers.wire import END, ITEM, START
 
 logger = logging.getLogger("mmserve.dispatch")
 
@@ -35,7 +37,7 @@ class RemoteLLMEngine(AsyncEngine):
         # No local engine: AsyncEngine's state (command queue, thread) is deliberately not set up.
         self.cluster, self._name, self._tokenizer = cluster, name, tokenizer
         self._max_model_len, self.block_size = max_model_len, block_size
-        self._calls: dict[str, AsyncIterator[Any]] = {}
+        self._workers: dict[str, str] = {}  # request id -> worker running it
 
     @classmethod
     def from_args(cls, cluster: Cluster, args: Any, spec: str, served: str | None) -> RemoteLLMEngine:
@@ -91,23 +93,25 @@ class RemoteLLMEngine(AsyncEngine):
         replies = self.cluster.call(
             self._name, "generate", (request_id, prompt, params), {"priority": priority}, key=key
         )
-        if request_id is not None:
-            self._calls[request_id] = replies
         try:
             async for kind, value in replies:
                 if kind == ITEM:
                     yield value
+                elif kind == START and request_id is not None:
+                    self._workers[request_id] = value
                 elif kind == END:
                     return
         finally:
             if request_id is not None:
-                self._calls.pop(request_id, None)
-            await replies.aclose()
+                self._workers.pop(request_id, None)
+            await replies.aclose()  # leaving early aborts the call on its worker
 
     async def abort(self, request_id: str) -> None:
-        replies = self._calls.pop(request_id, None)
-        if replies is not None and hasattr(replies, "aclose"):
-            await replies.aclose()  # type: ignore[attr-defined]
+        """Abort ``request_id`` on its worker; its stream then ends with ``finish_reason="abort"``."""
+        worker = self._workers.get(request_id)
+        if worker is not None:
+            async for _ in self.cluster.call(self._name, "abort", (request_id,), pin=worker):
+                pass
 
 
 class RemoteEmbeddingEngine(EmbeddingEngine):
@@ -169,7 +173,19 @@ def build_remote(args: Any) -> tuple[Built, Cluster]:
             for alias in (spec, DEFAULT_EMBED if spec is None else None, f"sentence-transformers/{engine.model_name}"):
                 if alias and alias != engine.model_name:
                     built.aliases.setdefault(alias, engine.model_name)
-    for name in only - {"llm", "embed"}:
-        logger.warning("--dispatch celery: no proxy for %s yet; it is not served", name)
+    from gateway.plugins import MODALITIES, load_plugins
+
+    plugins = load_plugins()
+    for name in MODALITIES:
+        if name in ("llm", "embed") or not enabled(name, only) or name not in plugins:
+            continue
+        hook = getattr(plugins[name], "remote_engines", None)
+        if hook is not None:  # ``remote_engines(args, cluster) -> Built`` (e.g. ``RemoteEngine``s)
+            extra: Built = hook(args, cluster)
+            built.engines.update(extra.engines)
+            for alias, served in extra.aliases.items():
+                built.aliases.setdefault(alias, served)
+        elif name in only:
+            logger.warning("--dispatch celery: the %s plugin has no remote_engines hook; not served", name)
     logger.info("celery dispatch on %s (prefix %s): %s", url, cluster.prefix, ", ".join(built.engines))
     return built, cluster

@@ -170,14 +170,18 @@ class Cluster:
         kwargs: dict[str, Any] | None = None,
         *,
         key: str | None = None,
+        pin: str | None = None,
     ) -> AsyncIterator[tuple[bytes, Any]]:
-        """``(ITEM, chunk)`` per streamed chunk, then ``(END, return value)``. ``key`` is the prefix-
-        affinity key (``workers.routing.prefix_key``). Worker errors are re-raised as themselves."""
+        """``(START, worker_id)`` when a worker takes the call (again after a retry), ``(ITEM,
+        chunk)`` per streamed chunk, then ``(END, return value)``. ``key`` is the prefix-affinity
+        key (``workers.routing.prefix_key``); ``pin`` names the only worker allowed (no retries).
+        Worker errors are re-raised as themselves."""
         if not self.redis_ok or self.redis is None:
             raise broker_down(ConnectionError("no connection"))
         tried: set[str] = set()
-        for _attempt in range(self.max_attempts):
-            worker = choose_worker(self.live(model), key, exclude=tried)
+        for _attempt in range(1 if pin else self.max_attempts):
+            live = [w for w in self.live(model) if pin is None or w.worker_id == pin]
+            worker = choose_worker(live, key, exclude=tried)
             if worker is None:
                 if tried:
                     raise APIError(
@@ -246,6 +250,7 @@ class Cluster:
                             raise error
                         elif kind == START:
                             started = True
+                            yield START, worker_id
                         else:
                             logger.warning("unknown stream entry %r", kind)
         finally:
