@@ -167,7 +167,7 @@ class AsyncEngine:
                         self._apply(cmd)
                         cmd = self._commands.get_nowait()
                 except queue.Empty:
-                    pass
+                    cmd = None  # drop the last request's prompt (it may hold a large encoder output)
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is None:

@@ -132,13 +132,20 @@ class AsrEngine:
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.engine.start()
-        if self._enc_task is None:
+        self._ensure_encoder_loop()
+
+    def _ensure_encoder_loop(self) -> None:
+        """The encoder batcher runs on the caller's event loop; a caller on a new loop (a test,
+        a worker running each call under ``asyncio.run``) gets a fresh one."""
+        loop = asyncio.get_running_loop()
+        if self._enc_task is None or self._enc_task.done() or self._enc_task.get_loop() is not loop:
             self._enc_queue = asyncio.Queue()
-            self._enc_task = asyncio.get_running_loop().create_task(self._encoder_loop())
+            self._enc_task = loop.create_task(self._encoder_loop())
 
     async def shutdown(self) -> None:
         if self._enc_task is not None:
-            self._enc_task.cancel()
+            if not self._enc_task.get_loop().is_closed():
+                self._enc_task.cancel()
             self._enc_task = None
         await self.engine.shutdown()
 
@@ -155,8 +162,7 @@ class AsrEngine:
     # -- encoder batching ----------------------------------------------------------------------
     async def _encode(self, audio: np.ndarray) -> Any:
         """Encoder output [frames, d_model] of one ≤30 s window (batched with concurrent calls)."""
-        if self._enc_task is None:
-            await self.start()
+        await self.start()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         assert self._enc_queue is not None
         await self._enc_queue.put((audio, fut))
@@ -168,20 +174,24 @@ class AsrEngine:
             batch = [await self._enc_queue.get()]
             while len(batch) < self.config.max_encoder_batch and not self._enc_queue.empty():
                 batch.append(self._enc_queue.get_nowait())
-            live = [(a, f) for a, f in batch if not f.done()]
-            if not live:
-                continue
-            try:
-                outs = await asyncio.to_thread(self._run_encoder, [a for a, _ in live])
-            except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
-                for _, f in live:
-                    if not f.done():
-                        f.set_exception(exc)
-                continue
-            for (_, f), out in zip(live, outs, strict=True):
+            await self._encode_batch(batch)
+            # Hold no encoder output past its request: its cross K/V are freed with it.
+            del batch
+
+    async def _encode_batch(self, batch: list[tuple[np.ndarray, asyncio.Future[Any]]]) -> None:
+        live = [(a, f) for a, f in batch if not f.done()]
+        if not live:
+            return
+        try:
+            outs = await asyncio.to_thread(self._run_encoder, [a for a, _ in live])
+        except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
+            for _, f in live:
                 if not f.done():
-                    f.set_result(out)
-            del batch, live, outs  # hold no encoder output past its request (its cross K/V go with it)
+                    f.set_exception(exc)
+            return
+        for (_, f), out in zip(live, outs, strict=True):
+            if not f.done():
+                f.set_result(out)
 
     def _run_encoder(self, audios: list[np.ndarray]) -> list[Any]:
         import torch
