@@ -167,12 +167,14 @@ class Executor:
         try:
             result = await work
             outcome = state.finish(token, "succeeded", result=result)
-        except (JobCancelled, asyncio.CancelledError):
+        except asyncio.CancelledError:
             if not ctx.cancelled:
                 raise  # this process is shutting down: the lease expires and the job is retried
             outcome = state.finish(token, "cancelled")  # no-op when cancel() already recorded it
+        except JobCancelled:
+            outcome = state.finish(token, "cancelled")  # also when the job stopped itself as cancelled
         except Exception as exc:  # noqa: BLE001 - the job's failure is reported, not raised
-            logger.warning("job %s (%s) attempt %d failed: %r", job_id, rec["kind"], rec["attempts"] + 1, exc)
+            logger.warning("job %s (%s) attempt %d failed: %r", job_id, rec["kind"], rec["attempts"], exc)
             error = {"message": f"{type(exc).__name__}: {exc}", "type": "job_error"}
             outcome = (
                 state.requeue_or_fail(token, error["message"], expired_only=False)
