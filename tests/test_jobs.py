@@ -189,6 +189,23 @@ def test_failed_job_reports_the_error(base: str) -> None:
     assert error(post(base, f"/v1/jobs/{job['id']}/cancel", None), 409)["code"] == "job_finished"
 
 
+def test_errors_are_retried_when_the_kind_asks() -> None:
+    from gateway.app import create_app
+    from workers.jobs.plugin import router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    app = create_app({}, routers=[router])
+    app.state.jobs = JobService(JobsConfig(max_attempts=3), {})
+    with serve_app(app) as url:
+        ok = httpx.post(f"{url}/v1/jobs", json={"kind": "test.flaky", "params": {"fail_attempts": 2}}).json()
+        done = wait(url, ok["id"])
+        assert done["status"] == "succeeded" and done["attempts"] == 3 and done["result"] == {"attempt": 3}
+        bad = httpx.post(f"{url}/v1/jobs", json={"kind": "test.flaky", "params": {"fail_attempts": 5}}).json()
+        failed = wait(url, bad["id"])
+        assert failed["status"] == "failed" and failed["attempts"] == 3
+        assert failed["error"]["message"].startswith("RuntimeError: flaky attempt 3 (gave up after 3 attempts)")
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

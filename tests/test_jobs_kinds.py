@@ -38,6 +38,13 @@ def sync_steps(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     return {"steps": n}
 
 
+async def flaky(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
+    """Fails its first ``fail_attempts`` attempts (a kind registered with ``retry_on_error``)."""
+    if ctx.attempt <= int(params.get("fail_attempts", 1)):
+        raise RuntimeError(f"flaky attempt {ctx.attempt}")
+    return {"attempt": ctx.attempt}
+
+
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params.get("steps", 3), int) or not 0 < params.get("steps", 3) <= 10_000:
         raise ValueError("steps must be an integer in [1, 10000]")
@@ -46,3 +53,4 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
 
 register_job_kind("test.steps", "embed", steps, validate=validate, concurrency=4)
 register_job_kind("test.sync_steps", "embed", sync_steps, validate=validate, concurrency=2)
+register_job_kind("test.flaky", "embed", flaky, retry_on_error=True)
