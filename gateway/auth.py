@@ -185,10 +185,22 @@ def write_keys_file(path: str | Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+WS_KEY_PROTOCOL = "openai-insecure-api-key."
+
+
 def bearer_token(request: HTTPConnection) -> str | None:
+    """The key from ``Authorization: Bearer``; on WebSockets also from the subprotocol
+    ``openai-insecure-api-key.<key>`` (how OpenAI Realtime browser clients, which cannot set
+    headers, send it)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if request.scope["type"] == "websocket":
+        for proto in request.headers.get("sec-websocket-protocol", "").split(","):
+            if proto.strip().startswith(WS_KEY_PROTOCOL):
+                return proto.strip()[len(WS_KEY_PROTOCOL) :] or None
+    return None
 
 
 def auth_dependency(store: KeyStore) -> Any:

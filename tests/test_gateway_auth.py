@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, WebSocket
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect as ws_connect
 
 from gateway.auth import KeyStore, hash_key
 from gateway.ratelimit import MemoryRateLimiter
@@ -46,9 +48,16 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     engines = {**llm_engines(max_model_len=256), EMBED: embed_engine()}
     extra = APIRouter()
 
-    @extra.get("/v1/whoami")  # a route under test only: shows request.state.tenant
+    @extra.get("/v1/whoami")  # routes under test only: show request.state.tenant
     async def whoami(request: Request) -> dict[str, Any]:
         return {"tenant": request.state.tenant.name}
+
+    @extra.websocket("/v1/whoami/ws")
+    async def whoami_ws(websocket: WebSocket) -> None:
+        offered = websocket.scope.get("subprotocols", [])
+        await websocket.accept(subprotocol="realtime" if "realtime" in offered else None)
+        await websocket.send_text(websocket.state.tenant.name)
+        await websocket.close()
 
     app = create_app(engines, routers=[*routers(), extra], keys=store, ratelimiter=MemoryRateLimiter())
     with serve(app) as (url, _):
@@ -88,6 +97,16 @@ def test_missing_or_wrong_key_is_401(base_url: str) -> None:
             assert c.get("/v1/whoami").json() == {"tenant": tenant}
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="nope", max_retries=0).models.list()
+    # WebSockets: the header, or the subprotocol browsers use (they cannot set headers)
+    ws_url = base_url.replace("http", "ws") + "/v1/whoami/ws"
+    with ws_connect(ws_url, additional_headers={"Authorization": f"Bearer {KEYS['beta']}"}) as ws:
+        assert ws.recv() == "beta"
+    with ws_connect(ws_url, subprotocols=["realtime", f"openai-insecure-api-key.{KEYS['gamma']}"]) as ws:
+        assert ws.recv() == "gamma"
+    for bad in ({}, {"subprotocols": ["realtime", "openai-insecure-api-key.nope"]}):
+        with pytest.raises(InvalidStatus) as info:
+            ws_connect(ws_url, **bad)
+        assert info.value.response.status_code == 401
 
 
 def test_llm_limit_settles_to_real_usage_and_throttles_one_tenant(base_url: str) -> None:
