@@ -133,7 +133,7 @@ def corpus(voice: str) -> list[np.ndarray]:
 
 
 def long_recording(
-    voice: str = "piper", gap_s: float = 1.0, sentences: range | None = None
+    voice: str = "piper", gap_s: float = 1.0, sentences: list[int] | range | None = None
 ) -> tuple[np.ndarray, list[tuple[float, float]]]:
     """Sentences of ``corpus(voice)`` joined by ``gap_s`` of silence: (audio, [(start, end)] per
     sentence, the known boundaries)."""

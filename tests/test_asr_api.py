@@ -1,0 +1,119 @@
+"""``/v1/audio/transcriptions`` on a real uvicorn server, called with the official ``openai``
+client (and httpx for raw error bodies): every response format, SSE streaming, wav/flac/mp3/ogg
+uploads, and the errors (unreadable audio 400, oversized 413, unknown model 404, bad fields 400).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from modalities.asr.engine import AsrConfig, AsrEngine
+from modalities.asr.model import load_whisper
+from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording
+from modalities.audio import encode_audio
+from tests.helpers import serve_app
+
+RATE = 16_000
+KEY = "test-asr-key"
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^\w' ]", " ", text.lower()).split()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, AsrEngine]]:
+    from gateway.app import create_app
+    from modalities.asr.plugin import router
+
+    engine = AsrEngine(load_whisper("tiny.en"), AsrConfig(max_file_mb=1.0))
+    app = create_app(
+        {engine.model_name: engine}, api_key=KEY, routers=[router], aliases={"whisper-1": engine.model_name}
+    )
+    with serve_app(app) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server: tuple[str, AsrEngine]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def two_sentences() -> np.ndarray:
+    audio, _ = long_recording("piper", gap_s=0.8, sentences=[0, 2])
+    return audio
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "ogg"])
+def test_formats_transcribe(client: openai.OpenAI, fmt: str) -> None:
+    clip = corpus("piper")[0]
+    data = encode_audio(clip, RATE, fmt)
+    result = client.audio.transcriptions.create(model="whisper-1", file=(f"clip.{fmt}", data))
+    assert _words(result.text) == _words(SENTENCES[0])
+
+
+def test_response_formats(client: openai.OpenAI, two_sentences: np.ndarray) -> None:
+    wav = encode_audio(two_sentences, RATE, "wav")
+    verbose = client.audio.transcriptions.create(
+        model="whisper-1", file=("a.wav", wav), response_format="verbose_json", language="en"
+    )
+    assert verbose.language == "english" and abs(verbose.duration - len(two_sentences) / RATE) < 0.01
+    assert _words(verbose.text) == _words(f"{SENTENCES[0]} {SENTENCES[2]}")
+    assert verbose.segments and verbose.segments[0].start < 1.0 and verbose.segments[-1].end > 5.0
+    text = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), response_format="text")
+    assert text.strip() == verbose.text
+    srt = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), response_format="srt")
+    assert srt.startswith("1\n00:00:00,") and " --> 00:00:0" in srt and verbose.segments[0].text in srt
+    vtt = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:00.") and verbose.segments[0].text in vtt
+
+
+def test_stream_sends_deltas_then_done(client: openai.OpenAI, two_sentences: np.ndarray) -> None:
+    stream = client.audio.transcriptions.create(
+        model="whisper-1", file=("a.wav", encode_audio(two_sentences, RATE, "wav")), stream=True
+    )
+    events = list(stream)
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    done = [e for e in events if e.type == "transcript.text.done"]
+    assert len(deltas) > 5 and len(done) == 1 and events[-1] is done[0]
+    assert "".join(deltas) == done[0].text
+    assert _words(done[0].text) == _words(f"{SENTENCES[0]} {SENTENCES[2]}")
+
+
+def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
+    url = server[0] + "/v1/audio/transcriptions"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.transcriptions.create(model="whisper-1", file=("x.wav", b"RIFF garbage, not audio" * 10))
+    assert "could not read the audio" in bad.value.message
+    big = encode_audio(np.zeros(RATE * 40, np.float32), RATE, "wav")  # 1.3 MB > the 1 MB limit
+    with pytest.raises(openai.APIStatusError) as too_big:
+        client.audio.transcriptions.create(model="whisper-1", file=("big.wav", big))
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.NotFoundError):
+        client.audio.transcriptions.create(
+            model="no-such-model", file=("a.wav", encode_audio(corpus("piper")[0], RATE, "wav"))
+        )
+    wav = encode_audio(corpus("piper")[0], RATE, "wav")
+    cases = [
+        ({"response_format": "xml"}, "response_format"),
+        ({"temperature": "1.5"}, "temperature"),
+        ({"language": "fr"}, "language"),
+        ({"stream": "true", "response_format": "srt"}, "stream"),
+    ]
+    for fields, param in cases:
+        r = httpx.post(url, headers=auth, files={"file": ("a.wav", io.BytesIO(wav))}, data=fields, timeout=60)
+        assert r.status_code == 400, (fields, r.text)
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(url, headers=auth, data={"model": "whisper-1"}, timeout=60)  # no file
+    assert 400 <= r.status_code < 500 and "error" in r.json()
+    r = httpx.post(url, files={"file": ("a.wav", io.BytesIO(wav))}, timeout=60)  # no key
+    assert r.status_code == 401
