@@ -7,8 +7,10 @@ Series (all prefixed ``mmserve_``; ``modality`` is ``llm``, ``embed``, ``asr``, 
   ``http_request_errors_total{modality,path,status}`` (status >= 400),
   ``http_request_duration_seconds{modality,path}`` (end to end, streams until their last byte),
   ``http_inflight_requests``;
-- per request, from the routes (``record_timing``): ``request_queue_seconds``,
-  ``request_inference_seconds`` ``{modality,model}``; the LLM routes add
+- per request, from the routes: ``request_queue_seconds``, ``request_inference_seconds``
+  ``{modality,model}``, recorded (with the log fields) by any modality's route as
+  ``headers["Server-Timing"] = server_timing_header(record_timing(request, "tts", model, queue_s,
+  inference_s, total_s))``; the LLM routes add
   ``time_to_first_token_seconds``, ``time_per_output_token_seconds``,
   ``e2e_request_latency_seconds`` and ``requests_total{model,endpoint,status}``;
 - per engine, from its ``stats()``: every numeric stat as ``engine_<stat>{model}``, and the
