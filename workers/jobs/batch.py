@@ -22,16 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import APIError
 from workers.jobs import state
-from workers.jobs.api import (
-    file_object,
-    get_job_or_404,
-    list_object,
-    not_found,
-    owner_of,
-    router,
-    service,
-    submit_or_raise,
-)
+from workers.jobs.api import get_job_or_404, not_found, owner_of, router, service, submit_or_raise
+from workers.jobs.files import file_object, list_object
 from workers.jobs.registry import JobContext, register_job_kind
 from workers.jobs.store import UPLOADS, file_id
 

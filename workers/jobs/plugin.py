@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from workers.jobs import batch
+from workers.jobs import api, batch, files  # noqa: F401 - batch and files add their routes to api.router
 from workers.jobs.runner import JobsConfig
 
 __all__ = ["add_serve_args", "config_from_args", "router"]
 
-router = batch.router  # the /v1/jobs and /v1/files routes, plus /v1/batches
+router = api.router  # /v1/jobs, /v1/files, /v1/batches
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
