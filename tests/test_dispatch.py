@@ -5,6 +5,7 @@ real uvicorn gateway; every answer is compared with the same request under ``--d
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -224,3 +225,38 @@ def test_client_disconnect_aborts_on_the_worker(remote: str) -> None:
             break
         assert time.monotonic() < deadline, beats
         time.sleep(0.2)
+
+
+def test_sigterm_drains_a_worker(remote: str, workers: list[WorkerProc]) -> None:
+    """A worker told to stop finishes its running stream, takes nothing new, then leaves; requests
+    that would have gone to it are served by the other worker."""
+    from workers.routing import affinity_worker, prefix_key
+
+    victim, other = workers[0], workers[1]
+    ids = next(
+        ids
+        for i in range(100)
+        if affinity_worker(prefix_key(ids := [100 + i * 7 + j for j in range(40)]), [victim.worker_id, other.worker_id])
+        == victim.worker_id
+    )
+    body = {"model": LLM, "prompt": ids, "max_tokens": 150, "ignore_eos": True, "temperature": 0, "stream": True}
+    chunks, finish = 0, None
+    with httpx.stream("POST", f"{remote}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            chunks += 1
+            if chunks == 1:
+                victim.kill(signal.SIGTERM)  # warm shutdown: returns at once
+            finish = event["choices"][0].get("finish_reason") or finish
+    assert finish == "length"
+    victim.proc.wait(30)
+    deadline = time.monotonic() + 10
+    while (ready := httpx.get(f"{remote}/ready").json())["workers"][LLM] != [other.worker_id]:
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.2)
+    again = _post(remote, "/v1/completions", {**body, "stream": False, "max_tokens": 4})
+    assert again.status_code == 200, again.text

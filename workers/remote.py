@@ -145,8 +145,8 @@ class Cluster:
     # -- queries --------------------------------------------------------------------------------
 
     def live(self, model: str) -> list[WorkerLoad]:
-        """Live workers serving ``model`` (as of the last refresh)."""
-        return [w for w in self.workers.values() if model in w.models]
+        """Live workers serving ``model`` and taking new calls (as of the last refresh)."""
+        return [w for w in self.workers.values() if model in w.models and not w.draining]
 
     def model_stats(self, model: str) -> dict[str, float]:
         """Engine stats of ``model`` summed over its live workers (rates averaged), plus the count."""
@@ -273,6 +273,9 @@ class Cluster:
             fresh = float(data.get("ts", 0.0)) > sent_at + 1.0
         except (ValueError, KeyError, TypeError):
             return False
+        if load_now.draining:
+            logger.warning("call on %s never started and the worker is shutting down: resubmitting", worker_id)
+            return True
         if fresh and load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
             logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
             return True

@@ -28,6 +28,7 @@ class WorkerLoad:
     queue_depth: int = 0  # calls waiting in its queues
     kv_usage: float = 0.0  # KV-cache fraction in use (LLM workers)
     local_inflight: int = 0  # calls this gateway has sent it and not seen finish
+    draining: bool = False  # shutting down: finishes its calls, gets no new ones
     stats: dict[str, dict[str, float]] = field(default_factory=dict)  # per served model
 
     @property
@@ -48,6 +49,7 @@ class WorkerLoad:
             inflight=int(data.get("inflight", 0)),
             queue_depth=int(data.get("queue_depth", 0)),
             kv_usage=float(data.get("kv_usage", 0.0)),
+            draining=bool(data.get("draining", False)),
             stats=dict(data.get("stats", {})),
         )
 

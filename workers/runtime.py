@@ -64,6 +64,7 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         self._background: list[asyncio.Task[None]] = []
         self.redis: aioredis.Redis | None = None
+        self.draining = False  # set when shutdown begins: finish running calls, take no new ones
 
     # -- lifecycle (called from the main thread) --------------------------------------------------
 
@@ -187,6 +188,7 @@ class WorkerRuntime:
             "modality": self.modality,
             "models": list(self.engines),
             "capacity": self.capacity,
+            "draining": self.draining,
             "inflight": inflight,
             "kv_usage": kv,
             "stats": stats,

@@ -4,7 +4,9 @@ The engines are built by the modality's plugin from the same options as ``mmserv
 gateway started with the same model options serves them under the same names. The Celery worker
 uses the thread pool (``--concurrency`` calls at once: the engines batch concurrent calls
 themselves, so a thread per call is what keeps their batches full) and consumes the modality
-queue and its own worker queue.
+queue and its own worker queue. SIGTERM is a warm shutdown: the heartbeat says ``draining`` (the
+gateway sends nothing new and resubmits what has not started), running calls finish, then the
+heartbeat is withdrawn.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import socket
 import sys
 import uuid
+
+from celery import signals
 
 from workers.celery_app import DEFAULT_PREFIX, make_celery, modality_queue, worker_queue
 
@@ -72,6 +76,11 @@ def run_worker(args: argparse.Namespace) -> int:
     rt.start()
     logger.info("worker %s serving %s", worker_id, ", ".join(built.engines))
     app = make_celery(args.redis_url)
+
+    def drain(**_: object) -> None:  # warm shutdown (SIGTERM): the gateway stops routing here
+        rt.draining = True
+
+    signals.worker_shutting_down.connect(drain, weak=False)
     worker = app.Worker(
         hostname=f"{worker_id}@{socket.gethostname()}",
         queues=[modality_queue(args.modality, args.prefix), worker_queue(worker_id, args.prefix)],
