@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("mmserve.access")
 
+_PROBES = {"/health", "/ready", "/metrics"}
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 _RECORD_ATTRS = set(vars(logging.makeLogRecord({})))
 
@@ -94,7 +95,9 @@ class RequestLogMiddleware:
                 "total_ms": round((time.perf_counter() - start) * 1e3, 1),
                 **state.get("log_fields", {}),
             }
-            access_logger.info("request", extra={"fields": fields})
+            # probes and scrapes every few seconds would drown the log: debug unless they fail
+            quiet = route in _PROBES and status["code"] < 400
+            access_logger.log(logging.DEBUG if quiet else logging.INFO, "request", extra={"fields": fields})
 
 
 class JsonFormatter(logging.Formatter):
