@@ -6,7 +6,8 @@ the ``X-Request-ID`` response header and, when the response is complete (streams
 writes one line to the ``mmserve.access`` logger with: ``request_id``, ``tenant``, ``method``,
 ``route`` (the path template), ``modality``, ``status``, ``total_ms`` and whatever the route
 added with ``annotate(request, ...)`` (``model``, ``queue_ms``, ``inference_ms``,
-``prompt_tokens``, ``completion_tokens``, ...).
+``prompt_tokens``, ``completion_tokens``, ...). Successful probes and scrapes (``/health``,
+``/ready``, ``/metrics``) log at debug level.
 
 ``configure_logging("json")`` renders every ``mmserve``/uvicorn log record as one JSON object
 per line (``mmserve serve`` does this; ``--log-format text`` keeps plain lines).
