@@ -131,7 +131,6 @@ class Cluster:
                 w = WorkerLoad.from_heartbeat(json.loads(value))
             except (ValueError, KeyError, TypeError):
                 continue
-            w.local_inflight = self.local_inflight[w.worker_id]
             workers[w.worker_id] = w
         if not self.redis_ok:
             logger.info("Redis reachable; %d live workers", len(workers))
@@ -146,7 +145,10 @@ class Cluster:
 
     def live(self, model: str) -> list[WorkerLoad]:
         """Live workers serving ``model`` and taking new calls (as of the last refresh)."""
-        return [w for w in self.workers.values() if model in w.models and not w.draining]
+        live = [w for w in self.workers.values() if model in w.models and not w.draining]
+        for w in live:  # this gateway's own count is current; the heartbeat's is up to a period old
+            w.local_inflight = self.local_inflight[w.worker_id]
+        return live
 
     def model_stats(self, model: str) -> dict[str, float]:
         """Engine stats of ``model`` summed over its live workers (rates averaged), plus the count."""
