@@ -49,8 +49,20 @@ def forward_shape_for(model: Any, shape: Any, batch: int) -> Any:
     )
 
 
+def _next_request(requests: Any, parent: int) -> Any:
+    """Rank 0's next request; ``None`` (shut down) once the server process is gone, so ranks never
+    outlive a killed server."""
+    while True:
+        try:
+            return requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
 def _rank_main(
     rank: int,
+    parent: int,
     cfg: ContextParallelConfig,
     port: int,
     path: str,
@@ -86,8 +98,11 @@ def _rank_main(
     results.put(("ready", rank, None))
     flag = torch.zeros(1, dtype=torch.int32, device=f"cuda:{rank}" if backend == "nccl" else "cpu")
     while True:
-        box = [requests.get() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        box = [_next_request(requests, parent) if rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception:  # rank 0 is gone (its parent died): nothing left to serve
+            os._exit(1)
         if box[0] is None:
             break
         shape, items, want_steps = box[0]
@@ -174,7 +189,17 @@ class ContextParallelRunner:
         ctx = mp.get_context("spawn")
         self._requests, self._results, self._cancel = ctx.Queue(), ctx.Queue(), ctx.Event()
         port = _free_port()
-        args = (self.config, port, self.path, self.threads, self.backend, self._requests, self._results, self._cancel)
+        args = (
+            os.getpid(),
+            self.config,
+            port,
+            self.path,
+            self.threads,
+            self.backend,
+            self._requests,
+            self._results,
+            self._cancel,
+        )
         self._procs = [
             ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(self.config.world_size)
         ]
