@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("jobs", help="job-queue throughput, concurrent submitters, local or celery (see jobs --help)")
     sub.add_parser("cp", help="context parallelism: single vs N ranks, bytes/step, GPU scaling model (see cp --help)")
     sub.add_parser("cluster", help="celery cluster on loopback under load, with worker/Redis faults (see cluster --help)")
+    sub.add_parser("asr", help="speech-to-text throughput: engine vs transformers pipeline (see asr --help)")
     sub.add_parser("voice", help="voice-to-voice latency on /v1/realtime, 1 and 4 sessions (see voice --help)")
     both = sub.add_parser("all", help="offline, then online --launch mmserve,vllm (same workload flags)")
     add_offline_args(both)
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.cluster import main as cluster_main
 
         return int(cluster_main(argv[1:]) or 0)
+    if argv and argv[0] == "asr":  # speech-to-text benchmark (bench/asr.py) parses its own flags
+        from bench.asr import main as asr_main
+
+        return int(asr_main(argv[1:]) or 0)
     if argv and argv[0] == "voice":  # realtime voice benchmark (bench/voice.py) parses its own flags
         from bench.voice import main as voice_main
 

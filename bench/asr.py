@@ -1,0 +1,133 @@
+"""``mmserve bench asr``: speech-to-text throughput, mmserve's engine vs the transformers pipeline.
+
+The same ``--clips`` clips (each ``--sentences-per-clip`` sentences of the fixed corpus, alternating
+the Piper and eSpeak NG voices, 0.5 s pauses) are transcribed, in one process with the same torch
+thread count:
+
+1. mmserve: ``AsrEngine``, every clip submitted at once (encoder batched across clips, decoder
+   steps continuously batched on the shared engine);
+2. transformers: ``pipeline("automatic-speech-recognition", model=<the same converted directory>)``
+   over the list of clips with ``--baseline-batch-size`` (1 = the pipeline's default).
+
+Reports audio-seconds per second for both, the speedup, and each side's WER against the known text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import time
+from typing import Any
+
+import numpy as np
+
+RATE = 16_000
+
+
+def make_clips(n: int, per_clip: int) -> tuple[list[np.ndarray], list[str]]:
+    from modalities.asr.speech_corpus import SENTENCES, corpus
+
+    voices = [corpus("piper"), corpus("espeak")]
+    pause = np.zeros(RATE // 2, np.float32)
+    clips, refs = [], []
+    for i in range(n):
+        idx = [(i * per_clip + j) % len(SENTENCES) for j in range(per_clip)]
+        parts = [p for k in idx for p in (voices[i % 2][k], pause)]
+        clips.append(np.concatenate(parts))
+        refs.append(" ".join(SENTENCES[k] for k in idx))
+    return clips, refs
+
+
+def _wer(refs: list[str], hyps: list[str]) -> float:
+    import jiwer
+
+    def norm(s: str) -> str:
+        return re.sub(r"\s+", " ", re.sub(r"[^\w' ]", " ", s.lower())).strip()
+
+    return float(jiwer.wer([norm(r) for r in refs], [norm(h) for h in hyps]))
+
+
+def run_mmserve(args: argparse.Namespace, clips: list[np.ndarray]) -> tuple[float, list[str], Any]:
+    from modalities.asr.engine import AsrConfig, AsrEngine
+    from modalities.asr.model import load_whisper
+
+    engine = AsrEngine(
+        load_whisper(args.model), AsrConfig(max_num_seqs=max(64, len(clips)), max_encoder_batch=args.encoder_batch)
+    )
+
+    async def go() -> tuple[float, list[str]]:
+        await engine.transcribe(clips[0])  # warm-up (kernels, threads)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(engine.transcribe(c) for c in clips))
+        elapsed = time.perf_counter() - start
+        await engine.shutdown()
+        return elapsed, [r.text for r in results]
+
+    elapsed, texts = asyncio.run(go())
+    return elapsed, texts, engine
+
+
+def run_transformers(args: argparse.Namespace, path: str, clips: list[np.ndarray]) -> tuple[float, list[str]]:
+    import torch
+    from transformers import pipeline
+
+    pipe = pipeline("automatic-speech-recognition", model=path, device="cpu", dtype=torch.float32)
+    kw = {"generate_kwargs": {"max_new_tokens": 224}, "batch_size": args.baseline_batch_size}
+    pipe({"raw": clips[0], "sampling_rate": RATE}, **kw)  # warm-up
+    start = time.perf_counter()
+    out = pipe([{"raw": c, "sampling_rate": RATE} for c in clips], **kw)
+    return time.perf_counter() - start, [o["text"] for o in out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mmserve bench asr", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny.en", help="ASR model spec (as --asr)")
+    ap.add_argument("--clips", type=int, default=32, help="concurrent clips")
+    ap.add_argument("--sentences-per-clip", type=int, default=3)
+    ap.add_argument("--encoder-batch", type=int, default=8, help="max windows per encoder forward")
+    ap.add_argument("--baseline-batch-size", type=int, default=1, help="transformers pipeline batch_size")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from modalities.asr.model import resolve_asr_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = str(resolve_asr_path(args.model))
+    clips, refs = make_clips(args.clips, args.sentences_per_clip)
+    audio_s = sum(len(c) for c in clips) / RATE
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"mmserve bench asr @ {rev}: {args.clips} clips, {audio_s:.1f} s of audio, model {args.model}, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    ours_s, ours_text, _ = run_mmserve(args, clips)
+    result: dict[str, Any] = {
+        "git_rev": rev,
+        "clips": args.clips,
+        "audio_s": audio_s,
+        "threads": torch.get_num_threads(),
+        "mmserve": {"s": ours_s, "audio_s_per_s": audio_s / ours_s, "wer": _wer(refs, ours_text)},
+    }
+    print(
+        f"  mmserve engine        {ours_s:7.2f} s  {audio_s / ours_s:7.1f} audio-s/s  WER {result['mmserve']['wer']:.3f}"
+    )
+    if not args.skip_baseline:
+        base_s, base_text = run_transformers(args, path, clips)
+        result["transformers"] = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": _wer(refs, base_text)}
+        result["speedup"] = base_s / ours_s
+        result["same_text"] = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
+        print(
+            f"  transformers pipeline {base_s:7.2f} s  {audio_s / base_s:7.1f} audio-s/s  "
+            f"WER {result['transformers']['wer']:.3f} (batch_size={args.baseline_batch_size})"
+        )
+        print(f"  speedup {result['speedup']:.2f}x; identical transcripts {result['same_text']}/{args.clips}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
