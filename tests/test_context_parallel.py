@@ -227,3 +227,24 @@ async def test_engine_serves_through_the_ranks(pair) -> None:
     finally:
         for engine in (plain, cp):
             await engine.shutdown()
+
+
+def test_configs_and_unsupported_models_are_rejected() -> None:
+    from diffusers import UNet2DModel
+
+    from modalities.diffusion.parallel import ContextParallelConfig
+    from modalities.diffusion.parallel.plans import plan_for
+
+    assert ContextParallelConfig.for_degree(4, "hybrid") == ContextParallelConfig(ulysses_degree=2, ring_degree=2)
+    for bad in ((3, "hybrid"), (2, "zigzag")):
+        with pytest.raises(ValueError):
+            ContextParallelConfig.for_degree(*bad)
+    with pytest.raises(ValueError, match="no context-parallel plan"):
+        plan_for(
+            UNet2DModel(
+                block_out_channels=(8, 16),
+                norm_num_groups=8,
+                down_block_types=("DownBlock2D",) * 2,
+                up_block_types=("UpBlock2D",) * 2,
+            )
+        )
