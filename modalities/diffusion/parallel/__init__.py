@@ -33,6 +33,10 @@ API for the diffusion engine::
 
 ``generate`` raises ``ValueError`` (a 400) for sizes whose token count the degree does not divide and
 for step caching (not supported together with CP), before any compute.
+
+Serving: ``mmserve serve/worker --cp-degree N [--cp-mode ...]`` calls
+:func:`~.serving.enable_context_parallel` on each DiT ``DiffusionEngine``: the engine keeps its local
+model for validation and previews and runs batches through a :class:`~.serving.ContextParallelModel`.
 """
 
 from modalities.diffusion.parallel.comm import CommCounter, ContextParallelConfig, CPGroups
