@@ -30,7 +30,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     from gateway.plugins import MODALITIES
 
     parser.add_argument("--modality", required=True, choices=MODALITIES)
-    parser.add_argument("--concurrency", type=int, default=16, help="calls run at once (threads)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="calls run at once (threads; default: --max-num-seqs or 64 for llm, so batches fill; 16 otherwise)",
+    )
     parser.add_argument("--redis-url", default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="queue and key prefix (one per cluster)")
     parser.add_argument("--worker-id", default=None, help="default: <modality>-<host>-<pid>-<random>")
@@ -63,6 +68,8 @@ def run_worker(args: argparse.Namespace) -> int:
     if not built.engines:
         print(f"mmserve worker: no {args.modality} engine to serve (check the model options)", file=sys.stderr)
         return 2
+    if args.concurrency is None:
+        args.concurrency = (getattr(args, "max_num_seqs", None) or 64) if args.modality == "llm" else 16
     worker_id = args.worker_id or f"{args.modality}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     rt = WorkerRuntime(
         worker_id,
