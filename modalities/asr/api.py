@@ -26,9 +26,8 @@ from modalities.audio import ASR_RATE, AudioDecodeError, decode_audio
 router = APIRouter(tags=["audio"])
 
 
-def resolve_asr_engine(request: Request, model: str | None) -> tuple[str, Any]:
+def pick_asr_engine(engines: dict[str, Any], aliases: dict[str, str], model: str | None) -> tuple[str, Any]:
     """``(served_name, engine)`` among the served ASR engines (``model`` optional when one is)."""
-    engines: dict[str, Any] = request.app.state.engines
     asr = {name: e for name, e in engines.items() if engine_modality(e) == "asr"}
     if not model:
         if len(asr) == 1:
@@ -36,12 +35,16 @@ def resolve_asr_engine(request: Request, model: str | None) -> tuple[str, Any]:
         if not asr:
             raise APIError(400, "no speech-to-text model is served (start with --asr)", param="model")
         raise APIError(400, "you must provide a model parameter", param="model")
-    name = model if model in engines else getattr(request.app.state, "aliases", {}).get(model, model)
+    name = model if model in engines else aliases.get(model, model)
     if name in asr:
         return name, asr[name]
     if name in engines:
         raise APIError(400, f"the model `{model}` does not support transcription", param="model", code="invalid_model")
     raise model_not_found(model, list(asr))
+
+
+def resolve_asr_engine(request: Request, model: str | None) -> tuple[str, Any]:
+    return pick_asr_engine(request.app.state.engines, getattr(request.app.state, "aliases", {}), model)
 
 
 def _mapped(exc: BaseException, param: str = "file") -> BaseException:

@@ -17,6 +17,15 @@ __all__ = ["add_models_commands", "add_serve_args", "build", "router"]
 logger = logging.getLogger("mmserve.asr")
 
 
+def _register_job_kind() -> None:
+    from modalities.asr import jobs
+
+    jobs.register()
+
+
+_register_job_kind()  # ``audio.transcription``: a long recording to a transcript file (modalities/asr/jobs.py)
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("asr")
     g.add_argument(

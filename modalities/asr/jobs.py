@@ -1,0 +1,92 @@
+"""Job kind ``audio.transcription`` (queue ``mmserve.asr``): a long uploaded recording to a
+transcript file.
+
+``params``: ``file_id`` (an audio file uploaded through ``POST /v1/files``), and optionally
+``model``, ``language``, ``prompt``, ``temperature``, ``response_format`` (as the online route).
+The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
+text, duration and segment count. Cancelling the job closes the transcription stream, which
+aborts its decodes in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import aclosing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workers.jobs import JobCancelled, JobContext, register_job_kind
+
+KIND = "audio.transcription"
+_EXT = {"json": "json", "verbose_json": "json", "text": "txt", "srt": "srt", "vtt": "vtt"}
+_TYPES = {"json": "application/json", "txt": "text/plain", "srt": "application/x-subrip", "vtt": "text/vtt"}
+
+
+class TranscriptionJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    file_id: str = Field(min_length=1, max_length=300)
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = Field(default=None, max_length=4000)
+    temperature: float = Field(default=0.0, ge=0.0, le=1.0)
+    response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "verbose_json"
+
+
+def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
+    """400 before queueing: bad fields (the model is resolved where the job runs)."""
+    try:
+        job = TranscriptionJob(**params)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ValueError(f"params.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    return job.model_dump()
+
+
+def render(transcript: Any, fmt: str, temperature: float) -> bytes:
+    from modalities.asr.formats import to_srt, to_verbose, to_vtt
+
+    if fmt == "verbose_json":
+        return json.dumps(to_verbose(transcript, temperature)).encode()
+    if fmt == "json":
+        return json.dumps({"text": transcript.text}).encode()
+    return {"text": transcript.text + "\n", "srt": to_srt(transcript), "vtt": to_vtt(transcript)}[fmt].encode()
+
+
+async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
+    from modalities.asr.api import pick_asr_engine
+    from modalities.asr.engine import TranscriptionRequest
+    from modalities.audio import decode_audio
+    from workers.jobs.store import parse_file_id
+
+    job = TranscriptionJob(**params)
+    name, engine = pick_asr_engine(ctx.engines, ctx.aliases, job.model)
+    data, _ = ctx.store.get(*parse_file_id(job.file_id))
+    audio = (await asyncio.to_thread(decode_audio, data)).samples
+    req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature)
+    transcript = None
+    ctx.progress(0, 1)
+    async with aclosing(engine.stream(req)) as deltas:
+        async for delta in deltas:
+            if ctx.cancelled:
+                raise JobCancelled(f"job {ctx.job_id} was cancelled")
+            transcript = delta.transcript or transcript
+    assert transcript is not None
+    ext = _EXT[job.response_format]
+    url = ctx.store.put(
+        ctx.job_id, f"transcript.{ext}", render(transcript, job.response_format, job.temperature), _TYPES[ext]
+    )
+    ctx.progress(1, 1)
+    return {
+        "url": url,
+        "model": name,
+        "text": transcript.text,
+        "duration": transcript.duration,
+        "segments": len(transcript.segments),
+    }
+
+
+def register() -> None:
+    register_job_kind(KIND, "asr", run, validate=validate, concurrency=2)
