@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.ratelimit import charge
 from modalities.diffusion.protocol import ImageGenerationRequest, VideoGenerationRequest, parse_size
 
 router = APIRouter(tags=["diffusion"], strict_content_type=False)
@@ -67,17 +68,29 @@ def _engine_request(body: ImageGenerationRequest | VideoGenerationRequest, n: in
     )
 
 
-async def _generate(engine: Any, req: Any) -> Any:
-    """Validate (400 before compute), then run; engine errors become OpenAI errors."""
+def _map_engine_error(exc: Exception) -> Exception:
+    mapped = from_engine_error(exc)
+    return exc if mapped is None else mapped
+
+
+async def _generate(request: Request, engine: Any, req: Any) -> Any:
+    """Validate (400 before compute), charge ``image_steps``, then run; engine errors become
+    OpenAI errors and give the charge back."""
+    steps, frames = req.steps, req.num_frames
+    if hasattr(engine, "prepare"):
+        try:
+            shape, _ = engine.prepare(req)
+        except Exception as exc:
+            raise _map_engine_error(exc) from None
+        steps, frames = shape.steps, shape.num_frames
+    ch = await charge(request, "image_steps", req.n * (steps or 1) * (frames or 1))
     try:
-        if hasattr(engine, "prepare"):
-            engine.prepare(req)
         return await engine.run(req)
-    except Exception as exc:
-        mapped = from_engine_error(exc)
-        if mapped is None:
-            raise
-        raise mapped from None
+    except BaseException as exc:
+        await ch.refund()
+        if isinstance(exc, Exception):
+            raise _map_engine_error(exc) from None
+        raise
 
 
 async def _store_file(request: Request, data: bytes, filename: str, content_type: str) -> str:
@@ -111,7 +124,7 @@ async def images_generations(body: ImageGenerationRequest, request: Request) -> 
     from modalities.diffusion.media import encode_png
 
     name, engine = resolve_engine(request, body.model, "image")
-    result = await _generate(engine, _engine_request(body, body.n, None))
+    result = await _generate(request, engine, _engine_request(body, body.n, None))
     pngs = await asyncio.to_thread(lambda: [encode_png(img) for img in result.outputs])
     data: list[dict[str, Any]] = []
     if body.response_format == "url":
@@ -139,7 +152,7 @@ async def videos(body: VideoGenerationRequest, request: Request) -> Response:
     from modalities.diffusion.media import encode_mp4, encode_png
 
     name, engine = resolve_engine(request, body.model, "video")
-    result = await _generate(engine, _engine_request(body, 1, body.num_frames))
+    result = await _generate(request, engine, _engine_request(body, 1, body.num_frames))
     frames = result.outputs[0]
     meta = {
         "created": int(time.time()),

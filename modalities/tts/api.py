@@ -5,6 +5,11 @@ proper 4xx/5xx JSON; after that every chunk is encoded and sent as soon as the e
 (chunked transfer; ``stream_format: "sse"`` wraps the same bytes in ``speech.audio.delta``
 events). Time-to-first-audio is therefore the time to synthesise the first text piece. A client
 that disconnects closes the engine stream, which cancels the rest of the synthesis.
+
+Rate limit (``audio_seconds``): admission charges an estimate from the text
+(``estimate_seconds``: about 15 characters of English per second of speech at speed 1); when
+the stream ends the charge is settled to the duration actually synthesised (also when the
+client left early); a request that fails, before or during the stream, is refunded.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from gateway.errors import APIError, from_engine_error
+from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.audio import MEDIA_TYPES, StreamEncoder
 from modalities.tts.base import check_request
@@ -26,6 +32,13 @@ from modalities.tts.protocol import PCM_RATE, SpeechRequest, TTSInputError
 from modalities.tts.registry import resolve_tts
 
 router = APIRouter(tags=["audio"], strict_content_type=False)
+
+CHARS_PER_SECOND = 15.0  # typical read English (~150 words/min); only an admission estimate
+
+
+def estimate_seconds(text: str, speed: float) -> float:
+    """Seconds of speech ``text`` will likely last at ``speed`` (what admission charges)."""
+    return max(1.0, len(text) / CHARS_PER_SECOND / speed)
 
 
 def _input_error(exc: TTSInputError) -> APIError:
@@ -61,25 +74,36 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
     fmt = body.response_format
     rate = req.sample_rate or (PCM_RATE if fmt == "pcm" else engine.sample_rate)
     req.sample_rate = rate
+    ch = await charge(request, "audio_seconds", estimate_seconds(req.text, req.speed))
     gen = engine.stream(req)
     try:
         first = await _first_chunk(gen)
     except BaseException:
         await gen.aclose()
+        await ch.refund()
         raise
     encoder = StreamEncoder(fmt, rate)
+    samples = 0 if first is None else len(first)
 
     async def audio_bytes() -> AsyncIterator[bytes]:
+        nonlocal samples
+        failed = False
         try:
             if first is not None:
                 yield encoder.encode(first)
                 async for chunk in gen:
+                    samples += len(chunk)
                     data = encoder.encode(chunk)
                     if data:
                         yield data
             yield encoder.close()
+        except Exception:
+            failed = True
+            raise
         finally:
             await gen.aclose()
+            # a client that left early pays for what was synthesised; an engine failure pays nothing
+            await (ch.refund() if failed else ch.settle(samples / rate))
 
     headers = {"X-Sample-Rate": str(rate), "X-Model": name, "X-Voice": voice}
     if body.stream_format == "audio":
