@@ -137,7 +137,7 @@ class StageStore:
         else:
             import redis
 
-            self.r = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+            self.r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10)
         self.prefix, self.ttl = prefix, ttl_s
 
     def _key(self, chain_id: str, what: str) -> str:

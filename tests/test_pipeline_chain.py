@@ -166,7 +166,7 @@ def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes
     from pipelines.chain import ChainOptions, StageStore, celery_chain, result
     from workers.celery_app import make_celery
 
-    app = make_celery(REDIS_URL)
+    app = make_celery(REDIS_URL, socket_timeout_s=10)  # a loaded test machine can be slow to answer
     prefix = cluster["prefix"]
     store = StageStore(REDIS_URL, prefix)
     chain_id = uuid.uuid4().hex
