@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -193,6 +193,10 @@ class StageStore:
             p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
             p.execute()
 
+    def state(self, chain_id: str) -> str | None:
+        raw = self.r.hget(self._key(chain_id, "meta"), "status")
+        return raw.decode() if raw is not None else None
+
     def set_status(self, chain_id: str, status: str, error: str | None = None) -> None:
         mapping: dict[str, Any] = {"status": status}
         if error is not None:
@@ -280,8 +284,9 @@ class MemoryKV:
 
 
 async def run_stage(store: StageStore, chain_id: str, stage: str, services: Services, where: str = "local") -> None:
-    """One attempt of ``stage`` (on worker ``where``); a stage whose output is stored is skipped."""
-    if store.output(chain_id, stage) is not None:
+    """One attempt of ``stage`` (on worker ``where``); a stage whose output is stored, or of a
+    cancelled chain, is skipped."""
+    if store.output(chain_id, stage) is not None or store.state(chain_id) == "cancelled":
         return
     opts = store.options(chain_id)
     frames = store.input_frames(chain_id, stage, opts)
@@ -293,11 +298,15 @@ async def run_stage(store: StageStore, chain_id: str, stage: str, services: Serv
     store.finish(chain_id, stage, out, time.perf_counter() - t0)
 
 
-async def run_local(store: StageStore, chain_id: str, services: Services) -> dict[str, Any]:
-    """Every stage in-process, each retried up to ``max_attempts``; returns ``result(...)``."""
+async def run_local(
+    store: StageStore, chain_id: str, services: Services, check: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
+    """Every stage in-process, each retried up to ``max_attempts``; returns ``result(...)``.
+    ``check()`` runs before each attempt (it raises to stop, e.g. ``JobContext.check_cancelled``)."""
     opts = store.options(chain_id)
     for spec in opts.stages():
         for attempt in range(1, opts.max_attempts + 1):
+            check()
             try:
                 await run_stage(store, chain_id, spec.name, services)
                 break

@@ -69,7 +69,7 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         store.create(chain_id, audio, opts)
         need = tuple(s.needs[0] for s in opts.stages() if s.needs)
         services = Services.from_engines(ctx.engines, opts.llm, opts.asr, opts.tts, ctx.aliases, need=need)
-        await run_local(store, chain_id, services)
+        await run_local(store, chain_id, services, ctx.check_cancelled)
     else:
         from workers.celery_app import make_celery
 
@@ -77,9 +77,13 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         if store.status(chain_id) is None:  # a retried job resumes its chain: done stages are skipped
             store.create(chain_id, audio, opts)
         celery_chain(make_celery(rt.redis_url), chain_id, opts, rt.prefix).apply_async()
-        while (status := store.status(chain_id)) is not None and status["status"] not in ("succeeded", "failed"):
-            ctx.check_cancelled()
-            await asyncio.sleep(0.05)
+        try:
+            while (status := store.status(chain_id)) is not None and status["status"] not in ("succeeded", "failed"):
+                ctx.check_cancelled()
+                await asyncio.sleep(0.05)
+        except BaseException:
+            store.set_status(chain_id, "cancelled")  # the stages still queued become no-ops
+            raise
         if status is None or status["status"] == "failed":
             raise RuntimeError(f"pipeline failed: {status and status['error']}")
     out = result(store, chain_id)

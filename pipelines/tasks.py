@@ -41,7 +41,7 @@ def run_stage_task(self: Any, chain_id: str, stage: str, prefix: str, last: bool
             raise self.retry(exc=exc, countdown=0.2) from exc
         store.set_status(chain_id, "failed", f"{stage}: {exc}")
         raise
-    if not last:
+    if not last or store.state(chain_id) == "cancelled":
         return None
     store.set_status(chain_id, "succeeded")
     out = result(store, chain_id)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from pipelines.frames import End, ErrorFrame, Frame, Interrupt, LLMDone, SpeechStarted, TextDelta, Transcript
+from pipelines.frames import End, ErrorFrame, Frame, Interrupt, LLMDone, SpeechStarted, TextDelta, Transcript, UserAudio
 from pipelines.processor import Pipeline, Processor
 
 
@@ -242,3 +242,26 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     assert asyncio.run(run([audio(10, 1, True), audio(30, 2, True), audio(40, 2, False)])) == ["heard 30"]
     calls.clear()
     assert asyncio.run(run([audio(10, 1, True), audio(50, 3, False)])) == ["heard 50"]
+
+
+def test_chain_stages_skip_done_and_cancelled_work() -> None:
+    from pipelines.chain import ChainOptions, StageStore, run_local, run_stage
+    from pipelines.services import Services
+
+    store = StageStore(None)  # the in-process store (local dispatch without Redis)
+    store.create("c", _spoken("Good morning."), ChainOptions(respond=False))
+    asyncio.run(run_stage(store, "c", "vad", Services()))
+    first = store.output("c", "vad")
+    assert first and isinstance(first[0], UserAudio) and store.attempts("c", "vad") == 1
+    asyncio.run(run_stage(store, "c", "vad", Services()))  # already done: not run again
+    assert store.attempts("c", "vad") == 1
+
+    def stop() -> None:
+        raise RuntimeError("cancelled by the client")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(run_local(store, "c", Services(), stop))
+    assert store.attempts("c", "asr") == 0
+    store.set_status("c", "cancelled")
+    asyncio.run(run_stage(store, "c", "asr", Services()))  # a cancelled chain's stages are no-ops
+    assert store.output("c", "asr") is None and store.status("c")["status"] == "cancelled"
