@@ -4,7 +4,8 @@ Fields: ``file`` (wav, flac, ogg, mp3, or anything PyAV decodes), ``model`` (opt
 ASR model is served), ``language``, ``prompt``, ``temperature`` (0..1), ``response_format``
 (json, text, verbose_json, srt, vtt), ``stream`` (SSE: ``transcript.text.delta`` events as text
 decodes, then ``transcript.text.done``). Unreadable audio is a 400, a file over the ASR upload
-limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413.
+limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
+duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from gateway.errors import APIError, from_engine_error, model_not_found
 from gateway.metrics import engine_modality
+from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
 from modalities.asr.formats import RESPONSE_FORMATS, to_srt, to_verbose, to_vtt
@@ -81,6 +83,7 @@ async def create_transcription(
     except AudioDecodeError as exc:
         raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
     req = TranscriptionRequest(audio.samples, language or None, prompt or None, temperature)
+    ch = await charge(request, "audio_seconds", audio.duration)  # the tenant's audio_seconds budget
 
     if stream:
         deltas = engine.stream(req)
@@ -89,12 +92,14 @@ async def create_transcription(
         except StopAsyncIteration:
             first = None
         except Exception as exc:
+            await ch.refund()
             raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
         return StreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
 
     try:
         transcript = await engine.run(req)
     except Exception as exc:
+        await ch.refund()
         raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
     if response_format == "text":
         return PlainTextResponse(transcript.text + "\n")
