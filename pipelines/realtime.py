@@ -82,6 +82,8 @@ class RealtimeSession:
             ]
         )
         self.reply: Reply | None = None  # the latest response (active until done)
+        self.turn_ended: float | None = None  # when the VAD ended the user's last turn (monotonic)
+        self.metrics = getattr(ws.app.state, "metrics", None)
         self.requested = False  # a response.create is queued
         self.appended_ms = 0.0  # audio appended since the last turn boundary
         self._event_ids = itertools.count(1)
@@ -124,6 +126,8 @@ class RealtimeSession:
 
     # -- main loop ----------------------------------------------------------------------------
     async def run(self) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("realtime_sessions_total", help="/v1/realtime sessions opened", model=self.config.model)
         await self.send("session.created", session=self.config.to_dict(self.id))
         writer = asyncio.create_task(self._write())
         try:
@@ -246,6 +250,17 @@ class RealtimeSession:
             )
         await self._truncate(reply, end_ms)
 
+    def _observe_turn(self, first_audio: float) -> None:
+        """Server-side voice-to-voice: the VAD's end of turn to the first reply audio sent."""
+        if self.metrics is not None and self.turn_ended is not None:
+            self.metrics.observe(
+                "realtime_turn_to_first_audio_seconds",
+                first_audio - self.turn_ended,
+                help="/v1/realtime: end of the user's turn (VAD) to the first reply audio",
+                model=self.config.model,
+            )
+        self.turn_ended = None
+
     # -- pipeline output ----------------------------------------------------------------------
     async def _user_item_created(self, item_id: str) -> None:
         previous = self.conv.items[-1].id if self.conv.items else None
@@ -270,6 +285,7 @@ class RealtimeSession:
             await self.send("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=frame.item_id)
         elif isinstance(frame, SpeechStopped):
             self.appended_ms = 0.0
+            self.turn_ended = frame.created
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
             await self._user_item_created(frame.item_id)
         elif isinstance(frame, Transcript):
@@ -302,6 +318,7 @@ class RealtimeSession:
             r.audio_ms += ms
             if r.first_audio is None:
                 r.first_audio = time.monotonic()
+                self._observe_turn(r.first_audio)
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
         elif isinstance(frame, LLMDone):
             r.text = frame.text

@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -47,7 +48,7 @@ def server(smollm2_dir: Any) -> Iterator[dict[str, Any]]:
     app = create_app({"smollm2": llm, asr.model_name: asr, tts.model_name: tts}, routers=[router])
     with serve_app(app) as url:
         ws_url = url.replace("http://", "ws://") + "/v1/realtime"
-        yield {"url": ws_url, "llm": llm, "tts": tts, "question": speech(QUESTION)}
+        yield {"url": ws_url, "http": url, "llm": llm, "tts": tts, "question": speech(QUESTION)}
 
 
 QUESTION = "What is the capital of France?"
@@ -128,6 +129,8 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             said = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")
             assert said and said == done["response"]["output"][0]["content"][0]["transcript"]
             assert "paris" in said.lower()
+            metrics = httpx.get(server["http"] + "/metrics").text
+            assert "realtime_turn_to_first_audio_seconds_count" in metrics and "realtime_sessions_total" in metrics
 
             # The client says it played only 300 ms of the reply: the item is cut there.
             item_id = done["response"]["output"][0]["id"]
