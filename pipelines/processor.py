@@ -101,6 +101,7 @@ class _Concurrent:
     def __init__(self, procs: Sequence[Processor]) -> None:
         self.stages = [_Stage(p) for p in procs]
         self.out: asyncio.Queue[Frame] = asyncio.Queue()
+        self.hooks: set[asyncio.Task[None]] = set()
 
     def _emit(self, i: int, frame: Frame) -> None:
         """Route ``frame`` produced by stage ``i`` (-1: the source)."""
@@ -118,7 +119,9 @@ class _Concurrent:
             if stage.proc.interruptible and stage.current is not None:
                 stage.current.cancel()
             _drop_replies(stage.queue)
-            asyncio.get_running_loop().create_task(stage.proc.on_interrupt())
+            task = asyncio.get_running_loop().create_task(stage.proc.on_interrupt())
+            self.hooks.add(task)  # keep a reference until it ran
+            task.add_done_callback(self.hooks.discard)
         _drop_replies(self.out)
 
     async def _run_stage(self, i: int) -> None:
