@@ -5,6 +5,7 @@ included) and raw ``httpx`` for error shapes and disconnects."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -343,15 +344,39 @@ def test_stream_disconnect_aborts(server: Server) -> None:
     assert _disconnected(server) == before + 1
 
 
-def test_non_stream_disconnect_aborts(server: Server) -> None:
+def test_non_stream_disconnect_aborts(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that leaves a non-streamed request aborts its engine work. The engine is held
+    before its second step until the server has seen the disconnect, so the request cannot
+    finish first however fast the machine is; once released, it must stop instead of going on."""
     assert server.wait_idle()
     before = _disconnected(server)
+    llm = server.engines[MODEL].engine
+    real_step, release, steps = llm.step, threading.Event(), [0]
+
+    def held_step() -> list[Any]:
+        steps[0] += 1
+        if steps[0] > 1:  # the first step (prefill + first token) went out: the request is running
+            release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", held_step)
+    tokens_before = llm.stats()["generation_tokens_total"]
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 250, "ignore_eos": True}
-    with server.http() as c:
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
-    assert server.wait_idle(timeout=5), server.engines[MODEL].stats()
-    assert _disconnected(server) == before + 1
+    try:
+        with server.http() as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        # the server notices (it polls) and closes the engine stream, queueing the abort
+        deadline = time.monotonic() + 10
+        while _disconnected(server) < before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _disconnected(server) == before + 1
+        assert server.active() == 1  # still in the engine, held mid-generation
+    finally:
+        release.set()
+    assert server.wait_idle(timeout=5), llm.stats()
+    # the abort is applied right after the held step: only the tokens of the two steps were made
+    assert llm.stats()["generation_tokens_total"] - tokens_before <= 2
 
 
 def test_server_timing_header(server: Server) -> None:
