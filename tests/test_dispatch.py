@@ -89,7 +89,8 @@ def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def _sse(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     events = []
-    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as resp:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -152,7 +153,9 @@ def test_chat_matches_local(remote: str, local: str) -> None:
     _assert_same(_strip(got.json()), _strip(want.json()))
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/completions", {**COMPLETION, "logprobs": 1}), ("/v1/chat/completions", CHAT)]
+)
 def test_streams_match_local(remote: str, local: str, path: str, body: dict[str, Any]) -> None:
     got, want = _sse(remote, path, body), _sse(local, path, body)
 
@@ -167,8 +170,19 @@ def test_streams_match_local(remote: str, local: str, path: str, body: dict[str,
     def finishes(events: list[dict[str, Any]]) -> list[Any]:
         return sorted((c["index"], c["finish_reason"]) for e in events for c in e["choices"] if c.get("finish_reason"))
 
+    def usage(events: list[dict[str, Any]]) -> list[Any]:  # rebuilt from the streamed deltas
+        return [e["usage"] for e in events if e.get("usage")]
+
+    def logprob_tokens(events: list[dict[str, Any]]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for c in (c for e in events for c in e["choices"]):
+            out.setdefault(c["index"], []).extend((c.get("logprobs") or {}).get("tokens") or [])
+        return out
+
     assert text(got) == text(want) and text(got)
     assert finishes(got) == finishes(want)
+    assert usage(got) == usage(want) and usage(got)
+    assert logprob_tokens(got) == logprob_tokens(want)
 
 
 def test_embeddings_match_local(remote: str, local: str) -> None:

@@ -93,10 +93,11 @@ class RemoteLLMEngine(AsyncEngine):
         replies = self.cluster.call(
             self._name, "generate", (request_id, prompt, params), {"priority": priority}, key=key
         )
+        rebuild = _Cumulative()
         try:
             async for kind, value in replies:
                 if kind == ITEM:
-                    yield value
+                    yield rebuild(value)
                 elif kind == START and request_id is not None:
                     self._workers[request_id] = value
                 elif kind == END:
@@ -112,6 +113,32 @@ class RemoteLLMEngine(AsyncEngine):
         if worker is not None:
             async for _ in self.cluster.call(self._name, "abort", (request_id,), pin=worker):
                 pass
+
+
+class _Cumulative:
+    """Restores the cumulative fields ``workers.wire.slim`` left out of streamed outputs."""
+
+    def __init__(self) -> None:
+        self.prompt: list[int] = []
+        self.text: dict[int, str] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[Any]] = {}
+
+    def __call__(self, out: RequestOutput) -> RequestOutput:
+        if out.prompt_token_ids:
+            self.prompt = out.prompt_token_ids
+        else:
+            out.prompt_token_ids = self.prompt
+        if out.finished:  # sent whole
+            return out
+        for co in out.outputs:
+            i = co.index
+            self.text[i] = co.text = self.text.get(i, "") + co.delta_text
+            self.ids[i] = self.ids.get(i, []) + co.delta_token_ids
+            co.token_ids = self.ids[i]
+            if co.logprobs is not None:
+                self.logprobs[i] = co.logprobs = self.logprobs.get(i, []) + (co.delta_logprobs or [])
+        return out
 
 
 class RemoteEmbeddingEngine(EmbeddingEngine):

@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from workers.celery_app import modality_queue, worker_queue
-from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error
+from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error, slim
 
 logger = logging.getLogger("mmserve.worker")
 T = TypeVar("T")
@@ -150,8 +150,10 @@ class WorkerRuntime:
             result = getattr(engine, call.method)(*call.args, **call.kwargs)
             if hasattr(result, "__aiter__"):
                 agen = result
+                first = True
                 async for item in agen:
-                    await r.xadd(key, {"k": ITEM, "d": dump(item)})
+                    await r.xadd(key, {"k": ITEM, "d": dump(slim(item, first))})
+                    first = False
                 result = None
             elif asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
                 result = await result

@@ -17,9 +17,12 @@ engine errors whose ``__init__`` takes other arguments (``QueueFullError``) stil
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.outputs import RequestOutput
 
 START, ITEM, END, ERROR = b"start", b"item", b"end", b"error"
 STREAM_TTL_S = 600
@@ -67,6 +70,20 @@ def dump(value: Any) -> bytes:
 
 def load(data: bytes) -> Any:
     return pickle.loads(data)  # noqa: S301 - trusted cluster (see module docstring)
+
+
+def slim(item: Any, first: bool) -> Any:
+    """What a worker streams for ``item``: an unfinished LLM ``RequestOutput`` goes without its
+    cumulative fields (text, token ids, logprobs; the prompt ids after the first item), which
+    would make a stream quadratic in its length; ``RemoteLLMEngine`` rebuilds them from the
+    deltas. Anything else, and the final output, goes whole."""
+    if not isinstance(item, RequestOutput) or item.finished:
+        return item
+    outputs = [
+        dataclasses.replace(co, text="", token_ids=[], logprobs=None if co.logprobs is None else [])
+        for co in item.outputs
+    ]
+    return dataclasses.replace(item, outputs=outputs, prompt_token_ids=item.prompt_token_ids if first else [])
 
 
 def dump_error(exc: BaseException) -> bytes:
