@@ -86,6 +86,19 @@ def resolve_asr_path(spec: str | None) -> Path:
     )
 
 
+def served_asr_name(spec: str | None) -> str:
+    """The name ``spec`` is served under, without converting or loading anything (the gateway
+    of a Celery cluster names the workers' engines with it)."""
+    spec = spec or DEFAULT_ASR
+    if spec in _PACKAGED:
+        return f"whisper-{spec}"
+    path = Path(spec).expanduser()
+    meta = path / META_FILE
+    if meta.is_file():
+        return json.loads(meta.read_text()).get("served_name") or path.name
+    return path.resolve().name
+
+
 @dataclass
 class WhisperModel:
     model: Any  # WhisperForConditionalGeneration, eval, fp32

@@ -12,7 +12,7 @@ from gateway.plugins import Built
 from modalities.asr.api import router
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
 
-__all__ = ["add_models_commands", "add_serve_args", "build", "router"]
+__all__ = ["add_models_commands", "add_serve_args", "build", "remote_engines", "router"]
 
 logger = logging.getLogger("mmserve.asr")
 
@@ -66,6 +66,21 @@ def build(args: Any, explicit: bool = False) -> Built:
         if alias and alias != name:
             built.aliases.setdefault(alias, name)
     logger.info("serving speech-to-text %s as %r", engine.whisper.path, name)
+    return built
+
+
+def remote_engines(args: Any, cluster: Any) -> Built:
+    """Under ``--dispatch celery``: a proxy per ASR engine the workers serve (``run``/``stream``
+    forwarded; requests and transcripts are plain picklable dataclasses)."""
+    from modalities.asr.model import served_asr_name
+    from workers.remote import RemoteEngine
+
+    spec = getattr(args, "asr", None)
+    name = served_asr_name(spec)
+    built = Built(engines={name: RemoteEngine(cluster, name, "asr")})
+    for alias in (spec, "whisper-1", "whisper"):
+        if alias and alias != name:
+            built.aliases.setdefault(alias, name)
     return built
 
 
