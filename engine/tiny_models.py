@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
 from engine.model_loader import DEFAULT_LLM, cache_root, resolve_model_path  # noqa: E402
+from engine.tiny_archs import ARCHS  # noqa: E402
 
 WEIGHT_STD = 0.2
 NORM_STD = 0.1
@@ -34,16 +35,6 @@ _COMMON = dict(
     max_position_embeddings=2048,
     initializer_range=WEIGHT_STD,
 )
-
-# Per-family settings beyond _COMMON; tie_word_embeddings follows what the family's small models do.
-ARCHS: dict[str, dict] = {
-    "llama": dict(model_type="llama", tie_word_embeddings=False),
-    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),  # q/k/v projections carry a bias
-    "qwen3": dict(model_type="qwen3", tie_word_embeddings=True),  # RMSNorm on q and k per head
-    "gemma": dict(model_type="gemma", tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
-    "mistral": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=None, num_hidden_layers=3),
-    "phi3": dict(model_type="phi3", tie_word_embeddings=False),  # fused qkv_proj / gate_up_proj
-}
 
 
 def _tokenizer():

@@ -35,7 +35,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _models_list(args: argparse.Namespace) -> int:
     from engine.model_loader import DEFAULT_LLM, cache_root, gguf_cache_dir, smollm2_gguf_path
-    from engine.tiny_models import ARCHS
+    from engine.tiny_archs import ARCHS
 
     print(f"cache: {cache_root()}  (set MMSERVE_CACHE to move it)")
     try:
@@ -98,7 +98,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.tiny_models import ARCHS
+    from engine.tiny_archs import ARCHS
     from gateway import auth, plugins
 
     parser = argparse.ArgumentParser(prog="mmserve", description="multimodal inference server")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -24,14 +24,18 @@ from gateway.errors import APIError, from_engine_error, model_not_found
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import charge
-from modalities.embed.engine import EmbeddingEngine, InputTooLongError
 from modalities.embed.protocol import EmbeddingRequest
+
+if TYPE_CHECKING:  # the engine module imports torch; plugin loading must not
+    from modalities.embed.engine import EmbeddingEngine
 
 router = APIRouter(tags=["embeddings"], strict_content_type=False)
 
 
 def resolve_embedding_engine(request: Request, model: str | None) -> tuple[str, EmbeddingEngine]:
     """``(served_name, engine)`` for ``model`` among the served embedding engines."""
+    from modalities.embed.engine import EmbeddingEngine
+
     engines: dict[str, Any] = request.app.state.engines
     embedders = {name: e for name, e in engines.items() if isinstance(e, EmbeddingEngine)}
     if model is None:
@@ -80,6 +84,8 @@ def encode_vectors(vectors: np.ndarray, encoding_format: str) -> list[Any]:
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
     """OpenAI ``POST /v1/embeddings``."""
+    from modalities.embed.engine import InputTooLongError
+
     start = time.perf_counter()
     model, engine = resolve_embedding_engine(request, body.model)
     check_dimensions(body.dimensions, engine.dim)

@@ -22,7 +22,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.async_engine import AsyncEngine
 from engine.errors import PromptTooLongError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -36,6 +35,8 @@ from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, MergedG
 def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
     """``(served_name, engine)`` for ``model``; the only LLM engine when ``model`` is omitted.
     Naming a model of another modality (e.g. an embedding model) is a 400."""
+    from engine.async_engine import AsyncEngine  # here, not at import: plugin loading stays torch-free
+
     engines: dict[str, Any] = request.app.state.engines
     llms = {name: e for name, e in engines.items() if isinstance(e, AsyncEngine)}
     if model is None:
