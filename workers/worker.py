@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 
 from celery import signals
@@ -88,18 +89,27 @@ def run_worker(args: argparse.Namespace) -> int:
         rt.draining = True
 
     signals.worker_shutting_down.connect(drain, weak=False)
-    worker = app.Worker(
-        hostname=f"{worker_id}@{socket.gethostname()}",
-        queues=[modality_queue(args.modality, args.prefix), worker_queue(worker_id, args.prefix)],
-        pool="threads",
-        concurrency=args.concurrency,
-        loglevel=args.log_level.upper(),
-        without_gossip=True,
-        without_mingle=True,
-        without_heartbeat=True,
-    )
+    exitcode = 0
     try:
-        worker.start()
+        while True:
+            worker = app.Worker(
+                hostname=f"{worker_id}@{socket.gethostname()}",
+                queues=[modality_queue(args.modality, args.prefix), worker_queue(worker_id, args.prefix)],
+                pool="threads",
+                concurrency=args.concurrency,
+                loglevel=args.log_level.upper(),
+                without_gossip=True,
+                without_mingle=True,
+                without_heartbeat=True,
+            )
+            worker.start()
+            exitcode = int(worker.exitcode or 0)
+            if rt.draining or exitcode == 0:
+                break
+            # Celery gives up on some broker-connection races (e.g. an ack while Redis restarts);
+            # the engines are fine, so only the consumer is started again.
+            logger.error("the Celery consumer stopped (exit code %d); restarting it", exitcode)
+            time.sleep(1.0)
     finally:
         rt.stop()
-    return int(worker.exitcode or 0)
+    return exitcode
