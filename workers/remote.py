@@ -281,9 +281,6 @@ class Cluster:
         if fresh and load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
             logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
             return True
-        if load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
-            logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
-            return True
         if waited_s > self.max_queue_wait_s:
             raise APIError(
                 503,
@@ -310,16 +307,6 @@ class Cluster:
                 await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             logger.warning("could not clean up call %s: %r", call_id, exc)
-
-    async def wait_for_workers(self, model: str, count: int = 1, timeout_s: float = 60.0) -> bool:
-        """True once ``count`` live workers serve ``model`` (tests, benchmarks)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            await self.refresh()
-            if len(self.live(model)) >= count:
-                return True
-            await asyncio.sleep(0.2)
-        return False
 
 
 class RemoteEngine:
