@@ -7,7 +7,8 @@ model) on real synthetic speech (Piper and eSpeak NG voices):
   recording (VAD → packed ≤30 s windows), with segment timestamps on the known sentence bounds;
 - a long span with no pauses is split into overlapping windows and stitched with no lost or
   repeated words;
-- streaming deltas concatenate to the final text; cross-attention K/V are freed after requests.
+- streaming deltas concatenate to the final text; cross-attention K/V are freed after requests;
+- preemption (a KV cache too small for the batch) recomputes to the same tokens.
 """
 
 from __future__ import annotations
@@ -127,3 +128,15 @@ async def test_cross_attention_cache_released_and_bad_language(engine: AsrEngine
         await engine.transcribe(corpus("piper")[1], language="de")
     silence = np.zeros(RATE * 40, np.float32)  # no speech at all: VAD finds nothing
     assert (await engine.transcribe(silence)).text == ""
+
+
+async def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(engine: AsrEngine) -> None:
+    small = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1))  # 5 blocks of 16 tokens
+    try:  # 3 clips of ~40 tokens each: 9 blocks wanted at once
+        clips = [long_recording("piper", 0.3, range(i, i + 3))[0] for i in (4, 8, 12)]
+        prompt = small.prompt_ids()
+        got = await asyncio.gather(*(small.decode_tokens(c, prompt) for c in clips))
+        assert small.stats()["decoder_num_preemptions"] > 0
+        assert got == [await engine.decode_tokens(c, prompt) for c in clips]
+    finally:
+        await small.shutdown()
