@@ -135,6 +135,16 @@ async def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(engine: As
     try:  # 3 clips of ~40 tokens each: 9 blocks wanted at once
         clips = [long_recording("piper", 0.3, range(i, i + 3))[0] for i in (4, 8, 12)]
         prompt = small.prompt_ids()
+        # Hold every clip until all three are encoded, so their decodes overlap in the engine
+        # (otherwise a fast first decode can finish before the others start: no preemption).
+        encode, encoded = small._encode, asyncio.Barrier(len(clips))
+
+        async def encode_together(audio: np.ndarray) -> object:
+            out = await encode(audio)
+            await encoded.wait()
+            return out
+
+        small._encode = encode_together  # type: ignore[method-assign]
         got = await asyncio.gather(*(small.decode_tokens(c, prompt) for c in clips))
         assert small.stats()["decoder_num_preemptions"] > 0
         assert got == [await engine.decode_tokens(c, prompt) for c in clips]
