@@ -333,10 +333,13 @@ class RemoteEngine:
         return result
 
     async def stream_call(self, method: str, *args: Any, key: str | None = None, **kwargs: Any) -> AsyncIterator[Any]:
-        """The items of ``async for item in engine.<method>(*args, **kwargs)`` on a worker."""
-        async for kind, value in self.cluster.call(self.model_name, method, args, kwargs, key=key):
-            if kind == ITEM:
-                yield value
+        """The items of ``async for item in engine.<method>(*args, **kwargs)`` on a worker; closing
+        this iterator early aborts the call there at once (not when the garbage collector runs)."""
+        replies = self.cluster.call(self.model_name, method, args, kwargs, key=key)
+        async with contextlib.aclosing(replies):
+            async for kind, value in replies:
+                if kind == ITEM:
+                    yield value
 
     async def run(self, req: Any) -> Any:
         return await self.call("run", req)

