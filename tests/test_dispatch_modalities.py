@@ -31,6 +31,8 @@ TTS_WORKER, DIFF_WORKER = f"{PREFIX}-tts", f"{PREFIX}-diffusion"
 TTS_ARGS = ["--tts-workers", "1", "--tts-threads", "1", "--tts-seed", "0"]
 TEXT = "Hello there. The quick brown fox jumps over the lazy dog. How are you today?"
 IMAGE = {"model": "tiny-dit", "prompt": "a watercolor fox", "size": "32x32", "steps": 2, "seed": 7}
+VIDEO = {"model": "tiny-video", "prompt": "waves", "size": "32x32", "num_frames": 5, "steps": 2, "seed": 5}
+DIFFUSION_ARGS = ["--image", "tiny-dit", "--video", "tiny-video", "--diffusion-max-batch", "2"]
 JOB = {k: v for k, v in IMAGE.items() if k != "model"}  # the only image model
 
 
@@ -49,7 +51,7 @@ def workers(results: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     procs = {
         "tts": start_worker("tts", REDIS_URL, PREFIX, [*TTS_ARGS, *store], worker_id=TTS_WORKER, log_dir=logs),
         "diffusion": start_worker(
-            "diffusion", REDIS_URL, PREFIX, ["--image", "tiny-dit", *store], worker_id=DIFF_WORKER, log_dir=logs
+            "diffusion", REDIS_URL, PREFIX, [*DIFFUSION_ARGS, *store], worker_id=DIFF_WORKER, log_dir=logs
         ),
     }
     try:
@@ -68,7 +70,7 @@ def gateway(workers: dict[str, WorkerProc], results: Path) -> Iterator[str]:
     from gateway.app import build_app
     from gateway.cli import build_parser
 
-    argv = ["serve", "--only", "tts,diffusion", "--image", "tiny-dit", "--dispatch", "celery"]
+    argv = ["serve", "--only", "tts,diffusion", *DIFFUSION_ARGS, "--dispatch", "celery"]
     argv += ["--redis-url", REDIS_URL, "--prefix", PREFIX, "--results-dir", str(results)]
     with serve_app(build_app(build_parser().parse_args(argv))) as url:
         deadline = time.monotonic() + 30
@@ -132,7 +134,21 @@ def test_tts_disconnect_aborts_on_worker(gateway: str) -> None:
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)
     time.sleep(1.5)  # a piece running at the abort still finishes; nothing after it may start
-    assert _stats(TTS_WORKER, model)["tts_pieces_done"] - before < pieces // 2, pieces
+    assert _stats(TTS_WORKER, model)["tts_pieces_done"] - before < 10, pieces  # 50 pieces; about 2 ran
+
+
+def test_ar_tts_proxy_matches_the_engine(tmp_path: Path) -> None:
+    """``--tts-ar``: the proxy's name and voice metadata (read from the files) are the engine's."""
+    from modalities.tts.ar_engine import ARTTSEngine
+    from modalities.tts.remote import RemoteTTSEngine
+    from modalities.tts.tiny import tiny_tts_ar_dir
+    from workers.remote import Cluster
+
+    path = tiny_tts_ar_dir(seed=0)
+    proxy = RemoteTTSEngine.autoregressive(Cluster(REDIS_URL, prefix=PREFIX), path)
+    engine = ARTTSEngine.from_dir(path, num_kv_blocks=16)
+    got = (proxy.model_name, proxy.voices, proxy.sample_rate, proxy.supports_speed, proxy.modality)
+    assert got == (engine.model_name, engine.voices, engine.sample_rate, engine.supports_speed, engine.modality)
 
 
 # -- diffusion ---------------------------------------------------------------------------------
@@ -188,6 +204,22 @@ def test_images_generations_over_celery(gateway: str, dit_local: Any) -> None:
     assert np.abs(got.astype(int) - ref.astype(int)).max() <= 1  # fp32 noise may flip a rounding
 
 
+def test_videos_over_celery(gateway: str) -> None:
+    from modalities.diffusion.engine import DiffusionEngine, GenerateRequest
+    from modalities.diffusion.media import encode_png
+    from modalities.diffusion.plugin import resolve_pipeline_path
+
+    resp = httpx.post(f"{gateway}/v1/videos", json={**VIDEO, "response_format": "frames"}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["model"] == "diffusion-video-0" and body["num_frames"] == 5 and body["seed"] == 5
+    engine = DiffusionEngine.from_path(str(resolve_pipeline_path("tiny-video")))
+    want = asyncio.run(engine.run(GenerateRequest("waves", width=32, height=32, num_frames=5, steps=2, seed=5)))
+    for frame, ref in zip(body["frames"], want.outputs[0], strict=True):
+        diff = _png(base64.b64decode(frame)).astype(int) - _png(encode_png(ref)).astype(int)
+        assert np.abs(diff).max() <= 1
+
+
 def test_bad_requests_are_400_in_gateway(gateway: str) -> None:
     requests_before = _stats(DIFF_WORKER, "diffusion-dit-0")["num_requests"]
     for patch, needle in ((("size", "30x30"), "multiple of"), (("steps", 1000), "steps"), (("n", 50), "n must")):
@@ -196,8 +228,8 @@ def test_bad_requests_are_400_in_gateway(gateway: str) -> None:
     params = {**JOB, "size": "30x30"}
     job = httpx.post(f"{gateway}/v1/jobs", json={"kind": "images.generate", "params": params}, timeout=30)
     assert job.status_code == 400 and "multiple of" in job.json()["error"]["message"], job.text
-    resp = httpx.post(f"{gateway}/v1/videos", json={"prompt": "x"}, timeout=30)
-    assert resp.status_code == 400 and "no video generation model" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{gateway}/v1/videos", json={**VIDEO, "num_frames": 8}, timeout=30)
+    assert resp.status_code == 400 and "4k+1" in resp.json()["error"]["message"], resp.text
     time.sleep(1.0)  # a heartbeat later
     assert _stats(DIFF_WORKER, "diffusion-dit-0")["num_requests"] == requests_before
 
