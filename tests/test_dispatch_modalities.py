@@ -160,6 +160,28 @@ def dit_local() -> Any:
     return DiffusionEngine.from_path(str(resolve_pipeline_path("tiny-dit")))
 
 
+@pytest.mark.parametrize("arch", ["sd-unet", "dit", "video"])
+def test_skeleton_validates_like_the_loaded_pipeline(arch: str) -> None:
+    """The gateway's weightless engine accepts and shapes every request as the loaded one does."""
+    from modalities.diffusion.engine import DiffusionEngine, GenerateRequest
+    from modalities.diffusion.plugin import resolve_pipeline_path
+
+    path = str(resolve_pipeline_path(f"tiny-{arch}"))
+    loaded, skeleton = (DiffusionEngine.from_path(path, weights=w, max_side=256) for w in (True, False))
+    assert next(skeleton.model.denoiser.parameters()).is_meta
+    for side in (None, 8, 16, 24, 30, 32, 48, 64, 300):
+        for frames in (None, 1, 5, 8, 9):
+            for steps, cache in ((None, None), (1, "light"), (3, 0.1), (101, None)):
+                req = GenerateRequest("x", width=side, height=side, num_frames=frames, steps=steps, cache=cache, seed=1)
+                results = []
+                for engine in (loaded, skeleton):
+                    try:
+                        results.append(engine.prepare(req))
+                    except ValueError as exc:
+                        results.append(str(exc))
+                assert results[0] == results[1], (req, results)
+
+
 def _png(data: bytes) -> np.ndarray:
     from PIL import Image
 
