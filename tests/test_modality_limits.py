@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from modalities.tts.piper_engine import PiperEngine
 from tests.helpers import serve_app
 
 IMAGE, VIDEO = "tiny-dit", "tiny-video"
-KEYS = {"acme": "k-acme", "other": "k-other"}
+KEYS = {"acme": "k-acme", "other": "k-other", "batch": "k-batch"}
 LIMITS = {"image_steps": 30, "audio_seconds": 10}
 TEXT = "Hello there. The quick brown fox jumps over the lazy dog. How are you today?"
 
@@ -65,8 +66,10 @@ class FailingPiper(PiperEngine):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RecordingLimiter, PiperEngine]]:
     from gateway.app import create_app
-    from modalities.diffusion.api import router as diffusion_router
-    from modalities.tts.api import router as tts_router
+    from modalities.diffusion.plugin import router as diffusion_router  # (plugins register the job kinds)
+    from modalities.tts.plugin import router as tts_router
+    from workers.jobs.plugin import router as jobs_router
+    from workers.jobs.runner import JobsConfig, JobService
 
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     tenants = {name: {"keys": [hash_key(key)], "limits": LIMITS} for name, key in KEYS.items()}
@@ -79,14 +82,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Reco
     }
     limiter = RecordingLimiter()
     app = create_app(
-        engines, routers=[diffusion_router, tts_router], keys=KeyStore.from_file(Path(keys)), ratelimiter=limiter
+        engines,
+        routers=[diffusion_router, tts_router, jobs_router],
+        keys=KeyStore.from_file(Path(keys)),
+        ratelimiter=limiter,
     )
+    results = tmp_path_factory.mktemp("results")
+    app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(results)}), app.state.engines)
     with serve_app(app) as url:
         yield url, limiter, tts
 
 
-def _post(url: str, tenant: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+def _post(url: str, tenant: str, path: str, body: dict[str, Any], **headers: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}", **headers}
     return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=120)
 
 
@@ -148,3 +156,30 @@ def test_audio_seconds_budget(server: tuple[str, RecordingLimiter, PiperEngine])
     _assert_throttled(_post(url, "acme", speech, {**long_text, "stream_format": "sse"}), "acme")
     resp = _post(url, "other", speech, body)
     assert resp.status_code == 200 and _wav_seconds(resp.content) > 2  # (Piper's noise varies the length)
+
+
+def test_job_submissions_are_charged(server: tuple[str, RecordingLimiter, PiperEngine]) -> None:
+    url, limiter, tts = server
+    params = {"model": IMAGE, "prompt": "a fox", "size": "32x32", "n": 2, "steps": 10, "seed": 3}  # 20 steps
+    job = {"kind": "images.generate", "params": params}
+    bad = {"kind": "images.generate", "params": {**params, "size": "60x64"}}
+    assert _post(url, "batch", "/v1/jobs", bad).status_code == 400  # refused before any charge
+    first = _post(url, "batch", "/v1/jobs", job, **{"Idempotency-Key": "fox-1"})
+    assert first.status_code == 202, first.text
+    # 10 steps left: a new job waits, a replay of the first is free (and not refused)
+    _assert_throttled(_post(url, "batch", "/v1/jobs", job), "batch")
+    again = _post(url, "batch", "/v1/jobs", job, **{"Idempotency-Key": "fox-1"})
+    assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
+    assert again.headers["idempotent-replayed"] == "true"
+    # speech jobs are charged the route's estimate: the whole text at once
+    speech = {"kind": "speech.generate", "params": {"model": tts.model_name, "input": TEXT, "response_format": "wav"}}
+    assert _post(url, "batch", "/v1/jobs", speech).status_code == 202
+    long_speech = {"kind": "speech.generate", "params": {**speech["params"], "input": TEXT * 2}}  # ~10.1 s > 10/min
+    assert _post(url, "batch", "/v1/jobs", long_speech).json()["error"]["code"] == "request_too_large"
+    assert not [a for a in limiter.adjusts if a[0].startswith("batch:")]  # nothing had to be refunded
+    job_url, headers = f"{url}/v1/jobs/{first.json()['id']}", {"Authorization": f"Bearer {KEYS['batch']}"}
+    deadline = time.monotonic() + 60  # the charged job really runs
+    while (status := httpx.get(job_url, headers=headers).json()["status"]) in ("queued", "running"):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.1)
+    assert status == "succeeded"

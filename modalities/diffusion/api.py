@@ -68,6 +68,17 @@ def _engine_request(body: ImageGenerationRequest | VideoGenerationRequest, n: in
     )
 
 
+def image_steps(engine: Any, req: Any) -> int:
+    """The ``image_steps`` a generation costs: ``n x steps x frames`` (1 frame for images), with the
+    engine's defaults for what ``req`` leaves out. Validates ``req`` (``ValueError``) when the
+    engine is local; a remote one (no ``prepare``) is charged the requested numbers."""
+    steps, frames = req.steps, req.num_frames
+    if hasattr(engine, "prepare"):
+        shape, _ = engine.prepare(req)
+        steps, frames = shape.steps, shape.num_frames
+    return req.n * (steps or 1) * (frames or 1)
+
+
 def _map_engine_error(exc: Exception) -> Exception:
     mapped = from_engine_error(exc)
     return exc if mapped is None else mapped
@@ -76,14 +87,11 @@ def _map_engine_error(exc: Exception) -> Exception:
 async def _generate(request: Request, engine: Any, req: Any) -> Any:
     """Validate (400 before compute), charge ``image_steps``, then run; engine errors become
     OpenAI errors and give the charge back."""
-    steps, frames = req.steps, req.num_frames
-    if hasattr(engine, "prepare"):
-        try:
-            shape, _ = engine.prepare(req)
-        except Exception as exc:
-            raise _map_engine_error(exc) from None
-        steps, frames = shape.steps, shape.num_frames
-    ch = await charge(request, "image_steps", req.n * (steps or 1) * (frames or 1))
+    try:
+        cost = image_steps(engine, req)
+    except Exception as exc:
+        raise _map_engine_error(exc) from None
+    ch = await charge(request, "image_steps", cost)
     try:
         return await engine.run(req)
     except BaseException as exc:

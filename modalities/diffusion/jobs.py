@@ -1,5 +1,7 @@
 """Job kinds ``images.generate`` and ``videos.generate`` (queue ``mmserve.diffusion``).
 
+A submission is charged ``image_steps`` like the online routes (``n x steps``, ``steps x frames``).
+
 ``params`` are the bodies of ``/v1/images/generations`` and ``/v1/videos``. Progress is step ``i``
 of ``N``; with previews requested each step also carries a PNG of the first output decoded from
 the current latents (the first frame for videos). Outputs go to the result store as
@@ -58,6 +60,19 @@ def _validator(kind: str) -> Any:
     return validate
 
 
+def _coster(kind: str) -> Any:
+    def cost(params: dict[str, Any], engines: dict[str, Any]) -> tuple[str, float]:
+        """``image_steps``, as the online routes charge (``modalities.diffusion.api.image_steps``)."""
+        from modalities.diffusion.api import image_steps
+
+        body = _parse(kind, params)
+        req = _request(kind, body, "cost")
+        local = any(getattr(e, "modality", None) == KINDS[kind] for e in engines.values())
+        return "image_steps", image_steps(_engine(engines, {}, body.model, KINDS[kind]) if local else None, req)
+
+    return cost
+
+
 def _runner(kind: str) -> Any:
     async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
         import asyncio
@@ -98,4 +113,4 @@ def _runner(kind: str) -> Any:
 def register() -> None:
     """Register both kinds (idempotent: re-registering replaces)."""
     for kind in KINDS:
-        register_job_kind(kind, "diffusion", _runner(kind), validate=_validator(kind))
+        register_job_kind(kind, "diffusion", _runner(kind), validate=_validator(kind), cost=_coster(kind))

@@ -4,7 +4,8 @@
 chapter rather than a reply). The text is synthesised in segments of at most ``SEGMENT_CHARS``
 on the same engines as the online route; progress is characters done of the total, cancelling
 the job closes the stream (which stops the engine work), and the encoded file goes to the result
-store as ``speech.<response_format>``.
+store as ``speech.<response_format>``. A submission is charged the route's ``audio_seconds``
+estimate for the whole text.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def cost(params: dict[str, Any], engines: dict[str, Any]) -> tuple[str, float]:
+    """``audio_seconds`` estimated from the text, as the online route admits (not settled later:
+    the job may run on another process)."""
+    from modalities.tts.api import estimate_seconds
+
+    body = _parse(params)
+    return "audio_seconds", estimate_seconds(body.input, body.speed)
+
+
 async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     from modalities.audio import MEDIA_TYPES, StreamEncoder
     from modalities.tts.protocol import PCM_RATE, TTSRequest
@@ -91,4 +101,4 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
 
 
 def register() -> None:
-    register_job_kind(KIND, "tts", run, validate=validate, concurrency=4)
+    register_job_kind(KIND, "tts", run, validate=validate, concurrency=4, cost=cost)

@@ -20,6 +20,7 @@ auth); other tenants get 404s, and idempotency keys are per tenant. An unreachab
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -32,6 +33,7 @@ from starlette.requests import HTTPConnection
 
 from engine.errors import QueueFullError
 from gateway.errors import APIError
+from gateway.ratelimit import charge
 from workers.jobs import state
 from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService
 
@@ -141,13 +143,21 @@ async def submit_or_raise(
     owner: str | None,
     preview: bool = False,
     id_prefix: str = "job",
+    request: Request | None = None,
 ) -> tuple[state.Record, bool]:
-    """``JobService.submit`` with its errors as OpenAI error JSON."""
+    """``JobService.submit`` with its errors as OpenAI error JSON; with ``request``, the kind's
+    cost is charged to the request's tenant (429 when over its rate limit)."""
     if key is not None and not (0 < len(key) <= 255):
         raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
     try:
         return await svc.submit(
-            kind, params, idempotency_key=key, wants_preview=preview, id_prefix=id_prefix, owner=owner
+            kind,
+            params,
+            idempotency_key=key,
+            wants_preview=preview,
+            id_prefix=id_prefix,
+            owner=owner,
+            charge=functools.partial(charge, request) if request is not None else None,
         )
     except KeyError as exc:
         known = ", ".join(sorted(_kinds())) or "(none)"
@@ -197,7 +207,7 @@ async def create_job(
     """Queue a job; 202 with the job object at once."""
     svc = service(request.app)
     rec, created = await submit_or_raise(
-        svc, body.kind, body.params, idempotency_key, owner=owner_of(request), preview=body.preview
+        svc, body.kind, body.params, idempotency_key, owner=owner_of(request), preview=body.preview, request=request
     )
     headers = {"Location": f"/v1/jobs/{rec['id']}"}
     if not created:

@@ -44,6 +44,10 @@ class RedisBackend:
         raw = await self.r.get(self._k("job", job_id))
         return json.loads(raw) if raw else None
 
+    async def find(self, idempotency_key: str) -> Record | None:
+        job_id = await self.r.get(self._k("idem", idempotency_key))
+        return await self.get(job_id.decode()) if job_id else None
+
     async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
         from redis.exceptions import WatchError
 

@@ -35,6 +35,10 @@ Contract of ``run(params, ctx)``:
 ``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
 raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
 never costs compute. ``engines`` are the gateway's engines (remote proxies under celery dispatch).
+
+``cost(params, engines) -> (unit, amount)`` (optional) runs after ``validate``: the submitting
+tenant is charged ``amount`` of the rate-limit ``unit`` (``gateway.ratelimit``) before the job is
+queued (429 when over budget; refunded when queueing fails; an idempotent replay is free).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any, Protocol
 
 RunFn = Callable[[dict[str, Any], "JobContext"], "dict[str, Any] | None | Awaitable[dict[str, Any] | None]"]
 ValidateFn = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+CostFn = Callable[[dict[str, Any], dict[str, Any]], tuple[str, float]]
 
 
 class JobCancelled(Exception):
@@ -80,6 +85,7 @@ class JobKind:
     validate: ValidateFn | None = None
     concurrency: int = 1
     retry_on_error: bool = False
+    cost: CostFn | None = None
 
     @property
     def is_async(self) -> bool:
@@ -98,18 +104,20 @@ def register_job_kind(
     validate: ValidateFn | None = None,
     concurrency: int = 1,
     retry_on_error: bool = False,
+    cost: CostFn | None = None,
 ) -> JobKind:
     """Register (or replace: re-imports and tests) the job kind ``kind`` served by ``modality``.
 
     ``modality`` names the Celery queue (``mmserve.<modality>``) whose workers run it.
     ``concurrency`` bounds how many jobs of this kind one process runs at once (the rest wait
     queued). ``retry_on_error``: an exception from ``run`` is retried like a worker death
-    (default off: bugs and bad params fail fast)."""
+    (default off: bugs and bad params fail fast). ``cost``: what a submission is charged against
+    the tenant's rate limit (see the module docstring)."""
     if not kind or not modality:
         raise ValueError("kind and modality must be non-empty")
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    spec = JobKind(kind, modality, run, validate, concurrency, retry_on_error)
+    spec = JobKind(kind, modality, run, validate, concurrency, retry_on_error, cost)
     with _LOCK:
         _KINDS[kind] = spec
     return spec

@@ -325,10 +325,13 @@ class JobService:
         wants_preview: bool = False,
         id_prefix: str = "job",
         owner: str | None = None,
+        charge: Callable[[str, float], Awaitable[Any]] | None = None,
     ) -> tuple[Record, bool]:
         """Queue a job for ``owner`` (the tenant; idempotency keys are per owner). Raises ``KeyError``
         (unknown kind), ``ValueError`` (bad params), ``IdempotencyConflict``, ``QueueFullError`` (too many
-        jobs waiting), ``ConnectionError``."""
+        jobs waiting), ``ConnectionError``. ``charge(unit, amount)`` (``gateway.ratelimit.charge``
+        bound to the request) takes the kind's ``cost`` once the params are valid; it is refunded
+        when the job is not queued (errors, idempotent replays)."""
         self.ensure_started()
         kind = get_job_kind(kind_name)
         if kind is None:
@@ -337,6 +340,30 @@ class JobService:
             params = kind.validate(params, self.engines)
         if (waiting := await self.backend.queued_count()) >= self.cfg.max_queued:
             raise QueueFullError(waiting, retry_after_s=5.0)
+        idem = f"{owner or ''}:{idempotency_key}" if idempotency_key else None
+        ch = None
+        # a replay costs nothing, so it must not be refused for budget either
+        if charge is not None and kind.cost is not None and (idem is None or await self.backend.find(idem) is None):
+            ch = await charge(*kind.cost(params, self.engines))
+        try:
+            stored, created = await self._create(kind, params, idem, wants_preview, id_prefix, owner)
+        except BaseException:
+            if ch is not None:
+                await ch.refund()
+            raise
+        if not created and ch is not None:
+            await ch.refund()
+        return stored, created
+
+    async def _create(
+        self,
+        kind: JobKind,
+        params: dict[str, Any],
+        idem: str | None,
+        wants_preview: bool,
+        id_prefix: str,
+        owner: str | None,
+    ) -> tuple[Record, bool]:
         rec = state.new_record(
             state.new_id(id_prefix),
             kind.kind,
@@ -344,7 +371,7 @@ class JobService:
             params,
             max_attempts=self.cfg.max_attempts,
             wants_preview=wants_preview,
-            idempotency_key=f"{owner or ''}:{idempotency_key}" if idempotency_key else None,
+            idempotency_key=idem,
             owner=owner,
         )
         stored, created = await self.backend.create(rec)

@@ -204,6 +204,10 @@ class Backend(Protocol):
 
     async def get(self, job_id: str) -> Record | None: ...
 
+    async def find(self, idempotency_key: str) -> Record | None:
+        """The job created with ``idempotency_key`` (as stored: ``<owner>:<key>``), if any."""
+        ...
+
     async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
         """Apply ``fn`` atomically: ``(record after, changed)``; ``(None, False)`` for an unknown id."""
         ...
@@ -270,6 +274,10 @@ class MemoryBackend:
 
     async def get(self, job_id: str) -> Record | None:
         return self.jobs.get(job_id)
+
+    async def find(self, idempotency_key: str) -> Record | None:
+        job_id = self.idem.get(idempotency_key)
+        return self.jobs.get(job_id) if job_id is not None else None
 
     async def update(self, job_id: str, fn: Transition) -> tuple[Record | None, bool]:
         rec = self.jobs.get(job_id)
