@@ -23,9 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("tts", help="TTS time-to-first-audio, 1 vs N concurrent, per backend (see tts --help)")
     sub.add_parser("jobs", help="job-queue throughput, concurrent submitters, local or celery (see jobs --help)")
     sub.add_parser("cp", help="context parallelism: single vs N ranks, bytes/step, GPU scaling model (see cp --help)")
-    sub.add_parser("cluster", help="celery cluster on loopback under load, with worker/Redis faults (see cluster --help)")
+    sub.add_parser(
+        "cluster", help="celery cluster on loopback under load, with worker/Redis faults (see cluster --help)"
+    )
     sub.add_parser("asr", help="speech-to-text throughput: engine vs transformers pipeline (see asr --help)")
     sub.add_parser("voice", help="voice-to-voice latency on /v1/realtime, 1 and 4 sessions (see voice --help)")
+    sub.add_parser("step", help="engine step time A/B: prepacked vs plain oneDNN weights (see step --help)")
     both = sub.add_parser("all", help="offline, then online --launch mmserve,vllm (same workload flags)")
     add_offline_args(both)
     add_online_args(both, with_workload=False)
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.voice import main as voice_main
 
         return int(voice_main(argv[1:]) or 0)
+    if argv and argv[0] == "step":  # engine step A/B (bench/step.py) parses its own flags
+        from bench.step import main as step_main
+
+        return int(step_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     args.command_line = "mmserve bench " + shlex.join(argv)
     if args.cmd == "offline":

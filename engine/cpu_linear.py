@@ -40,3 +40,9 @@ def use_onednn_linears(model: nn.Module) -> int:
             module.__class__ = OneDNNLinear
             count += 1
     return count
+
+
+def prepack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor
+    that only ``onednn_linear`` reads). A plain weight is reordered by oneDNN on every call."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

@@ -4,6 +4,10 @@ window), reading the weights of the loaded transformers model.
 Same math as transformers' modules, minus their per-module call overhead, with q/k/v and
 gate/up each fused into one matmul. At small decode batches that overhead, not the matmuls,
 was a third of a step on 2 CPU cores. Other architectures use ``HFCausalLM``.
+
+With oneDNN, weights are prepacked once into oneDNN's blocked layout: given a plain weight,
+oneDNN reorders it on every call, which doubled the weight traffic of a memory-bound decode
+step (forward 1.35-1.5x faster packed, see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.cpu_linear import onednn_available, onednn_linear
+from engine.cpu_linear import onednn_available, onednn_linear, prepack_onednn_weight
 from engine.model_adapter import ModelAdapter
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -57,7 +61,7 @@ class _Layer:
 
 
 class FastDecoderLM(ModelAdapter):
-    def __init__(self, model: nn.Module, use_onednn: bool = True) -> None:
+    def __init__(self, model: nn.Module, use_onednn: bool = True, prepack: bool = True) -> None:
         super().__init__()
         cfg = model.config
         base = model.base_model
@@ -73,26 +77,28 @@ class FastDecoderLM(ModelAdapter):
         self.rotary = base.rotary_emb
         self.embed_tokens = base.embed_tokens
         self.final_norm = base.norm.weight
-        self.lm_head = model.get_output_embeddings().weight
+        lm_head = model.get_output_embeddings().weight
+        onednn = use_onednn and onednn_available() and lm_head.dtype == torch.float32
+        self.linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
+        pack = prepack_onednn_weight if onednn and prepack else _same
+        self.lm_head = pack(lm_head)
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
                     ln_in=layer.input_layernorm.weight,
-                    w_qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    w_qkv=pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
                     b_qkv=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    w_o=a.o_proj.weight,
+                    w_o=pack(a.o_proj.weight),
                     b_o=a.o_proj.bias,
                     q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                     k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
                     ln_post=layer.post_attention_layernorm.weight,
-                    w_gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                    w_down=m.down_proj.weight,
+                    w_gate_up=pack(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                    w_down=pack(m.down_proj.weight),
                 )
             )
-        onednn = use_onednn and onednn_available() and self.lm_head.dtype == torch.float32
-        self.linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm, op for op (fp32 statistics), so results match exactly.
@@ -110,18 +116,21 @@ class FastDecoderLM(ModelAdapter):
             raise NotImplementedError("this model has no cross-attention: encoder outputs are not supported")
         t, hd = embeds.shape[0], self.head_dim
         cos, sin = (c[0].unsqueeze(1) for c in self.rotary(embeds[None], positions[None]))  # [T, 1, D]
-        nq, nkv = self.num_heads * hd, self.num_kv_heads * hd
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi] bit for bit (only signs move).
+        sin = torch.cat((-sin[..., : hd // 2], sin[..., hd // 2 :]), dim=-1)
+        nh, nkv = self.num_heads, self.num_kv_heads
         h = embeds
         for i, ly in enumerate(self.layers):
-            qkv = self.linear(self._rms(h, ly.ln_in), ly.w_qkv, ly.b_qkv)
-            q = qkv[:, :nq].view(t, self.num_heads, hd)
-            k = qkv[:, nq : nq + nkv].view(t, self.num_kv_heads, hd)
-            v = qkv[:, nq + nkv :].view(t, self.num_kv_heads, hd)
-            if ly.q_norm is not None:
-                q, k = self._rms(q, ly.q_norm), self._rms(k, ly.k_norm)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            qkv = self.linear(self._rms(h, ly.ln_in), ly.w_qkv, ly.b_qkv).view(t, nh + 2 * nkv, hd)
+            if ly.q_norm is None:  # q and k rotated together: one set of ops for both
+                qk = _rope(qkv[:, : nh + nkv], cos, sin)
+                q, k = qk[:, :nh], qk[:, nh:]
+            else:
+                q = _rope(self._rms(qkv[:, :nh], ly.q_norm), cos, sin)
+                k = _rope(self._rms(qkv[:, nh : nh + nkv], ly.k_norm), cos, sin)
+            v = qkv[:, nh + nkv :]
             attn = backend.forward(i, q, k, v.contiguous(), meta, scale=hd**-0.5)
-            h = h + self.linear(attn.reshape(t, nq), ly.w_o, ly.b_o)
+            h = h + self.linear(attn.reshape(t, nh * hd), ly.w_o, ly.b_o)
             gate, up = self.linear(self._rms(h, ly.ln_post), ly.w_gate_up).chunk(2, dim=-1)
             h = h + self.linear(self.act(gate) * up, ly.w_down)
         return self._rms(h, self.final_norm)
@@ -130,6 +139,11 @@ class FastDecoderLM(ModelAdapter):
         return self.linear(hidden, self.lm_head)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` with ``sin_signed`` as built in forward."""
+    rot = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed)
+    return (x * cos).add_(rot)
+
+
+def _same(w: torch.Tensor) -> torch.Tensor:
+    return w

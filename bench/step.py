@@ -1,0 +1,93 @@
+"""A/B of engine step time on one machine: ``mmserve bench step``.
+
+Builds two engines on the same loaded weights, one per variant of the lean Llama-family
+forward (``packed``: oneDNN weights prepacked once, the default; ``unpacked``: plain weights that
+oneDNN reorders on every call), feeds both the same batch, then times the prefill and the
+decode steps alternating between them, round by round. Same-run ratios stay meaningful on a
+machine shared with other jobs; absolute times do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from typing import Any
+
+VARIANTS = ("unpacked", "packed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mmserve bench step", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batch", type=int, default=6, help="concurrent sequences")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=10, help="decode steps per engine per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    run_step_ab(args)
+    return 0
+
+
+def _engines(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.workload import resolve_model_dir
+    from engine import fast_decoder
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.model_loader import load_model
+
+    config = EngineConfig(
+        model=str(resolve_model_dir(args.model)),
+        num_threads=args.threads,
+        max_num_seqs=max(64, args.batch),
+        max_num_batched_tokens=max(2048, args.prompt_len),
+        kv_cache_memory_bytes=512 << 20,
+    )
+    loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
+    if not fast_decoder.supports(loaded.model):
+        raise SystemExit(f"{args.model}: not a Llama-family model, no lean forward to compare")
+    return {
+        name: LLMEngine(config, loaded, adapter=fast_decoder.FastDecoderLM(loaded.model, prepack=name == "packed"))
+        for name in VARIANTS
+    }
+
+
+def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    from engine.sampling_params import SamplingParams
+
+    engines = _engines(args)
+    rng = random.Random(0)
+    vocab = next(iter(engines.values())).adapter.vocab_size
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    # Long enough that no sequence finishes during the timed steps.
+    sp = SamplingParams(temperature=0, max_tokens=args.rounds * args.steps + 8, ignore_eos=True)
+    prefill: dict[str, float] = {}
+    for name, eng in engines.items():  # alternating per engine: prefill is one step per batch
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, sp)
+        t0 = time.perf_counter()
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        prefill[name] = time.perf_counter() - t0
+    decode: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                eng.step()
+            decode[name].append((time.perf_counter() - t0) / args.steps)
+    base = statistics.median(decode[VARIANTS[0]])
+    print(f"batch {args.batch}, prompt {args.prompt_len}, {args.threads} threads, {args.rounds}x{args.steps} steps")
+    out = {}
+    for name in engines:
+        med = statistics.median(decode[name])
+        spread = f"{min(decode[name]) * 1e3:.1f}-{max(decode[name]) * 1e3:.1f}"
+        print(
+            f"  {name:9s} prefill {prefill[name]:6.2f} s   decode median {med * 1e3:7.1f} ms/step "
+            f"(rounds {spread})   speed-up vs {VARIANTS[0]} {base / med:.2f}x"
+        )
+        out[name] = {"prefill_s": prefill[name], "decode_step_s": med}
+    return out
