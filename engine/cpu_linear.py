@@ -44,5 +44,8 @@ def use_onednn_linears(model: nn.Module) -> int:
 
 def prepack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor
-    that only ``onednn_linear`` reads). A plain weight is reordered by oneDNN on every call."""
+    that only ``onednn_linear`` reads). A plain weight is reordered by oneDNN on every call.
+    Returns ``weight`` itself where this torch build cannot prepack."""
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
