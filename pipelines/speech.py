@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -171,7 +172,9 @@ class LLM(Processor):
         yield LLMStarted(response_id, item_id=item.id)
         params = SamplingParams(max_tokens=self.options.max_tokens, temperature=self.options.temperature)
         final = None
-        async for out in engine.generate(response_id, ids, params):
+        # Response ids count per session; the engine is shared by every session, so its request
+        # id needs a process-unique suffix.
+        async for out in engine.generate(f"{response_id}-{uuid.uuid4().hex[:12]}", ids, params):
             final = out
             delta = out.outputs[0].delta_text
             if delta:
