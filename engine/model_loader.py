@@ -13,10 +13,10 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from engine.cachedir import build_once
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -89,9 +89,10 @@ def convert_gguf(gguf: Path, dst: Path | None = None) -> Path:
     an existing complete ``dst`` is reused as is."""
     gguf = gguf.resolve()
     dst = Path(dst) if dst is not None else gguf_cache_dir(gguf)
-    if (dst / META_FILE).is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    return build_once(dst, META_FILE, lambda tmp: _write_converted(gguf, tmp))
+
+
+def _write_converted(gguf: Path, out: Path) -> None:
     kw = dict(gguf_file=gguf.name, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
@@ -103,23 +104,10 @@ def convert_gguf(gguf: Path, dst: Path | None = None) -> Path:
     tokenizer.model_max_length = config.max_position_embeddings
     for key in ("local_files_only", "gguf_file"):  # load-time options, not tokenizer settings
         tokenizer.init_kwargs.pop(key, None)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        meta = {"source": str(gguf), "sha256_12": _file_hash(gguf), "served_name": served}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any model directory
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        try:
-            tmp.rename(dst)
-        except OSError:  # another process won the race: keep theirs
-            if not (dst / META_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    meta = {"source": str(gguf), "sha256_12": _file_hash(gguf), "served_name": served}
+    (out / META_FILE).write_text(json.dumps(meta, indent=2))
 
 
 def resolve_model_path(spec: str) -> Path:

@@ -9,8 +9,6 @@ N(0, 0.2) so greedy argmax is far from ties (tests compare tokens exactly with
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -19,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
+from engine.cachedir import build_once  # noqa: E402
 from engine.model_loader import DEFAULT_LLM, cache_root, resolve_model_path  # noqa: E402
 from engine.tiny_archs import ARCHS  # noqa: E402
 
@@ -78,19 +77,6 @@ def make_tiny(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 def tiny_model_dir(arch: str, seed: int = 0) -> Path:
     """A cached tiny model under ``$MMSERVE_CACHE/tiny/<arch>-<seed>``: made once, then reused."""
-    dst = cache_root() / "tiny" / f"{arch}-{seed}"
-    if (dst / "config.json").is_file() and (dst / "model.safetensors").is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        make_tiny(arch, tmp, seed)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dst)
-        except OSError:  # made concurrently by another process: keep theirs
-            if not (dst / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    return build_once(
+        cache_root() / "tiny" / f"{arch}-{seed}", "model.safetensors", lambda tmp: make_tiny(arch, tmp, seed)
+    )

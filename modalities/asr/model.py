@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,25 +47,15 @@ def _cache_root() -> Path:
 
 def import_whisper_ct2(src: Path, dst: Path, parts: list[Path] | None = None, served: str | None = None) -> Path:
     """Convert into ``dst`` atomically (temp dir + rename); an existing complete ``dst`` is kept."""
+    from engine.cachedir import build_once
     from modalities.asr.convert import convert_whisper_ct2
 
-    if (dst / META_FILE).is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    def make(tmp: Path) -> None:
         convert_whisper_ct2(src, tmp, parts)
         meta = {"source": str(src), "parts": [str(p) for p in parts or []], "served_name": served or dst.name}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dst)
-        except OSError:  # another process converted it first
-            if not (dst / META_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+
+    return build_once(dst, META_FILE, make)
 
 
 def resolve_asr_path(spec: str | None) -> Path:

@@ -21,8 +21,6 @@ files (fp32 safetensors).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -233,21 +231,8 @@ def make_tiny(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 def tiny_model_dir(arch: str, seed: int = 0) -> Path:
     """A cached tiny pipeline under ``$MMSERVE_CACHE/tiny/diffusion-<arch>-<seed>``: made once, then reused."""
+    from engine.cachedir import build_once
     from engine.model_loader import cache_root
 
     dst = cache_root() / "tiny" / f"diffusion-{arch}-{seed}"
-    if (dst / "model_index.json").is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        make_tiny(arch, tmp, seed)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dst)
-        except OSError:  # made concurrently by another process: keep theirs
-            if not (dst / "model_index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    return build_once(dst, "model_index.json", lambda tmp: make_tiny(arch, tmp, seed))

@@ -117,24 +117,7 @@ def make_tiny_tts_ar(out_dir: str | Path, seed: int = 0) -> Path:
 
 def tiny_tts_ar_dir(seed: int = 0) -> Path:
     """A cached tiny AR TTS model under ``$MMSERVE_CACHE/tiny/tts-ar-<seed>``: made once, then reused."""
-    import shutil
-    import tempfile
-
+    from engine.cachedir import build_once
     from engine.model_loader import cache_root
 
-    dst = cache_root() / "tiny" / f"tts-ar-{seed}"
-    if (dst / TTS_CONFIG).is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        make_tiny_tts_ar(tmp, seed)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(dst)
-        except OSError:  # made concurrently by another process: keep theirs
-            if not (dst / TTS_CONFIG).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+    return build_once(cache_root() / "tiny" / f"tts-ar-{seed}", TTS_CONFIG, lambda tmp: make_tiny_tts_ar(tmp, seed))
