@@ -14,8 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from modalities.audio import ASR_RATE
-from modalities.tts.base import Resampler
+from modalities.audio import ASR_RATE, Resampler
 from pipelines.conversation import Conversation
 from pipelines.frames import (
     AudioFrame,

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from modalities.tts.base import Resampler, check_request
+from modalities.audio import Resampler
+from modalities.tts.base import check_request
 from modalities.tts.protocol import TTSRequest
 from modalities.tts.text import split_text
 from modalities.tts.tiny import TTS_CONFIG

@@ -50,27 +50,6 @@ def check_request(engine: TTSEngine, req: TTSRequest) -> str:
     return voice
 
 
-class Resampler:
-    """Streaming resampler from ``src`` to ``dst`` Hz (identity when equal): chunk boundaries do
-    not click, and ``flush()`` returns the tail."""
-
-    def __init__(self, src: int, dst: int) -> None:
-        self._stream = None
-        if src != dst:
-            import soxr
-
-            self._stream = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ")
-
-    def __call__(self, chunk: np.ndarray) -> np.ndarray:
-        chunk = np.asarray(chunk, dtype=np.float32)
-        return chunk if self._stream is None else self._stream.resample_chunk(chunk)
-
-    def flush(self) -> np.ndarray:
-        if self._stream is None:
-            return np.zeros(0, np.float32)
-        return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
-
-
 async def synthesize(engine: TTSEngine, req: TTSRequest) -> np.ndarray:
     """The whole utterance as one array (collects ``stream``)."""
     chunks = [c async for c in engine.stream(req)]

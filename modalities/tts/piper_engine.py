@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from modalities.tts.base import Resampler, check_request
+from modalities.audio import Resampler
+from modalities.tts.base import check_request
 from modalities.tts.protocol import TTSRequest
 from modalities.tts.text import split_text
 
