@@ -42,6 +42,32 @@ def use_onednn_linears(model: nn.Module) -> int:
     return count
 
 
+class PrepackedLinear(nn.Module):
+    """Inference-only replacement of an ``nn.Linear`` whose weight lives prepacked in oneDNN's
+    blocked layout (no per-call reorder). The original weight is not kept."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = prepack_onednn_weight(linear.weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.packed, self.bias)
+
+
+def use_prepacked_linears(model: nn.Module) -> int:
+    """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a ``PrepackedLinear`` (for
+    models that only run inference and do not tie linear weights). Returns how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+                setattr(module, name, PrepackedLinear(child))
+                count += 1
+    return count
+
+
 def prepack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] reordered once into oneDNN's blocked layout (an opaque mkldnn tensor
     that only ``onednn_linear`` reads). A plain weight is reordered by oneDNN on every call.

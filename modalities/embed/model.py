@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from engine.cpu_linear import onednn_available, use_prepacked_linears
+
 logger = logging.getLogger("mmserve.embed")
 
 DEFAULT_EMBED = "all-MiniLM-L6-v2"
@@ -116,6 +118,10 @@ class EmbeddingModel:
             self.model = AutoModel.from_pretrained(str(self.path), dtype=dtype)
         self.model.to(device).eval()
         self.device = torch.device(device)
+        if self.device.type == "cpu" and dtype == torch.float32 and onednn_available():
+            # oneDNN with prepacked weights: ~2x MKL's sgemm on these small encoder matmuls
+            # (measured on 2 cores), same results up to fp32 summation order.
+            use_prepacked_linears(self.model)
         self.dim = int(getattr(config, "hidden_size", 0) or self.model.get_input_embeddings().embedding_dim)
         limits = [self.pooling.max_seq_length, getattr(config, "max_position_embeddings", None)]
         tok_max = getattr(self.tokenizer, "model_max_length", None)
