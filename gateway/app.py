@@ -151,6 +151,11 @@ def create_app(
             app.state.draining = True
             if not await app.state.inflight.wait_idle(drain_timeout_s):
                 logger.warning("drain timeout: stopping engines with %d request(s) in flight", app.state.inflight.count)
+            if (jobs := getattr(app.state, "jobs", None)) is not None:  # its local jobs use the engines
+                try:
+                    await jobs.shutdown()
+                except Exception:  # noqa: BLE001 - the engines must still stop
+                    logger.exception("job service shutdown failed")
             for engine in reversed(started):
                 if hasattr(engine, "shutdown"):
                     try:

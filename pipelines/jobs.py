@@ -51,6 +51,14 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"params.{where}: {first['msg']}") from exc
 
 
+def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -> tuple[str, float]:
+    """``audio_seconds`` of the input, estimated from its size as ``audio.transcription`` does (the
+    LLM and TTS stages it triggers are bounded by ``max_tokens``)."""
+    from modalities.asr.jobs import cost as audio_cost
+
+    return audio_cost(params, engines, file_bytes)
+
+
 async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     from modalities.audio import decode_audio, encode_audio
     from pipelines.chain import StageStore, celery_chain, result, run_local
@@ -60,8 +68,8 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
     p = PipelineParams(**params)
     opts = p.options()
-    data, _ = ctx.store.get(*parse_file_id(p.file_id))
-    audio = decode_audio(data).samples
+    data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(p.file_id))
+    audio = (await asyncio.to_thread(decode_audio, data)).samples
     rt = runtime.current()
     chain_id = ctx.job_id
     if rt is None:  # local dispatch: this process has the engines
@@ -90,10 +98,12 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     files = {}
     audio_out = out.pop("audio", None)
     if audio_out is not None and audio_out.size:
-        wav = encode_audio(audio_out, out.pop("sample_rate"), "wav")
-        files["audio"] = ctx.store.put(ctx.job_id, "reply.wav", wav, "audio/wav")
+        wav = await asyncio.to_thread(encode_audio, audio_out, out.pop("sample_rate"), "wav")
+        files["audio"] = await asyncio.to_thread(ctx.store.put, ctx.job_id, "reply.wav", wav, "audio/wav")
     status = out.pop("status")
     out["stages"] = status["stages"]
-    files["result"] = ctx.store.put(ctx.job_id, "result.json", json.dumps(out).encode(), "application/json")
+    files["result"] = await asyncio.to_thread(
+        ctx.store.put, ctx.job_id, "result.json", json.dumps(out).encode(), "application/json"
+    )
     out["files"] = files
     return out

@@ -45,6 +45,16 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     return job.model_dump()
 
 
+# What a job's audio is charged before it is decoded (the gateway does not read the file): its size
+# as 16 kHz 16-bit mono PCM, what Whisper consumes (compressed uploads are charged less than they last).
+BYTES_PER_AUDIO_SECOND = 32_000
+
+
+def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -> tuple[str, float]:
+    """``audio_seconds`` estimated from the size of ``params.file_id`` (see ``BYTES_PER_AUDIO_SECOND``)."""
+    return "audio_seconds", file_bytes / BYTES_PER_AUDIO_SECOND
+
+
 def render(transcript: Any, fmt: str, temperature: float) -> bytes:
     from modalities.asr.formats import to_srt, to_verbose, to_vtt
 
@@ -63,7 +73,7 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
 
     job = TranscriptionJob(**params)
     name, engine = pick_asr_engine(ctx.engines, ctx.aliases, job.model)
-    data, _ = ctx.store.get(*parse_file_id(job.file_id))
+    data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(job.file_id))
     audio = (await asyncio.to_thread(decode_audio, data)).samples
     req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature)
     transcript = None
@@ -75,8 +85,12 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
             transcript = delta.transcript or transcript
     assert transcript is not None
     ext = _EXT[job.response_format]
-    url = ctx.store.put(
-        ctx.job_id, f"transcript.{ext}", render(transcript, job.response_format, job.temperature), _TYPES[ext]
+    url = await asyncio.to_thread(
+        ctx.store.put,
+        ctx.job_id,
+        f"transcript.{ext}",
+        render(transcript, job.response_format, job.temperature),
+        _TYPES[ext],
     )
     ctx.progress(1, 1)
     return {
@@ -89,4 +103,4 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
 
 
 def register() -> None:
-    register_job_kind(KIND, "asr", run, validate=validate, concurrency=2)
+    register_job_kind(KIND, "asr", run, validate=validate, concurrency=2, cost=cost)

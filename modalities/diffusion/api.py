@@ -103,8 +103,8 @@ async def _generate(request: Request, engine: Any, req: Any) -> Any:
 
 async def _store_file(request: Request, data: bytes, filename: str, content_type: str) -> str:
     """Keep ``data`` as a file of the job API (``/v1/files/<id>``, same store and metadata as an
-    upload) and return its absolute content URL."""
-    from workers.jobs.api import service
+    upload, owned by the caller's tenant) and return its absolute content URL."""
+    from workers.jobs.api import owner_of, service
     from workers.jobs.store import UPLOADS, file_url
 
     svc = service(request.app)
@@ -118,6 +118,7 @@ async def _store_file(request: Request, data: bytes, filename: str, content_type
         "filename": filename,
         "purpose": "generation_output",
         "status": "processed",
+        "owner": owner_of(request),  # tenant-private, like uploads (file_object hides other tenants' files)
     }
     await svc.backend.put_meta(f"file:{fid}", meta)
     return _absolute(request, file_url(UPLOADS, fid))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Header, Query, Request, WebSocket, WebSocketDisconnect
@@ -144,9 +144,11 @@ async def submit_or_raise(
     preview: bool = False,
     id_prefix: str = "job",
     request: Request | None = None,
+    file_size: Callable[[str], Awaitable[int]] | None = None,
 ) -> tuple[state.Record, bool]:
     """``JobService.submit`` with its errors as OpenAI error JSON; with ``request``, the kind's
-    cost is charged to the request's tenant (429 when over its rate limit)."""
+    cost is charged to the request's tenant (429 when over its rate limit). ``file_size``: see
+    ``JobService.submit``."""
     if key is not None and not (0 < len(key) <= 255):
         raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
     try:
@@ -158,6 +160,7 @@ async def submit_or_raise(
             id_prefix=id_prefix,
             owner=owner,
             charge=functools.partial(charge, request) if request is not None else None,
+            file_size=file_size,
         )
     except KeyError as exc:
         known = ", ".join(sorted(_kinds())) or "(none)"
@@ -204,10 +207,27 @@ class JobRequest(BaseModel):
 async def create_job(
     body: JobRequest, request: Request, idempotency_key: str | None = Header(default=None, alias="Idempotency-Key")
 ) -> JSONResponse:
-    """Queue a job; 202 with the job object at once."""
-    svc = service(request.app)
+    """Queue a job; 202 with the job object at once. ``params.file_id`` must be a file the caller
+    may read (404 otherwise); batches go through ``/v1/batches`` (400 here)."""
+    from workers.jobs.files import file_object  # files.py adds its routes to this module's router
+
+    if body.kind.startswith("batch:"):
+        raise APIError(400, "batch jobs are created with POST /v1/batches", param="kind", code="invalid_value")
+    svc, owner = service(request.app), owner_of(request)
+
+    async def file_size(fid: str) -> int:
+        """Jobs read ``params.file_id`` from the store as is: the tenant check of ``/v1/files`` first."""
+        return int((await file_object(svc, fid, owner))["bytes"])
+
     rec, created = await submit_or_raise(
-        svc, body.kind, body.params, idempotency_key, owner=owner_of(request), preview=body.preview, request=request
+        svc,
+        body.kind,
+        body.params,
+        idempotency_key,
+        owner=owner,
+        preview=body.preview,
+        request=request,
+        file_size=file_size,
     )
     headers = {"Location": f"/v1/jobs/{rec['id']}"}
     if not created:
@@ -306,16 +326,26 @@ async def job_ws(websocket: WebSocket, job_id: str, previews: bool = False) -> N
 
     async def listen() -> None:
         while True:
-            msg = await websocket.receive_json()
+            try:
+                msg = json.loads(await websocket.receive_text())
+            except (ValueError, KeyError):
+                continue  # not JSON text: ignored, the events keep flowing
             if isinstance(msg, dict) and msg.get("type") == "cancel":
                 await svc.cancel(job_id)
 
-    listener = asyncio.create_task(listen())
-    try:
+    async def forward() -> None:
         async for cursor, ev in svc.backend.events(job_id):
             await websocket.send_json({"id": cursor, **_public_event(ev, previews)})
         await websocket.close()
-    except WebSocketDisconnect:
-        pass
+
+    # whichever ends first (the job, or the client closing the socket) stops the other
+    tasks = {asyncio.create_task(listen()), asyncio.create_task(forward())}
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if (exc := t.exception()) is not None and not isinstance(exc, WebSocketDisconnect):
+                raise exc
     finally:
-        listener.cancel()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

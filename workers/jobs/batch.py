@@ -6,7 +6,8 @@ validated line by line when the batch is created (a bad file is a 400 naming the
 compute). The job sends every line through the same route handlers as the online API, in process
 (an ASGI app over the job's engines), so a batch result is exactly what the endpoint would answer;
 up to ``CONCURRENCY`` lines are in flight, which the engines batch dynamically. Output and error
-files are JSONL in OpenAI's batch output format, in input order.
+files are JSONL in OpenAI's batch output format, in input order. Creating a batch charges the
+tenant's rate limit for every line at once (``batch_cost``: ``embed_inputs`` or ``llm_tokens``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,41 @@ def parse_input(data: bytes, endpoint: str) -> list[dict[str, Any]]:
     if not lines:
         raise ValueError("the input file has no requests")
     return lines
+
+
+UNITS = {"/v1/embeddings": "embed_inputs", "/v1/chat/completions": "llm_tokens", "/v1/completions": "llm_tokens"}
+# LLM lines without max_tokens are charged this many completion tokens (the real cap is the context).
+DEFAULT_MAX_TOKENS = 256
+
+
+def _embed_inputs(body: dict[str, Any]) -> int:
+    """How many inputs ``/v1/embeddings`` counts in ``body["input"]`` (a string or token list is one)."""
+    inp = body.get("input")
+    if isinstance(inp, list) and inp and not all(isinstance(x, int) for x in inp):
+        return len(inp)
+    return 1
+
+
+def _llm_tokens(body: dict[str, Any]) -> int:
+    """The admission estimate of the online routes: prompt (~4 characters a token) + max_tokens x n."""
+    prompt = body.get("messages") if "messages" in body else body.get("prompt")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
+    n = body.get("n") or 1
+    if not isinstance(max_tokens, int) or not isinstance(n, int):
+        return DEFAULT_MAX_TOKENS  # the line fails validation when it runs
+    return len(json.dumps(prompt)) // 4 + max(0, max_tokens) * max(1, n)
+
+
+def batch_cost(endpoint: str, lines: list[dict[str, Any]]) -> float:
+    """What a batch is charged (in ``UNITS[endpoint]``) when it is created: every line's cost."""
+    one = _embed_inputs if UNITS[endpoint] == "embed_inputs" else _llm_tokens
+    return float(sum(one(line["body"]) for line in lines))
+
+
+def _cost(params: dict[str, Any], engines: dict[str, Any]) -> tuple[str, float]:
+    """The cost computed from the input file by ``create_batch`` (batch kinds are refused on
+    ``/v1/jobs``, so ``params`` come from the gateway, not the client)."""
+    return UNITS[params["endpoint"]], float(params.get("cost", 0))
 
 
 _APPS: dict[int, Any] = {}
@@ -157,7 +193,7 @@ async def _one(client: Any, endpoint: str, line: dict[str, Any]) -> tuple[bool, 
 
 
 for _endpoint, _modality in ENDPOINTS.items():
-    register_job_kind(f"batch:{_endpoint}", _modality, run_batch, concurrency=2)
+    register_job_kind(f"batch:{_endpoint}", _modality, run_batch, concurrency=2, cost=_cost)
 
 
 # -- API ------------------------------------------------------------------------------------------
@@ -258,9 +294,10 @@ async def create_batch(
         "completion_window": body.completion_window,
         "metadata": body.metadata,
         "total": len(lines),
+        "cost": batch_cost(body.endpoint, lines),
     }
     rec, created = await submit_or_raise(
-        svc, f"batch:{body.endpoint}", params, idempotency_key, owner=owner, id_prefix="batch"
+        svc, f"batch:{body.endpoint}", params, idempotency_key, owner=owner, id_prefix="batch", request=request
     )
     if created:
         await svc.backend.index_add(f"batches:{owner or ''}", rec["id"])

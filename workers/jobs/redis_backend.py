@@ -31,13 +31,14 @@ class RedisBackend:
         key = rec.get("idempotency_key")
         # The record is written first, so whoever wins the idempotency key points at a complete record.
         await self.r.set(self._k("job", rec["id"]), json.dumps(rec))
-        await self.r.zadd(self._k("queued"), {rec["id"]: time.time()})
         if key and not await self.r.set(self._k("idem", key), rec["id"], nx=True, ex=self.ttl_s):
             await self.r.delete(self._k("job", rec["id"]))
             existing_id = (await self.r.get(self._k("idem", key))).decode()
             existing = await self.get(existing_id)
             if existing is not None:
                 return existing, False
+        # queued only once the job is ours: a replay must not leave its discarded id counted as waiting
+        await self.r.zadd(self._k("queued"), {rec["id"]: time.time()})
         return rec, True
 
     async def get(self, job_id: str) -> Record | None:

@@ -39,6 +39,8 @@ never costs compute. ``engines`` are the gateway's engines (remote proxies under
 ``cost(params, engines) -> (unit, amount)`` (optional) runs after ``validate``: the submitting
 tenant is charged ``amount`` of the rate-limit ``unit`` (``gateway.ratelimit``) before the job is
 queued (429 when over budget; refunded when queueing fails; an idempotent replay is free).
+Kinds whose params name a ``file_id`` (checked in the gateway: the caller's upload or job output)
+get its size too when their hook takes it: ``cost(params, engines, file_bytes=n)``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import Any, Protocol
 
 RunFn = Callable[[dict[str, Any], "JobContext"], "dict[str, Any] | None | Awaitable[dict[str, Any] | None]"]
 ValidateFn = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
-CostFn = Callable[[dict[str, Any], dict[str, Any]], tuple[str, float]]
+CostFn = Callable[..., tuple[str, float]]  # (params, engines[, file_bytes=]) -> (unit, amount)
 
 
 class JobCancelled(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import socket
@@ -326,25 +327,33 @@ class JobService:
         id_prefix: str = "job",
         owner: str | None = None,
         charge: Callable[[str, float], Awaitable[Any]] | None = None,
+        file_size: Callable[[str], Awaitable[int]] | None = None,
     ) -> tuple[Record, bool]:
         """Queue a job for ``owner`` (the tenant; idempotency keys are per owner). Raises ``KeyError``
         (unknown kind), ``ValueError`` (bad params), ``IdempotencyConflict``, ``QueueFullError`` (too many
         jobs waiting), ``ConnectionError``. ``charge(unit, amount)`` (``gateway.ratelimit.charge``
         bound to the request) takes the kind's ``cost`` once the params are valid; it is refunded
-        when the job is not queued (errors, idempotent replays)."""
+        when the job is not queued (errors, idempotent replays). ``file_size(file_id)`` checks the
+        valid params' ``file_id`` (raising for a file the caller may not read) and returns its size,
+        which the cost hook gets as ``file_bytes=`` when it takes it."""
         self.ensure_started()
         kind = get_job_kind(kind_name)
         if kind is None:
             raise KeyError(kind_name)
         if kind.validate is not None:
             params = kind.validate(params, self.engines)
+        fid, file_bytes = params.get("file_id"), None
+        if file_size is not None and isinstance(fid, str):
+            file_bytes = await file_size(fid)
         if (waiting := await self.backend.queued_count()) >= self.cfg.max_queued:
             raise QueueFullError(waiting, retry_after_s=5.0)
         idem = f"{owner or ''}:{idempotency_key}" if idempotency_key else None
         ch = None
         # a replay costs nothing, so it must not be refused for budget either
         if charge is not None and kind.cost is not None and (idem is None or await self.backend.find(idem) is None):
-            ch = await charge(*kind.cost(params, self.engines))
+            wants_size = file_bytes is not None and "file_bytes" in inspect.signature(kind.cost).parameters
+            extra = {"file_bytes": file_bytes} if wants_size else {}
+            ch = await charge(*kind.cost(params, self.engines, **extra))
         try:
             stored, created = await self._create(kind, params, idem, wants_preview, id_prefix, owner)
         except BaseException:
