@@ -204,11 +204,6 @@ class Charge:
         await self.settle(0.0)
 
 
-def tenant_name(request: Request) -> str:
-    tenant = getattr(request.state, "tenant", None)
-    return tenant.name if tenant is not None else "anonymous"
-
-
 async def charge(request: Request, unit: str, amount: float) -> Charge:
     """Take ``amount`` of ``unit`` from the budget of the request's tenant (``request.state.tenant``)
     or raise ``APIError(429)`` with ``Retry-After``. Free when the tenant has no limit for ``unit``."""

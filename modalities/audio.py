@@ -128,12 +128,6 @@ def decode_audio(data: bytes, rate: int | None = ASR_RATE) -> Audio:
     return audio
 
 
-def load_audio(path: str, rate: int | None = ASR_RATE) -> Audio:
-    """``decode_audio`` of a file on disk."""
-    with open(path, "rb") as f:
-        return decode_audio(f.read(), rate)
-
-
 # -- encoders -----------------------------------------------------------------------------------
 def to_pcm16(samples: np.ndarray) -> bytes:
     """Little-endian signed 16-bit PCM (clipped)."""
@@ -230,7 +224,8 @@ class _Sink:
 class StreamEncoder:
     """Incremental encoder: ``encode(chunk)`` returns the bytes ready so far (possibly empty),
     ``close()`` the rest; their concatenation is one valid file. ``wav`` is a streaming WAV
-    header then PCM16, ``pcm`` raw PCM16; ``flac``/``mp3``/``opus``/``aac`` go through PyAV."""
+    header then PCM16, ``pcm`` raw PCM16; ``flac``/``mp3``/``opus``/``aac`` go through PyAV, resampled
+    to a rate the codec takes where ``rate`` is not one (opus: 48 kHz; mp3/aac: the nearest)."""
 
     def __init__(self, fmt: str, rate: int) -> None:
         if fmt not in STREAM_FORMATS:
@@ -250,7 +245,13 @@ class StreamEncoder:
             "opus": ("libopus", "ogg"),
             "aac": ("aac", "adts"),
         }[self.fmt]
-        self.out_rate = 48_000 if self.fmt == "opus" else self.rate
+        rates = av.Codec(codec, "w").audio_rates  # None: any rate
+        if self.fmt == "opus":
+            self.out_rate = 48_000
+        elif rates and self.rate not in rates:  # e.g. mp3 at 9 kHz: the nearest rate the codec takes
+            self.out_rate = min(rates, key=lambda r: (abs(r - self.rate), -r))
+        else:
+            self.out_rate = self.rate
         self._sink = _Sink()
         options = {"page_duration": "20000"} if self.fmt == "opus" else {}  # short ogg pages: low latency
         self._container = av.open(self._sink, mode="w", format=container_fmt, options=options)

@@ -295,6 +295,8 @@ async def run_stage(store: StageStore, chain_id: str, stage: str, services: Serv
         raise StageFailed(f"injected failure of stage {stage!r} (attempt 1)")
     t0 = time.perf_counter()
     out = await stage_pipeline(stage, services, opts).run_all(frames)
+    if error := next((f.error for f in out if isinstance(f, LLMDone) and f.error), None):
+        raise StageFailed(error)  # the engine refused or failed the reply: retry, then fail the chain
     store.finish(chain_id, stage, out, time.perf_counter() - t0)
 
 

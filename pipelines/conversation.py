@@ -29,6 +29,7 @@ class Conversation:
     instructions: str = DEFAULT_INSTRUCTIONS
     items: list[Item] = field(default_factory=list)
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
+    _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
 
     def new_id(self, kind: str = "item") -> str:
         return f"{kind}_{next(self._ids):06d}"
@@ -41,19 +42,25 @@ class Conversation:
     def get(self, item_id: str) -> Item | None:
         return next((i for i in self.items if i.id == item_id), None)
 
-    def messages(self) -> list[dict[str, str]]:
-        """Chat messages: the instructions as system message, then every non-empty item."""
+    def messages(self, first: int = 0) -> list[dict[str, str]]:
+        """Chat messages: the instructions as system message, then every non-empty item from ``first``."""
         msgs = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        msgs += [{"role": i.role, "content": i.text} for i in self.items if i.text.strip()]
+        msgs += [{"role": i.role, "content": i.text} for i in self.items[first:] if i.text.strip()]
         return msgs
 
-    def prompt_ids(self, tokenizer: Any) -> list[int]:
-        ids: Any = tokenizer.apply_chat_template(
-            self.messages(), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+    def prompt_ids(self, tokenizer: Any, limit: int | None = None) -> list[int]:
+        """The rendered prompt; with ``limit``, the oldest items are left out until it fits (the
+        instructions and the latest item stay, so it may still be too long: the engine says so).
+        Items once left out stay out, so later turns keep one prefix (the prefix cache)."""
+        while True:
+            ids: Any = tokenizer.apply_chat_template(
+                self.messages(self._first), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            if limit is None or len(ids) <= limit or self._first >= len(self.items) - 1:
+                return [int(t) for t in ids]
+            self._first += 1
 
 
 @dataclass

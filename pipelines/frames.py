@@ -129,13 +129,15 @@ class TextDelta(ReplyFrame):
 
 @dataclass
 class LLMDone(ReplyFrame):
-    """The reply's full text; ``cancelled`` when an interrupt cut it short."""
+    """The reply's full text; ``cancelled`` when an interrupt cut it short; ``error`` when the
+    engine refused or failed the request (the reply is over, as failed)."""
 
     text: str
     cancelled: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -176,10 +178,12 @@ class Interrupt(SystemFrame):
 
 @dataclass
 class ErrorFrame(SystemFrame):
-    """A processor failed on one frame; the pipeline goes on."""
+    """A processor failed on one frame, or refused it (``code``: a client error, e.g.
+    ``input_audio_buffer_full``); the pipeline goes on."""
 
     message: str
     stage: str = ""
+    code: str | None = None
 
 
 @dataclass

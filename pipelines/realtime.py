@@ -47,6 +47,7 @@ from pipelines.realtime_events import (
     EventError,
     Reply,
     SessionConfig,
+    check_instructions,
     decode_audio_b64,
     item_event,
     message_text,
@@ -58,6 +59,7 @@ from pipelines.vad import VADConfig
 
 logger = logging.getLogger("mmserve.realtime")
 _sessions = itertools.count(1)
+INBOX_FRAMES = 256  # client events queued for the pipeline; beyond this the WebSocket reader waits
 
 
 class RealtimeSession:
@@ -70,7 +72,7 @@ class RealtimeSession:
         self.llm_options = LLMOptions()
         self.tts_options = TTSOptions()
         self._apply_config()
-        self.inbox: asyncio.Queue[Frame] = asyncio.Queue()
+        self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = Pipeline(
             [
                 Resample(ASR_RATE),
@@ -228,8 +230,8 @@ class RealtimeSession:
             )
         response = event.get("response") or {}
         instructions = response.get("instructions") if isinstance(response, dict) else None
-        if instructions is not None and not isinstance(instructions, str):
-            raise EventError("response.instructions must be a string", param="response.instructions")
+        if instructions is not None:
+            check_instructions(instructions, "response.instructions")
         self.requested = True
         await self.inbox.put(ResponseRequest(instructions))
 
@@ -298,9 +300,8 @@ class RealtimeSession:
         elif isinstance(frame, Interrupt):
             await self._interrupted(frame)
         elif isinstance(frame, ErrorFrame):
-            await self.send(
-                "error", error={"type": "server_error", "code": None, "message": frame.message, "param": None}
-            )
+            kind = "invalid_request_error" if frame.code else "server_error"
+            await self.send("error", error={"type": kind, "code": frame.code, "message": frame.message, "param": None})
         elif isinstance(frame, LLMStarted):
             await self._started(frame)
         elif r is None or getattr(frame, "response_id", None) != r.id or r.done:
@@ -320,6 +321,11 @@ class RealtimeSession:
                 r.first_audio = time.monotonic()
                 self._observe_turn(r.first_audio)
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
+        elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
+            await self.send(
+                "error", error={"type": "server_error", "code": None, "message": frame.error, "param": None}
+            )
+            await self._finish(r, "failed", "error")
         elif isinstance(frame, LLMDone):
             r.text = frame.text
             cached = frame.cached_tokens

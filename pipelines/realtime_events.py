@@ -16,6 +16,7 @@ from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
+MAX_INSTRUCTIONS_CHARS = 16_384
 
 
 class EventError(ValueError):
@@ -74,11 +75,14 @@ class SessionConfig:
                     "modalities must be a non-empty subset of ['text', 'audio']", param="session.modalities"
                 )
             new["modalities"] = list(dict.fromkeys(mods))
-        for key in ("instructions", "voice"):
-            if key in patch:
-                if patch[key] is not None and not isinstance(patch[key], str):
-                    raise EventError(f"{key} must be a string", param=f"session.{key}")
-                new[key] = patch[key] if key == "voice" else (patch[key] or "")
+        if "voice" in patch:
+            if patch["voice"] is not None and not isinstance(patch["voice"], str):
+                raise EventError("voice must be a string", param="session.voice")
+            new["voice"] = patch["voice"]
+        if "instructions" in patch:
+            new["instructions"] = check_instructions(
+                "" if patch["instructions"] is None else patch["instructions"], "session.instructions"
+            )
         for key in ("input_audio_format", "output_audio_format"):
             if key in patch and patch[key] != "pcm16":
                 raise EventError(f"{key} {patch[key]!r} is not supported; use 'pcm16'", param=f"session.{key}")
@@ -119,6 +123,19 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
             raise EventError("turn_detection.create_response must be a boolean")
         out["create_response"] = td["create_response"]
     return out
+
+
+def check_instructions(value: Any, param: str) -> str:
+    """``value`` if it is a string of at most ``MAX_INSTRUCTIONS_CHARS`` characters."""
+    if not isinstance(value, str):
+        raise EventError("instructions must be a string", param=param)
+    if len(value) > MAX_INSTRUCTIONS_CHARS:
+        raise EventError(
+            f"instructions are too long: {len(value)} characters, at most {MAX_INSTRUCTIONS_CHARS}",
+            code="string_above_max_length",
+            param=param,
+        )
+    return value
 
 
 def decode_audio_b64(value: Any) -> bytes:

@@ -20,6 +20,7 @@ from pipelines.frames import (
     AudioFrame,
     ClearFrame,
     CommitFrame,
+    ErrorFrame,
     Frame,
     Interrupt,
     LLMDone,
@@ -36,7 +37,7 @@ from pipelines.frames import (
 )
 from pipelines.processor import Processor
 from pipelines.services import Services
-from pipelines.vad import VADConfig, VADSegmenter
+from pipelines.vad import BufferFull, VADConfig, VADSegmenter
 
 
 class Resample(Processor):
@@ -72,7 +73,12 @@ class VAD(Processor):
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, AudioFrame):
-            for ev in self.seg.feed(frame.samples):
+            try:
+                events = self.seg.feed(frame.samples)
+            except BufferFull as exc:
+                yield ErrorFrame(str(exc), stage=self.name, code="input_audio_buffer_full")
+                return
+            for ev in events:
                 if ev.kind == "start":
                     yield SpeechStarted(ev.ms, item_id=self._next_item())
                     yield Interrupt("speech_started")
@@ -165,21 +171,26 @@ class LLM(Processor):
         engine = self.services.llm
         if instructions:
             conv.instructions = instructions
-        ids = conv.prompt_ids(engine.tokenizer)
         item = conv.add("assistant")
         self.active = response_id
         yield LLMStarted(response_id, item_id=item.id)
         params = SamplingParams(max_tokens=self.options.max_tokens, temperature=self.options.temperature)
-        final = None
-        # Response ids count per session; the engine is shared by every session, so its request
-        # id needs a process-unique suffix.
-        async for out in engine.generate(f"{response_id}-{uuid.uuid4().hex[:12]}", ids, params):
-            final = out
-            delta = out.outputs[0].delta_text
-            if delta:
-                if not item.truncated:
-                    item.text += delta
-                yield TextDelta(response_id, delta)
+        final, error = None, None
+        ids: list[int] = []
+        try:
+            max_len = getattr(engine, "max_model_len", None)
+            ids = conv.prompt_ids(engine.tokenizer, max_len - self.options.max_tokens if max_len else None)
+            # Response ids count per session; the engine is shared by every session, so its request
+            # id needs a process-unique suffix.
+            async for out in engine.generate(f"{response_id}-{uuid.uuid4().hex[:12]}", ids, params):
+                final = out
+                delta = out.outputs[0].delta_text
+                if delta:
+                    if not item.truncated:
+                        item.text += delta
+                    yield TextDelta(response_id, delta)
+        except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
+            error = f"{type(exc).__name__}: {exc}"
         self.active = None
         yield LLMDone(
             response_id,
@@ -187,6 +198,7 @@ class LLM(Processor):
             prompt_tokens=len(ids),
             completion_tokens=len(final.outputs[0].token_ids) if final else 0,
             cached_tokens=final.num_cached_tokens if final else 0,
+            error=error,
         )
 
     async def on_interrupt(self) -> None:

@@ -28,6 +28,14 @@ class VADConfig:
     backend: Literal["webrtc", "silero"] = "webrtc"
 
 
+# OpenAI's input audio buffer limit: 15 MiB of pcm16 at 24 kHz (~328 s), here in 16 kHz samples.
+MAX_BUFFER_SAMPLES = 15 * (1 << 20) // 2 * ASR_RATE // 24_000
+
+
+class BufferFull(ValueError):
+    """``feed`` would grow the buffered audio past ``max_samples``: that chunk was dropped."""
+
+
 @dataclass
 class VADEvent:
     kind: Literal["start", "pause", "stop"]
@@ -40,9 +48,11 @@ class VADEvent:
 class VADSegmenter:
     """Feed 16 kHz float32 chunks of any size; get start/stop events with the utterance audio."""
 
-    def __init__(self, config: VADConfig) -> None:
+    def __init__(self, config: VADConfig, max_samples: int = MAX_BUFFER_SAMPLES) -> None:
         self.config = config
-        self.buf = np.zeros(0, np.float32)  # audio since sample ``buf_start`` of the input
+        self.max_samples = max_samples
+        self.chunks: list[np.ndarray] = []  # audio since sample ``buf_start`` of the input, joined lazily
+        self.size = 0  # samples in ``chunks``
         self.buf_start = 0
         self.pos = 0  # samples received
         self.start = 0  # sample where the current speech began
@@ -80,12 +90,28 @@ class VADSegmenter:
                 out.append(VADEvent("pause", self._ms(at), utterance, self._ms(self.start), key))
         return out
 
+    @property
+    def buf(self) -> np.ndarray:
+        """The buffered audio as one array (appends only add a chunk: no copy per feed)."""
+        if len(self.chunks) != 1:
+            self.chunks = [np.concatenate(self.chunks) if self.chunks else np.zeros(0, np.float32)]
+        return self.chunks[0]
+
+    def _keep_from(self, sample: int) -> None:
+        """Drop the buffered audio before input sample ``sample``."""
+        rest = self.buf[sample - self.buf_start :].copy()  # free the audio before it
+        self.chunks, self.size, self.buf_start = [rest], rest.size, sample
+
     def _ms(self, sample: int) -> int:
         return sample * 1000 // ASR_RATE
 
     def feed(self, samples: np.ndarray) -> list[VADEvent]:
+        """Events for the next chunk; raises ``BufferFull`` (and drops the chunk) at the size limit."""
         samples = np.asarray(samples, np.float32)
-        self.buf = np.concatenate([self.buf, samples])
+        if self.size + samples.size > self.max_samples:
+            raise BufferFull(f"the input audio buffer is full ({self.max_samples / ASR_RATE:.0f} s of audio max)")
+        self.chunks.append(samples)
+        self.size += samples.size
         self.pos += samples.size
         vad = self._vad()
         if vad is None:
@@ -100,18 +126,17 @@ class VADSegmenter:
             else:
                 utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
                 out.append(VADEvent("stop", self._ms(at), utterance, self._ms(self.start), key))
-                self.buf, self.buf_start = self.buf[at - self.buf_start :], at
+                self._keep_from(at)
         out += self._pauses(samples)
         if not vad.speaking:  # idle: keep only what a padded start may reach back to
             keep = (self.config.prefix_padding_ms + self.config.min_speech_ms + 100) * ASR_RATE // 1000
-            if self.buf.size > 2 * keep:
-                drop = self.buf.size - keep
-                self.buf, self.buf_start = self.buf[drop:], self.buf_start + drop
+            if self.size > 2 * keep:
+                self._keep_from(self.buf_start + self.size - keep)
         return out
 
     def take(self) -> tuple[np.ndarray, int, int]:
         """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
         audio, start = self.buf, self.buf_start
-        self.buf, self.buf_start = np.zeros(0, np.float32), self.pos
+        self.chunks, self.size, self.buf_start = [], 0, self.pos
         self.stream = self.eager = None  # fresh detectors for the next turn
         return audio, self._ms(start), self._ms(self.pos)

@@ -239,6 +239,12 @@ def test_client_disconnect_aborts_on_the_worker(remote: str) -> None:
             break
         assert time.monotonic() < deadline, beats
         time.sleep(0.2)
+    time.sleep(0.5)
+    # The gateway deleted the reply stream when the client left; entries the worker added before
+    # the abort landed must not have re-created it without a TTL.
+    client = redis.Redis.from_url(REDIS_URL)
+    streams = list(client.scan_iter(match=f"{PREFIX}:s:*"))
+    assert all(client.ttl(key) != -1 for key in streams), [(k, client.ttl(k)) for k in streams]
 
 
 def test_sigterm_drains_a_worker(remote: str, workers: list[WorkerProc]) -> None:

