@@ -194,8 +194,24 @@ class RealtimeSession:
         if self.services.asr is None:
             raise EventError("this server has no speech recognition model; send text items", code="unsupported")
         if data:
+            await self._charge_audio(len(data) / 2 / RATE)
             self.appended_ms += len(data) / 2 / RATE * 1000
             await self.inbox.put(AudioFrame(from_pcm16(data), RATE))
+
+    async def _charge_audio(self, seconds: float) -> None:
+        """The tenant's ``audio_seconds`` budget pays for every second of input audio; over the
+        limit, this chunk is dropped with an error event (the session stays usable)."""
+        from gateway.errors import APIError
+        from gateway.ratelimit import charge
+
+        try:
+            await charge(self.ws, "audio_seconds", seconds)  # type: ignore[arg-type]  # a WebSocket has the same state
+        except APIError as exc:
+            retry = exc.headers.get("Retry-After") if exc.headers else None
+            suffix = f" (retry after {retry}s)" if retry else ""
+            raise EventError(
+                f"{exc.message}{suffix}; this audio was dropped", code=exc.code or "rate_limit_exceeded"
+            ) from exc
 
     async def _ev_input_audio_buffer_commit(self, event: dict[str, Any]) -> None:
         if self.appended_ms < 100:
