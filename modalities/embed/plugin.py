@@ -17,6 +17,13 @@ logger = logging.getLogger("mmserve.embed")
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("embed")
     g.add_argument("--embed", default=None, help="embedding model: a local sentence-transformers/HF directory")
+    g.add_argument(
+        "--embed-workers",
+        type=int,
+        default=None,
+        help="model threads (default 1, using every core; more helps many tiny concurrent requests)",
+    )
+    g.add_argument("--embed-threads", type=int, default=None, help="intra-op threads per model thread")
 
 
 def build(args: Any, explicit: bool = False) -> Built:
@@ -27,7 +34,11 @@ def build(args: Any, explicit: bool = False) -> Built:
 
     spec = getattr(args, "embed", None)
     try:
-        engine = EmbeddingEngine.from_path(spec)
+        engine = EmbeddingEngine.from_path(
+            spec,
+            num_workers=getattr(args, "embed_workers", None),
+            threads_per_worker=getattr(args, "embed_threads", None),
+        )
     except FileNotFoundError:
         if spec is None and not explicit:
             logger.warning(
