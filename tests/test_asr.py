@@ -14,9 +14,11 @@ model) on real synthetic speech (Piper and eSpeak NG voices):
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import jiwer
 import numpy as np
@@ -45,8 +47,15 @@ def _wer(ref: list[str], hyp: str) -> float:
     return float(jiwer.wer(_norm(" ".join(ref)), _norm(hyp)))
 
 
+@functools.cache
+def _pristine() -> Any:
+    """The reference: the same checkpoint as loaded by transformers, untouched by the engine's
+    module swaps (the engine prepacks its encoder's linears)."""
+    return load_whisper("tiny.en")
+
+
 def _reference_tokens(engine: AsrEngine, audio: np.ndarray, prompt_ids: list[int]) -> list[int]:
-    w = engine.whisper
+    w = _pristine()
     feats = w.feature_extractor(audio, sampling_rate=RATE, return_tensors="pt").input_features
     with torch.inference_mode():
         out = w.model.generate(

@@ -76,6 +76,9 @@ class AsrConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     max_file_mb: float = DEFAULT_MAX_FILE_MB  # the API's upload limit (413 above)
+    # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
+    # same results up to fp32 summation order. The swap modifies the given model in place.
+    prepack_encoder: bool = True
 
 
 class AsrEngine:
@@ -98,6 +101,11 @@ class AsrEngine:
         self.model_name = whisper.name
         self.max_file_mb = self.config.max_file_mb
         model = whisper.model
+        if self.config.prepack_encoder and _cpu_fp32(model):
+            from engine.cpu_linear import onednn_available, use_prepacked_linears
+
+            if onednn_available():
+                use_prepacked_linears(model.model.encoder)
         self.adapter = WhisperDecoderAdapter(model)
         max_len = model.config.max_target_positions
         ecfg = EngineConfig(
@@ -376,3 +384,8 @@ def _segments(windows: list[Window], texts: list[str], tokens: list[list[int]], 
         if text:
             segments.append(Segment(len(segments), round(w.start, 3), round(w.end, 3), text, tokens[i], lps[i]))
     return segments
+
+
+def _cpu_fp32(model: Any) -> bool:
+    p = next(model.parameters())
+    return p.device.type == "cpu" and str(p.dtype) == "torch.float32"
