@@ -33,7 +33,7 @@ def server() -> Iterator[tuple[str, AsrEngine]]:
     from gateway.app import create_app
     from modalities.asr.plugin import router
 
-    engine = AsrEngine(load_whisper("tiny.en"), AsrConfig(max_file_mb=1.0))
+    engine = AsrEngine(load_whisper("tiny.en"), AsrConfig(max_file_mb=1.0, max_audio_s=120.0))
     app = create_app(
         {engine.model_name: engine}, api_key=KEY, routers=[router], aliases={"whisper-1": engine.model_name}
     )
@@ -98,6 +98,11 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as too_big:
         client.audio.transcriptions.create(model="whisper-1", file=("big.wav", big))
     assert too_big.value.status_code == 413
+    long_mp3 = encode_audio(np.zeros(RATE * 150, np.float32), RATE, "mp3")  # small file, 150 s > 120 s
+    assert len(long_mp3) < 1 << 20
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.audio.transcriptions.create(model="whisper-1", file=("long.mp3", long_mp3))
+    assert too_long.value.status_code == 413 and "limit is 120 s" in too_long.value.message
     with pytest.raises(openai.NotFoundError):
         client.audio.transcriptions.create(
             model="no-such-model", file=("a.wav", encode_audio(corpus("piper")[0], RATE, "wav"))

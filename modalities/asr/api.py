@@ -82,6 +82,14 @@ async def create_transcription(
         audio = await asyncio.to_thread(decode_audio, data, ASR_RATE)
     except AudioDecodeError as exc:
         raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
+    max_s = float(getattr(engine, "max_audio_s", 3600.0))
+    if audio.duration > max_s:
+        raise APIError(
+            413,
+            f"the audio is {audio.duration:.0f} s long; the limit is {max_s:g} s",
+            param="file",
+            code="audio_too_long",
+        )
     req = TranscriptionRequest(audio.samples, language or None, prompt or None, temperature)
     ch = await charge(request, "audio_seconds", audio.duration)  # the tenant's audio_seconds budget
 

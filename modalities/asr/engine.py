@@ -76,6 +76,8 @@ class AsrConfig:
     num_threads: int | None = None
     attention_backend: str = "auto"
     max_file_mb: float = DEFAULT_MAX_FILE_MB  # the API's upload limit (413 above)
+    # Decoded length limit (413 above): a small compressed file can hold hours of audio.
+    max_audio_s: float = 3600.0
     # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
     # same results up to fp32 summation order. The swap modifies the given model in place.
     prepack_encoder: bool = True
@@ -100,6 +102,7 @@ class AsrEngine:
         self.whisper = whisper
         self.model_name = whisper.name
         self.max_file_mb = self.config.max_file_mb
+        self.max_audio_s = self.config.max_audio_s
         model = whisper.model
         if self.config.prepack_encoder and _cpu_fp32(model):
             from engine.cpu_linear import onednn_available, use_prepacked_linears

@@ -38,6 +38,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--asr-max-file-mb", type=float, default=DEFAULT_MAX_FILE_MB, help="largest accepted upload (413 above)"
     )
+    g.add_argument(
+        "--asr-max-audio-s", type=float, default=3600.0, help="longest accepted decoded audio, seconds (413 above)"
+    )
 
 
 def build(args: Any, explicit: bool = False) -> Built:
@@ -50,6 +53,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         vad_backend=getattr(args, "asr_vad", "webrtc"),
         max_num_seqs=getattr(args, "asr_max_num_seqs", 64),
         max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
+        max_audio_s=getattr(args, "asr_max_audio_s", 3600.0),
     )
     try:
         engine = AsrEngine.from_config(config)
