@@ -77,6 +77,34 @@ def model_not_found(model: str | None, available: list[str]) -> APIError:
     )
 
 
+def pick_engine(
+    engines: dict[str, Any],
+    aliases: dict[str, str],
+    model: str | None,
+    matching: dict[str, Any],
+    *,
+    none_served: str,
+    unsupported: str,
+) -> tuple[str, Any]:
+    """``(served_name, engine)`` for ``model`` among ``matching`` (the served engines of one kind).
+
+    Omitted ``model``: the only matching engine, else 400 (``none_served`` when there is none).
+    A served name wins over an alias of the same spelling. A served engine of another kind is a
+    400 ("the model `X` {unsupported}"); an unknown name is a 404 listing ``matching``."""
+    if model is None:
+        if len(matching) == 1:
+            return next(iter(matching.items()))
+        if not matching:
+            raise APIError(400, none_served, param="model")
+        raise APIError(400, "you must provide a model parameter", param="model")
+    name = model if model in engines else aliases.get(model, model)
+    if name in matching:
+        return name, matching[name]
+    if name in engines:
+        raise APIError(400, f"the model `{model}` {unsupported}", param="model", code="invalid_model")
+    raise model_not_found(model, list(matching))
+
+
 def from_engine_error(exc: BaseException, param: str | None = None) -> APIError | None:
     """Map an engine admission error (or a ``ValueError`` about the input) to an ``APIError``;
     ``None`` for anything else (a bug, which should surface as a 500)."""

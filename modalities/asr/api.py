@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.metrics import engine_modality
 from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
@@ -31,18 +31,14 @@ router = APIRouter(tags=["audio"])
 def pick_asr_engine(engines: dict[str, Any], aliases: dict[str, str], model: str | None) -> tuple[str, Any]:
     """``(served_name, engine)`` among the served ASR engines (``model`` optional when one is)."""
     asr = {name: e for name, e in engines.items() if engine_modality(e) == "asr"}
-    if not model:
-        if len(asr) == 1:
-            return next(iter(asr.items()))
-        if not asr:
-            raise APIError(400, "no speech-to-text model is served (start with --asr)", param="model")
-        raise APIError(400, "you must provide a model parameter", param="model")
-    name = model if model in engines else aliases.get(model, model)
-    if name in asr:
-        return name, asr[name]
-    if name in engines:
-        raise APIError(400, f"the model `{model}` does not support transcription", param="model", code="invalid_model")
-    raise model_not_found(model, list(asr))
+    return pick_engine(
+        engines,
+        aliases,
+        model or None,  # an empty form field counts as omitted
+        asr,
+        none_served="no speech-to-text model is served (start with --asr)",
+        unsupported="does not support transcription",
+    )
 
 
 def resolve_asr_engine(request: Request, model: str | None) -> tuple[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.ratelimit import charge
 from modalities.diffusion.protocol import ImageGenerationRequest, VideoGenerationRequest, parse_size
 
@@ -30,19 +30,15 @@ def resolve_engine(request: Request, model: str | None, modality: str) -> tuple[
     """``(served_name, engine)`` among the engines serving ``modality`` (``image`` or ``video``)."""
     engines: dict[str, Any] = request.app.state.engines
     matching = {name: e for name, e in engines.items() if getattr(e, "modality", None) == modality}
-    if model is None:
-        if len(matching) == 1:
-            return next(iter(matching.items()))
-        if not matching:
-            flag = "--image" if modality == "image" else "--video"
-            raise APIError(400, f"no {modality} generation model is served (start with {flag})", param="model")
-        raise APIError(400, "you must provide a model parameter", param="model")
-    name = model if model in engines else getattr(request.app.state, "aliases", {}).get(model, model)
-    if name in matching:
-        return name, matching[name]
-    if name in engines:
-        raise APIError(400, f"the model `{model}` does not generate {modality}s", param="model", code="invalid_model")
-    raise model_not_found(model, list(matching))
+    flag = "--image" if modality == "image" else "--video"
+    return pick_engine(
+        engines,
+        getattr(request.app.state, "aliases", {}),
+        model,
+        matching,
+        none_served=f"no {modality} generation model is served (start with {flag})",
+        unsupported=f"does not generate {modality}s",
+    )
 
 
 def _engine_request(body: ImageGenerationRequest | VideoGenerationRequest, n: int, num_frames: int | None) -> Any:

@@ -20,7 +20,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import charge
@@ -38,18 +38,15 @@ def resolve_embedding_engine(request: Request, model: str | None) -> tuple[str, 
 
     engines: dict[str, Any] = request.app.state.engines
     embedders = {name: e for name, e in engines.items() if isinstance(e, EmbeddingEngine)}
-    if model is None:
-        if len(embedders) == 1:
-            return next(iter(embedders.items()))
-        if not embedders:
-            raise APIError(400, "no embedding model is served (start with --embed)", param="model")
-        raise APIError(400, "you must provide a model parameter", param="model")
-    name = model if model in engines else getattr(request.app.state, "aliases", {}).get(model, model)
-    if name in embedders:
-        return name, embedders[name]
-    if name in engines:
-        raise APIError(400, f"the model `{model}` does not support embeddings", param="model", code="invalid_model")
-    raise model_not_found(model, list(embedders))
+    aliases = getattr(request.app.state, "aliases", {})
+    return pick_engine(
+        engines,
+        aliases,
+        model,
+        embedders,
+        none_served="no embedding model is served (start with --embed)",
+        unsupported="does not support embeddings",
+    )
 
 
 def check_dimensions(dimensions: int | None, model_dim: int) -> None:
