@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.batch_loop import BatchLoop
 from engine.errors import EngineDeadError, QueueFullError
 from modalities.diffusion.cache import resolve_cache
 from modalities.diffusion.model import DiffusionModel, Item, Shape, StopGeneration
@@ -104,8 +105,10 @@ class _Item:
     arrived: float
 
 
-class DiffusionEngine:
+class DiffusionEngine(BatchLoop):
     """Serves one diffusers pipeline. Limits are checked in :meth:`prepare` before any compute."""
+
+    _engine_label = "diffusion"
 
     def __init__(
         self,
@@ -153,7 +156,9 @@ class DiffusionEngine:
             if self._thread is not None and self._thread.is_alive():
                 return
             self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name=f"diffusion-{self.model_name}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve_batches, name=f"diffusion-{self.model_name}", daemon=True
+            )
             self._thread.start()
 
     async def start(self) -> None:
@@ -276,22 +281,6 @@ class DiffusionEngine:
         taken = {id(it) for it in batch}
         self._pending = [it for it in self._pending if id(it) not in taken]
         return batch
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._pending and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    batch = self._next_batch()
-                if batch:
-                    self._run(batch)
-        except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish
-            logger.exception("diffusion engine thread died")
-            self._dead = exc
-            self._fail_pending(EngineDeadError(f"the diffusion engine died: {exc!r}"))
 
     def _run(self, batch: list[_Item]) -> None:
         start = time.perf_counter()

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.batch_loop import BatchLoop
 from engine.errors import EngineDeadError, QueueFullError
 from modalities.embed.model import EmbeddingModel
 
@@ -83,8 +84,10 @@ def default_workers(cpu_threads: int | None = None) -> tuple[int, int]:
     return 1, max(1, cpu_threads or torch.get_num_threads())
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(BatchLoop):
     """Batches ``embed`` calls from any number of coroutines onto ``num_workers`` model threads."""
+
+    _engine_label = "embedding"
 
     def __init__(
         self,
@@ -156,7 +159,7 @@ class EmbeddingEngine:
             self._cond.notify_all()
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 30)
-        self._fail_all(EngineDeadError("the embedding engine was shut down"))
+        self._fail_pending(EngineDeadError("the embedding engine was shut down"))
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -261,20 +264,7 @@ class EmbeddingEngine:
     def _loop(self) -> None:
         if self.threads_per_worker:
             torch.set_num_threads(self.threads_per_worker)  # this thread's intra-op pool only
-        try:
-            while True:
-                with self._cond:
-                    while not self._pending and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    batch = self._next_batch()
-                if batch:
-                    self._run(batch)
-        except BaseException as exc:  # noqa: BLE001 - the engine thread must report, not vanish
-            logger.exception("embedding engine thread died")
-            self._dead = exc
-            self._fail_all(EngineDeadError(f"the embedding engine died: {exc!r}"))
+        self._serve_batches()
 
     def _run(self, batch: list[_Item]) -> None:
         start = time.perf_counter()
@@ -309,7 +299,7 @@ class EmbeddingEngine:
             s["num_padded_tokens"] += len(batch) * max(it.length for it in batch)
             s["busy_s"] += time.perf_counter() - start
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_pending(self, exc: BaseException) -> None:
         with self._cond:
             pending, self._pending = self._pending, []
         for req in {id(it.request): it.request for it in pending}.values():
