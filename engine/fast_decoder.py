@@ -119,7 +119,7 @@ class FastDecoderLM(ModelAdapter):
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi] bit for bit (only signs move).
         sin = torch.cat((-sin[..., : hd // 2], sin[..., hd // 2 :]), dim=-1)
         nh, nkv = self.num_heads, self.num_kv_heads
-        h = embeds
+        h = embeds.clone()  # the residual stream, updated in place: no new [T, hidden] tensor per add
         for i, ly in enumerate(self.layers):
             qkv = self.linear(self._rms(h, ly.ln_in), ly.w_qkv, ly.b_qkv).view(t, nh + 2 * nkv, hd)
             if ly.q_norm is None:  # q and k rotated together: one set of ops for both
@@ -130,9 +130,9 @@ class FastDecoderLM(ModelAdapter):
                 k = _rope(self._rms(qkv[:, nh : nh + nkv], ly.k_norm), cos, sin)
             v = qkv[:, nh + nkv :]
             attn = backend.forward(i, q, k, v.contiguous(), meta, scale=hd**-0.5)
-            h = h + self.linear(attn.reshape(t, nh * hd), ly.w_o, ly.b_o)
+            h.add_(self.linear(attn.reshape(t, nh * hd), ly.w_o, ly.b_o))
             gate, up = self.linear(self._rms(h, ly.ln_post), ly.w_gate_up).chunk(2, dim=-1)
-            h = h + self.linear(self.act(gate) * up, ly.w_down)
+            h.add_(self.linear(self.act(gate).mul_(up), ly.w_down))
         return self._rms(h, self.final_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -85,3 +85,39 @@ def test_select_backend() -> None:
     assert select_backend("auto", "cpu", torch.bfloat16, 64).name == "torch"  # the C kernel is fp32-only
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("flash9", "cpu", torch.float32, 64)
+
+
+@pytest.mark.skipif(not NativeCPUPagedAttention.available("cpu", torch.float32, 64), reason="no native kernel here")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 700])
+def test_native_decode_long_contexts(threads: int, window: int | None) -> None:
+    """Contexts past one 512-row chunk and batches smaller than the thread count: the kernel
+    splits sequences into chunks and merges their softmax states; the result must not change."""
+    from engine.native import paged_decode
+
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    lengths = [1300, 1, 513, 40]
+    gen = torch.Generator().manual_seed(1)
+    blocks = [(n + bs - 1) // bs for n in lengths]
+    perm = torch.randperm(sum(blocks) + 5, generator=gen)
+    kc = torch.randn(len(perm) * bs, kv_heads, d, generator=gen)
+    vc = torch.randn(len(perm) * bs, kv_heads, d, generator=gen)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch in (lengths, lengths[:1], lengths[2:3]):  # batch of 4, and single long sequences
+            offs = [sum(blocks[: lengths.index(n)]) for n in batch]
+            tables = torch.zeros(len(batch), max(blocks), dtype=torch.long)
+            for i, (n, o) in enumerate(zip(batch, offs, strict=True)):
+                nb = (n + bs - 1) // bs
+                tables[i, :nb] = perm[o : o + nb]
+            q = torch.randn(len(batch), heads, d, generator=gen)
+            got = paged_decode(q, kc, vc, tables, torch.tensor(batch), bs, d**-0.5, window)
+            for i, n in enumerate(batch):
+                slots = (tables[i, :, None] * bs + torch.arange(bs)).flatten()[:n]
+                lo = n - window if window is not None and n > window else 0
+                k, v = kc[slots[lo:]], vc[slots[lo:]]
+                ref = _dense(torch.cat([torch.zeros(n - lo - 1, heads, d), q[i : i + 1]]), k, v, None)[-1]
+                torch.testing.assert_close(got[i], ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
