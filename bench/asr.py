@@ -7,9 +7,13 @@ thread count:
 1. mmserve: ``AsrEngine``, every clip submitted at once (encoder batched across clips, decoder
    steps continuously batched on the shared engine);
 2. transformers: ``pipeline("automatic-speech-recognition", model=<the same converted directory>)``
-   over the list of clips with ``--baseline-batch-size`` (1 = the pipeline's default).
+   over the list of clips, once per ``--baseline-batch-size`` (1 = the pipeline's default; e.g.
+   ``1 8 16`` runs all three);
+3. optionally (``--generate-batch-size``), transformers ``model.generate()`` called directly on
+   batches of clips' features, the leanest transformers path (no pipeline pre/post-processing).
 
-Reports audio-seconds per second for both, the speedup, and each side's WER against the known text.
+Reports audio-seconds per second for each, our speedup over each baseline, and each side's WER
+against the known text.
 """
 
 from __future__ import annotations
@@ -70,16 +74,33 @@ def run_mmserve(args: argparse.Namespace, clips: list[np.ndarray]) -> tuple[floa
     return elapsed, texts, engine
 
 
-def run_transformers(args: argparse.Namespace, path: str, clips: list[np.ndarray]) -> tuple[float, list[str]]:
+def run_transformers(path: str, clips: list[np.ndarray], batch_size: int) -> tuple[float, list[str]]:
     import torch
     from transformers import pipeline
 
     pipe = pipeline("automatic-speech-recognition", model=path, device="cpu", dtype=torch.float32)
-    kw = {"generate_kwargs": {"max_new_tokens": 224}, "batch_size": args.baseline_batch_size}
+    kw = {"generate_kwargs": {"max_new_tokens": 224}, "batch_size": batch_size}
     pipe({"raw": clips[0], "sampling_rate": RATE}, **kw)  # warm-up
     start = time.perf_counter()
     out = pipe([{"raw": c, "sampling_rate": RATE} for c in clips], **kw)
     return time.perf_counter() - start, [o["text"] for o in out]
+
+
+def run_generate(whisper: Any, clips: list[np.ndarray], batch_size: int) -> tuple[float, list[str]]:
+    """The leanest transformers baseline: feature extraction and ``model.generate()`` on batches
+    of ``batch_size`` clips, no pipeline around them."""
+    import torch
+
+    def go(batch: list[np.ndarray]) -> list[str]:
+        feats = whisper.feature_extractor(batch, sampling_rate=RATE, return_tensors="pt").input_features
+        with torch.inference_mode():
+            out = whisper.model.generate(feats, max_new_tokens=224)
+        return list(whisper.tokenizer.batch_decode(out, skip_special_tokens=True))
+
+    go(clips[:batch_size])  # warm-up
+    start = time.perf_counter()
+    texts = [t for i in range(0, len(clips), batch_size) for t in go(clips[i : i + batch_size])]
+    return time.perf_counter() - start, texts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clips", type=int, default=32, help="concurrent clips")
     ap.add_argument("--sentences-per-clip", type=int, default=3)
     ap.add_argument("--encoder-batch", type=int, default=8, help="max windows per encoder forward")
-    ap.add_argument("--baseline-batch-size", type=int, default=1, help="transformers pipeline batch_size")
+    ap.add_argument(
+        "--baseline-batch-size", type=int, nargs="+", default=[1], help="transformers pipeline batch_size(s)"
+    )
+    ap.add_argument(
+        "--generate-batch-size",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time transformers generate() directly (no pipeline) at these batch sizes",
+    )
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -106,27 +136,48 @@ def main(argv: list[str] | None = None) -> int:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"mmserve bench asr @ {rev}: {args.clips} clips, {audio_s:.1f} s of audio, model {args.model}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
-    ours_s, ours_text, _ = run_mmserve(args, clips)
+    ours_s, ours_text, engine = run_mmserve(args, clips)
     result: dict[str, Any] = {
         "git_rev": rev,
         "clips": args.clips,
         "audio_s": audio_s,
         "threads": torch.get_num_threads(),
-        "mmserve": {"s": ours_s, "audio_s_per_s": audio_s / ours_s, "wer": _wer(refs, ours_text)},
+        "mmserve": {
+            "s": ours_s,
+            "audio_s_per_s": audio_s / ours_s,
+            "wer": _wer(refs, ours_text),
+            "fallback_decodes": engine.num_fallback_decodes,
+        },
     }
     print(
-        f"  mmserve engine        {ours_s:7.2f} s  {audio_s / ours_s:7.1f} audio-s/s  WER {result['mmserve']['wer']:.3f}"
+        f"  mmserve engine        {ours_s:7.2f} s  {audio_s / ours_s:7.1f} audio-s/s  WER {result['mmserve']['wer']:.3f}  "
+        f"(temperature fallbacks: {engine.num_fallback_decodes})",
+        flush=True,
     )
     if not args.skip_baseline:
-        base_s, base_text = run_transformers(args, path, clips)
-        result["transformers"] = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": _wer(refs, base_text)}
-        result["speedup"] = base_s / ours_s
-        result["same_text"] = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
+        result["transformers"] = {}
+        for bs in args.baseline_batch_size:
+            base_s, base_text = run_transformers(path, clips, bs)
+            same = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
+            r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": _wer(refs, base_text)}
+            result["transformers"][f"batch_size={bs}"] = {**r, "speedup": base_s / ours_s, "same_text": same}
+            print(
+                f"  transformers pipeline {base_s:7.2f} s  {audio_s / base_s:7.1f} audio-s/s  WER {r['wer']:.3f} "
+                f"(batch_size={bs}): our speedup {base_s / ours_s:.2f}x, identical transcripts {same}/{args.clips}",
+                flush=True,
+            )
+    for bs in args.generate_batch_size:
+        from modalities.asr.model import load_whisper
+
+        base_s, base_text = run_generate(load_whisper(args.model), clips, bs)
+        same = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
+        r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": _wer(refs, base_text)}
+        result.setdefault("generate", {})[f"batch_size={bs}"] = {**r, "speedup": base_s / ours_s, "same_text": same}
         print(
-            f"  transformers pipeline {base_s:7.2f} s  {audio_s / base_s:7.1f} audio-s/s  "
-            f"WER {result['transformers']['wer']:.3f} (batch_size={args.baseline_batch_size})"
+            f"  transformers generate {base_s:7.2f} s  {audio_s / base_s:7.1f} audio-s/s  WER {r['wer']:.3f} "
+            f"(batch_size={bs}): our speedup {base_s / ours_s:.2f}x, identical transcripts {same}/{args.clips}",
+            flush=True,
         )
-        print(f"  speedup {result['speedup']:.2f}x; identical transcripts {result['same_text']}/{args.clips}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

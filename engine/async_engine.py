@@ -8,9 +8,9 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -39,6 +40,24 @@ class _Add:
     params: SamplingParams
     priority: int
     stream: _Stream
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    def resolve(self, result: Any, error: BaseException | None) -> None:
+        def done() -> None:
+            if self.future.done():
+                return
+            if error is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(error)
+
+        self.loop.call_soon_threadsafe(done)
 
 
 @dataclass
@@ -66,7 +85,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.Queue[_Add | str | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Call | str | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -142,10 +161,30 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._commands.put(request_id)
 
+    async def call_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between two steps and return its result (its
+        exception is raised here). For CPU work that goes with the requests (an audio codec's
+        decode): run there, it takes turns with the step instead of oversubscribing the cores."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+        await self.start()
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, loop, loop.create_future())
+        self._commands.put(call)
+        return await call.future
+
     # -- engine thread -------------------------------------------------------------------------
-    def _apply(self, cmd: _Add | str) -> None:
+    def _apply(self, cmd: _Add | _Call | str) -> None:
         if isinstance(cmd, str):
             self.engine.abort_request(cmd)
+            return
+        if isinstance(cmd, _Call):
+            try:
+                result = cmd.fn()
+            except Exception as exc:  # noqa: BLE001 - the caller gets it, the loop goes on
+                cmd.resolve(None, exc)
+            else:
+                cmd.resolve(result, None)
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
@@ -189,3 +228,5 @@ class AsyncEngine:
                     break
                 if isinstance(cmd, _Add):
                     cmd.stream.admit(error)
+                elif isinstance(cmd, _Call):
+                    cmd.resolve(None, error)

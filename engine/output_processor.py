@@ -15,7 +15,9 @@ class _SeqText:
     def __init__(self, seq: Sequence, tokenizer: PreTrainedTokenizerBase | None) -> None:
         p = seq.params
         self.detok = (
-            IncrementalDetokenizer(tokenizer, seq.inputs.token_ids, p.skip_special_tokens) if tokenizer else None
+            IncrementalDetokenizer(tokenizer, seq.inputs.token_ids, p.skip_special_tokens)
+            if tokenizer and p.detokenize
+            else None
         )
         self.stops = StopStringMatcher(p.stop, p.include_stop_str_in_output)
         self.text = ""

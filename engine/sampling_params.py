@@ -34,6 +34,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False: token ids only, no text (vLLM's ``detokenize``; e.g. audio-codec tokens for AR TTS).
+    detokenize: bool = True
     # Tokens banned for the first generated token only (Whisper's begin_suppress_tokens).
     begin_suppress_token_ids: list[int] = field(default_factory=list)
 
@@ -65,6 +67,7 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
         ]
         for ok, message in checks:

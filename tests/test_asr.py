@@ -8,7 +8,11 @@ model) on real synthetic speech (Piper and eSpeak NG voices):
 - a long span with no pauses is split into overlapping windows and stitched with no lost or
   repeated words;
 - streaming deltas concatenate to the final text; cross-attention K/V are freed after requests;
-- preemption (a KV cache too small for the batch) recomputes to the same tokens.
+- preemption (a KV cache too small for the batch) recomputes to the same tokens;
+- Whisper's per-window figures: no-speech probability equals transformers' at the
+  <|startoftranscript|> position, avg_logprob equals whisper's formula over ``generate()``'s scores;
+  temperature fallback on a window the model cannot read (reversed speech), seeded and
+  reproducible; a noise window is judged silent and yields no text.
 """
 
 from __future__ import annotations
@@ -148,8 +152,8 @@ async def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(engine: As
         # (otherwise a fast first decode can finish before the others start: no preemption).
         encode, encoded = small._encode, asyncio.Barrier(len(clips))
 
-        async def encode_together(audio: np.ndarray) -> object:
-            out = await encode(audio)
+        async def encode_together(audio: np.ndarray, prompt_ids: list[int]) -> object:
+            out = await encode(audio, prompt_ids)
             await encoded.wait()
             return out
 
@@ -159,3 +163,65 @@ async def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(engine: As
         assert got == [await engine.decode_tokens(c, prompt) for c in clips]
     finally:
         await small.shutdown()
+
+
+async def _unreadable(engine: AsrEngine) -> np.ndarray:
+    """Speech played backwards: speech-like sounds the model cannot read. Piper's synthesis is
+    not seeded, so which clip decodes with a mean logprob under -1.0 (Whisper then falls back to
+    sampling) varies between corpus builds: take the first reversed clip whose greedy decode does."""
+    for clip in corpus("piper"):
+        backwards = clip[::-1].copy()
+        *_, (_, result) = [item async for item in engine.decode_window(backwards, engine.prompt_ids(), temperature=0.0)]
+        if result is not None and result.avg_logprob < -1.5:
+            return backwards
+    raise AssertionError("no reversed clip is unreadable enough to test the fallback")
+
+
+async def test_no_speech_prob_and_avg_logprob_match_transformers(engine: AsrEngine) -> None:
+    w = _pristine()
+    sot = w.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
+    no_speech = w.tokenizer.convert_tokens_to_ids("<|nocaptions|>")
+    prompt = engine.prompt_ids()
+    noise = (np.random.default_rng(0).standard_normal(RATE * 5) * 0.05).astype(np.float32)
+    for clip in (corpus("piper")[0], corpus("espeak")[3], noise):
+        *_, (_, res) = [item async for item in engine.decode_window(clip, prompt)]
+        assert res is not None
+        feats = w.feature_extractor(clip, sampling_rate=RATE, return_tensors="pt").input_features
+        with torch.inference_mode():
+            logits = w.model(input_features=feats, decoder_input_ids=torch.tensor([[sot]])).logits[0, -1]
+            gen = w.model.generate(
+                feats,
+                decoder_input_ids=torch.tensor([prompt]),
+                max_new_tokens=engine.config.max_new_tokens,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        assert res.no_speech_prob == pytest.approx(float(logits.softmax(-1)[no_speech]), abs=1e-4)
+        chosen = gen.sequences[0, -len(gen.scores) :].tolist()  # text tokens, then end-of-text
+        lps = [float(torch.log_softmax(sc[0].float(), -1)[t]) for sc, t in zip(gen.scores, chosen, strict=True)]
+        assert res.tokens == [t for t in chosen if t != w.model.generation_config.eos_token_id]
+        assert res.avg_logprob == pytest.approx(sum(lps) / (len(res.tokens) + 1), abs=2e-3)
+        assert res.temperature == 0.0
+    assert res.no_speech_prob > 0.6 and res.avg_logprob <= -1.0 and res.silent  # the noise
+    streamed = [d async for d in engine.stream(TranscriptionRequest(noise))]  # nothing sent live either
+    assert [d.text for d in streamed] == [""] and streamed[-1].transcript is not None
+    assert streamed[-1].transcript.segments == [] and streamed[-1].transcript.text == ""
+
+
+async def test_temperature_fallback_is_seeded_and_reproducible(engine: AsrEngine) -> None:
+    speech = await engine.run(TranscriptionRequest(corpus("piper")[0]))
+    assert [s.temperature for s in speech.segments] == [0.0]  # clean speech: the greedy decode stands
+    assert speech.segments[0].avg_logprob > -1.0 and speech.segments[0].no_speech_prob < 0.1
+    clip = await _unreadable(engine)
+    hot = [item async for item in engine.decode_window(clip, engine.prompt_ids(), temperature=1.0)]
+    assert hot[-1][1] is not None and hot[-1][1].temperature == 1.0  # nothing above 1.0 to try
+    first = await engine.run(TranscriptionRequest(clip, seed=7))
+    (seg,) = first.segments
+    assert seg.temperature > 0.0 and seg.text  # fell back (and is no silence)
+    again = await engine.run(TranscriptionRequest(clip, seed=7))
+    assert again.segments[0].tokens == seg.tokens and again.segments[0].temperature == seg.temperature
+    others = [await engine.run(TranscriptionRequest(clip, seed=s)) for s in (8, 9)]
+    assert any(o.segments[0].tokens != seg.tokens for o in others)  # the seed is what samples
+    # Starting at 0.4 tries 0.4, 0.6, 0.8, 1.0 only.
+    warm = await engine.run(TranscriptionRequest(clip, temperature=0.4, seed=7))
+    assert warm.segments[0].temperature in (0.4, 0.6, 0.8, 1.0)

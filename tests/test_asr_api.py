@@ -1,6 +1,8 @@
 """``/v1/audio/transcriptions`` on a real uvicorn server, called with the official ``openai``
-client (and httpx for raw error bodies): every response format, SSE streaming, wav/flac/mp3/ogg
-uploads, and the errors (unreadable audio 400, oversized 413, unknown model 404, bad fields 400).
+client (and httpx for raw error bodies): every response format, verbose_json segments with
+Whisper's fields, ``timestamp_granularities[]``, the seeded temperature fallback, SSE streaming,
+wav/flac/mp3/ogg uploads, and the errors (unreadable audio 400, oversized 413, unknown model 404,
+bad fields 400).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def test_formats_transcribe(client: openai.OpenAI, fmt: str) -> None:
     assert _words(result.text) == _words(SENTENCES[0])
 
 
-def test_response_formats(client: openai.OpenAI, two_sentences: np.ndarray) -> None:
+def test_response_formats(server: tuple[str, AsrEngine], client: openai.OpenAI, two_sentences: np.ndarray) -> None:
     wav = encode_audio(two_sentences, RATE, "wav")
     verbose = client.audio.transcriptions.create(
         model="whisper-1", file=("a.wav", wav), response_format="verbose_json", language="en"
@@ -68,12 +70,37 @@ def test_response_formats(client: openai.OpenAI, two_sentences: np.ndarray) -> N
     assert verbose.language == "english" and abs(verbose.duration - len(two_sentences) / RATE) < 0.01
     assert _words(verbose.text) == _words(f"{SENTENCES[0]} {SENTENCES[2]}")
     assert verbose.segments and verbose.segments[0].start < 1.0 and verbose.segments[-1].end > 5.0
+    seg = verbose.segments[0].model_dump()
+    fields = ("id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob", "compression_ratio")
+    assert set(fields) | {"no_speech_prob"} <= set(seg)
+    assert seg["temperature"] == 0.0 and -1.0 < seg["avg_logprob"] < 0.0 and 0.0 <= seg["no_speech_prob"] < 0.6
+    assert 0.5 < seg["compression_ratio"] < 2.4 and len(seg["tokens"]) > 5
+    assert server[1].whisper.tokenizer.decode(seg["tokens"], skip_special_tokens=True).strip() == seg["text"]
     text = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), response_format="text")
     assert text.strip() == verbose.text
     srt = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), response_format="srt")
     assert srt.startswith("1\n00:00:00,") and " --> 00:00:0" in srt and verbose.segments[0].text in srt
     vtt = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav), response_format="vtt")
     assert vtt.startswith("WEBVTT\n\n00:00:00.") and verbose.segments[0].text in vtt
+
+
+def test_segment_granularity_and_seeded_fallback(client: openai.OpenAI) -> None:
+    def create(audio: bytes, **kw: object) -> openai.types.audio.TranscriptionVerbose:
+        return client.audio.transcriptions.create(
+            model="whisper-1", file=("b.wav", audio), response_format="verbose_json", **kw
+        )
+
+    # Speech played backwards is unreadable; Piper's synthesis is not seeded, so which clip makes
+    # the greedy decode fall back varies between corpus builds: take the first that does.
+    for clip in corpus("piper"):
+        backwards = encode_audio(clip[::-1].copy(), RATE, "wav")
+        first = create(backwards, timestamp_granularities=["segment"], extra_body={"seed": 3})
+        if first.segments and first.segments[0].temperature > 0.0:
+            break
+    else:
+        raise AssertionError("no reversed clip fell back to sampling")
+    again = create(backwards, extra_body={"seed": 3})
+    assert [s.model_dump() for s in again.segments] == [s.model_dump() for s in first.segments]
 
 
 def test_stream_sends_deltas_then_done(client: openai.OpenAI, two_sentences: np.ndarray) -> None:
@@ -113,11 +140,25 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
         ({"temperature": "1.5"}, "temperature"),
         ({"language": "fr"}, "language"),
         ({"stream": "true", "response_format": "srt"}, "stream"),
+        ({"seed": "-1"}, "seed"),
+        ({"timestamp_granularities[]": "word", "response_format": "verbose_json"}, "timestamp_granularities[]"),
+        ({"timestamp_granularities[]": "phrase", "response_format": "verbose_json"}, "timestamp_granularities[]"),
+        ({"timestamp_granularities[]": "segment"}, "timestamp_granularities[]"),  # needs verbose_json
     ]
     for fields, param in cases:
         r = httpx.post(url, headers=auth, files={"file": ("a.wav", io.BytesIO(wav))}, data=fields, timeout=60)
         assert r.status_code == 400, (fields, r.text)
         assert r.json()["error"]["param"] == param
+    r = httpx.post(url, headers=auth, files={"file": ("a.wav", io.BytesIO(wav))}, data={"seed": "x"}, timeout=60)
+    assert r.status_code == 400 and "error" in r.json()
+    word = httpx.post(
+        url,
+        headers=auth,
+        files={"file": ("a.wav", io.BytesIO(wav))},
+        data={"timestamp_granularities[]": ["segment", "word"], "response_format": "verbose_json"},
+        timeout=60,
+    )
+    assert word.status_code == 400 and "'word' is not supported" in word.json()["error"]["message"]
     r = httpx.post(url, headers=auth, data={"model": "whisper-1"}, timeout=60)  # no file
     assert 400 <= r.status_code < 500 and "error" in r.json()
     r = httpx.post(url, files={"file": ("a.wav", io.BytesIO(wav))}, timeout=60)  # no key

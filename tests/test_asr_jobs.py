@@ -69,6 +69,12 @@ def test_uploaded_audio_becomes_a_transcript_file(base: str) -> None:
 
 
 def test_bad_params_are_400(base: str) -> None:
-    for params in ({}, {"file_id": "x", "temperature": 3}, {"file_id": "x", "response_format": "xml"}):
+    bad = (
+        {},
+        {"file_id": "x", "temperature": 3},
+        {"file_id": "x", "response_format": "xml"},
+        {"file_id": "x", "seed": -1},
+    )
+    for params in bad:
         r = httpx.post(f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
         assert r.status_code == 400, (params, r.text)

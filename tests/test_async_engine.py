@@ -256,3 +256,42 @@ async def test_fcfs_ignores_priority(loaded) -> None:
             async for _ in g:
                 pass
         await _idle(engine)
+
+
+# -- work between steps ------------------------------------------------------------------------
+async def test_call_between_steps_runs_on_the_engine_thread_between_steps(loaded) -> None:
+    import threading
+
+    async with _async_engine(loaded) as engine:
+        llm = engine.engine
+        seen: list[tuple[str, int]] = []
+
+        def probe() -> int:
+            seen.append((threading.current_thread().name, llm.num_generation_tokens))
+            return len(seen)
+
+        def fail() -> None:
+            raise RuntimeError("codec broke")
+
+        gen = engine.generate("long", PROMPTS[0], LONG)
+        await gen.__anext__()
+        assert await engine.call_between_steps(probe) == 1
+        with pytest.raises(RuntimeError, match="codec broke"):
+            await engine.call_between_steps(fail)
+        await gen.__anext__()  # the loop goes on after a failed call
+        assert await engine.call_between_steps(probe) == 2
+        await gen.aclose()
+        assert [name for name, _ in seen] == ["mmserve-engine"] * 2
+        assert seen[1][1] > seen[0][1]  # steps ran in between
+        await _idle(engine)
+
+
+async def test_detokenize_false_gives_the_same_tokens_without_text(loaded) -> None:
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    async with _async_engine(loaded) as engine:
+        with_text, text = await _collect(engine, PROMPTS[2], SamplingParams(**params))
+        ids_only, no_text = await _collect(engine, PROMPTS[2], SamplingParams(**params, detokenize=False))
+    assert text and no_text == ""
+    assert ids_only[-1].outputs[0].token_ids == with_text[-1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -6,6 +6,7 @@ decode, cancellation, and ``/v1/audio/speech`` routing by voice to this backend.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from modalities.audio import decode_audio
-from modalities.tts.ar_engine import ARTTSEngine, StreamingCodecDecoder
+from modalities.tts.ar_engine import ARTTSEngine
+from modalities.tts.codec_stream import CodecBatcher, CodecWindow, StreamingCodecDecoder, decode_windows
 from modalities.tts.protocol import TTSRequest
 from modalities.tts.tiny import tiny_tts_ar_dir
 from tests.helpers import serve_app
@@ -109,22 +111,69 @@ def test_continuous_batch_with_text_requests_survives_preemption(model_dir: Path
     assert peak >= 2  # requests shared engine steps
 
 
-def test_streaming_decoder_equals_one_full_decode(model_dir: Path) -> None:
+@pytest.mark.parametrize("first_every", [None, 2])
+def test_streaming_decoder_equals_one_full_decode(model_dir: Path, first_every: int | None) -> None:
     ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=16)
     rng = np.random.default_rng(0)
     codes = rng.integers(0, ar.layout.codebook_size, size=(ar.layout.num_codebooks, 50))
     with torch.no_grad():
         full = ar.codec.decode(audio_codes=torch.from_numpy(codes[None])).audio_values[0].numpy()
-    dec = StreamingCodecDecoder(ar.codec, ar.layout.context_frames, decode_every=4)
+    dec = StreamingCodecDecoder(ar.codec, ar.layout.context_frames, decode_every=4, first_every=first_every)
     parts: list[tuple[int, np.ndarray]] = []
     for f in range(codes.shape[1]):
         out = dec.push(codes[:, f : f + 1])
         if out is not None:
             parts.append((f, out))
     parts.append((codes.shape[1], dec.finish()))
-    assert parts[0][0] == 4 + ar.layout.context_frames - 1  # audio after k + context frames, not at the end
+    # audio after first_every + context frames, not at the end
+    assert parts[0][0] == (first_every or 4) + ar.layout.context_frames - 1
     assert len(parts) > 5
     np.testing.assert_allclose(np.concatenate([p for _, p in parts]), full, atol=1e-5)
+
+
+def test_windows_of_many_streams_decode_as_one_padded_batch(model_dir: Path) -> None:
+    """Windows of different lengths (first, middle, last) decoded in one call give each stream the
+    samples it gets decoding alone: batch padding only reaches samples a window drops."""
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=16)
+    rng = np.random.default_rng(1)
+    ctx = ar.layout.context_frames
+    windows: list[CodecWindow] = []
+    for length, every in [(40, 3), (33, 5), (21, 8)]:
+        codes = rng.integers(0, ar.layout.codebook_size, size=(ar.layout.num_codebooks, length))
+        dec = StreamingCodecDecoder(ar.codec, ctx, decode_every=every, first_every=2)
+        for f in range(length):
+            w = dec.take(codes[:, f : f + 1])
+            if w is not None:
+                windows.append(w)
+        windows.append(dec.take_last())
+    assert len({w.codes.shape[1] for w in windows}) > 3 and any(w.hi is None for w in windows)
+    batched = decode_windows(ar.codec, windows)
+    for w, got in zip(windows, batched, strict=True):
+        np.testing.assert_allclose(got, decode_windows(ar.codec, [w])[0], atol=1e-5)
+
+
+def test_codec_batcher_decodes_windows_submitted_together_in_one_call(model_dir: Path) -> None:
+    ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=16)
+    rng = np.random.default_rng(2)
+    windows = [
+        CodecWindow(rng.integers(0, ar.layout.codebook_size, size=(ar.layout.num_codebooks, n)), 0, 4 * 320)
+        for n in (14, 15, 18)
+    ]
+    runs: list[int] = []
+
+    async def run(fn):  # stands in for AsyncEngine.call_between_steps
+        runs.append(1)
+        return fn()
+
+    batcher = CodecBatcher(ar.codec, run)
+
+    async def go() -> list[np.ndarray]:
+        return await asyncio.gather(*(batcher.decode(w) for w in windows))
+
+    got = asyncio.run(go())
+    assert runs == [1] and (batcher.batches, batcher.windows) == (1, 3)
+    for w, audio in zip(windows, got, strict=True):
+        np.testing.assert_allclose(audio, decode_windows(ar.codec, [w])[0], atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +218,39 @@ def test_engine_stream_yields_frames_as_they_decode_and_cancels(server: tuple[st
 
     before, after = asyncio.run(cancel())
     assert before == after and ar.stats()["num_running"] == 0
+
+
+def test_concurrent_streams_share_codec_batches_and_equal_their_audio_alone(
+    server: tuple[str, ARTTSEngine],
+) -> None:
+    _, ar = server
+    reqs = [TTSRequest(t, voice=v) for t, v in TEXTS]
+
+    async def one(req: TTSRequest) -> np.ndarray:
+        return np.concatenate([c async for c in ar.stream(req)])
+
+    async def alone() -> list[np.ndarray]:
+        return [await one(r) for r in reqs]
+
+    async def together() -> list[np.ndarray]:
+        # Hold the engine thread until every request is queued, so they start in the same step.
+        gate = threading.Event()
+        hold = asyncio.ensure_future(ar.engine.call_between_steps(gate.wait))
+        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+        while ar.engine._commands.qsize() < len(reqs):
+            await asyncio.sleep(0.001)
+        gate.set()
+        await hold
+        return list(await asyncio.gather(*tasks))
+
+    expected = asyncio.run(alone())
+    before = (ar.codec_batcher.batches, ar.codec_batcher.windows)
+    got = asyncio.run(together())
+    batches, windows = ar.codec_batcher.batches - before[0], ar.codec_batcher.windows - before[1]
+    assert batches < windows  # windows of different requests went through the codec together
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_speech_route_picks_the_ar_backend_by_voice(server: tuple[str, ARTTSEngine]) -> None:

@@ -1,9 +1,12 @@
 """OpenAI-compatible ``POST /v1/audio/transcriptions`` (multipart).
 
 Fields: ``file`` (wav, flac, ogg, mp3, or anything PyAV decodes), ``model`` (optional when one
-ASR model is served), ``language``, ``prompt``, ``temperature`` (0..1), ``response_format``
-(json, text, verbose_json, srt, vtt), ``stream`` (SSE: ``transcript.text.delta`` events as text
-decodes, then ``transcript.text.done``). Unreadable audio is a 400, a file over the ASR upload
+ASR model is served), ``language``, ``prompt``, ``temperature`` (0..1: the first decode's; a
+window failing Whisper's checks is decoded again at +0.2 steps up to 1), ``seed`` (mmserve's
+extension: seeds those sampled decodes, default 0, so a request is reproducible),
+``response_format`` (json, text, verbose_json, srt, vtt), ``timestamp_granularities[]``
+(``segment``; ``word`` is a 400: not supported), ``stream`` (SSE: ``transcript.text.delta``
+events as text decodes, then ``transcript.text.done``, whose text is the final one). Unreadable audio is a 400, a file over the ASR upload
 limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
 duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails).
 """
@@ -59,6 +62,8 @@ async def create_transcription(
     response_format: Annotated[str, Form()] = "json",
     temperature: Annotated[float, Form()] = 0.0,
     stream: Annotated[bool, Form()] = False,
+    seed: Annotated[int | None, Form()] = None,
+    timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
 ) -> Any:
     """OpenAI ``POST /v1/audio/transcriptions``."""
     from modalities.asr.engine import TranscriptionRequest
@@ -69,6 +74,9 @@ async def create_transcription(
         raise APIError(400, f"temperature must be in [0, 1], got {temperature}", param="temperature")
     if stream and response_format not in ("json", "text"):
         raise APIError(400, "stream=true supports response_format json or text", param="stream")
+    _check_granularities(timestamp_granularities or [], response_format)
+    if seed is not None and not 0 <= seed < 1 << 32:
+        raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
     served, engine = resolve_asr_engine(request, model)
     limit_mb = float(getattr(engine, "max_file_mb", DEFAULT_MAX_FILE_MB))
     data = await file.read(int(limit_mb * (1 << 20)) + 1)
@@ -86,7 +94,7 @@ async def create_transcription(
             param="file",
             code="audio_too_long",
         )
-    req = TranscriptionRequest(audio.samples, language or None, prompt or None, temperature)
+    req = TranscriptionRequest(audio.samples, language or None, prompt or None, temperature, seed=seed)
     ch = await charge(request, "audio_seconds", audio.duration)  # the tenant's audio_seconds budget
 
     if stream:
@@ -112,8 +120,21 @@ async def create_transcription(
     if response_format == "vtt":
         return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
     if response_format == "verbose_json":
-        return JSONResponse(to_verbose(transcript, temperature))
+        return JSONResponse(to_verbose(transcript))
     return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
+
+
+def _check_granularities(granularities: list[str], response_format: str) -> None:
+    """``segment`` (what every transcript has) is accepted, with verbose_json as OpenAI requires;
+    ``word`` would need word-level alignment, which this server does not do."""
+    param = "timestamp_granularities[]"
+    for g in granularities:
+        if g == "word":
+            raise APIError(400, "timestamp_granularities 'word' is not supported; use 'segment'", param=param)
+        if g != "segment":
+            raise APIError(400, f"timestamp_granularities must be 'segment' (got {g!r})", param=param)
+    if granularities and response_format != "verbose_json":
+        raise APIError(400, "timestamp_granularities requires response_format=verbose_json", param=param)
 
 
 async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:

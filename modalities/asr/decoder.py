@@ -11,7 +11,9 @@ the cache entry.
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,20 +126,32 @@ class WhisperDecoderAdapter(ModelAdapter):
         if len(encs) != meta.num_seqs or any(e is None for e in encs):
             raise ValueError("every Whisper decoder sequence needs an encoder output")
         cross = [self.cross_kv(e) for e in encs]  # type: ignore[arg-type]
-        t, hd, nh = embeds.shape[0], self.head_dim, self.num_heads
-        d = self.hidden_size
-        h = embeds + self.pos[positions]
+
+        def self_attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return backend.forward(i, q, k, v, meta, scale=1.0)
+
+        return self._layers(embeds + self.pos[positions], self_attn, cross, meta.query_start)
+
+    def _layers(
+        self,
+        h: torch.Tensor,
+        self_attn: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        cross: list[torch.Tensor],
+        query_start: list[int],
+    ) -> torch.Tensor:
+        """The decoder layers over ``h`` [T, d] (sequence ``s`` owns rows ``query_start[s]:
+        query_start[s + 1]`` and cross-attends ``cross[s]``); returns the final-norm hidden states."""
+        t, hd, nh, d = h.shape[0], self.head_dim, self.num_heads, self.hidden_size
         for i, ly in enumerate(self.layers):
             qkv = F.linear(ly.ln1(h), ly.w_qkv, ly.b_qkv)
             q = (qkv[:, :d] * self.scaling).view(t, nh, hd)
             k = qkv[:, d : 2 * d].view(t, nh, hd)
             v = qkv[:, 2 * d :].reshape(t, nh, hd)
-            attn = backend.forward(i, q, k, v, meta, scale=1.0)
-            h = h + F.linear(attn.reshape(t, d), ly.w_o, ly.b_o)
+            h = h + F.linear(self_attn(i, q, k, v).reshape(t, d), ly.w_o, ly.b_o)
             cq = (F.linear(ly.ln2(h), ly.w_cq, ly.b_cq) * self.scaling).view(t, nh, hd).transpose(0, 1)  # [H, T, D]
             out = torch.empty_like(cq)
-            for s in range(meta.num_seqs):
-                lo, hi = meta.query_start[s], meta.query_start[s + 1]
+            for s in range(len(cross)):
+                lo, hi = query_start[s], query_start[s + 1]
                 kv = cross[s][i]
                 out[:, lo:hi] = F.scaled_dot_product_attention(cq[None, :, lo:hi], kv[0][None], kv[1][None], scale=1.0)[
                     0
@@ -145,6 +159,27 @@ class WhisperDecoderAdapter(ModelAdapter):
             h = h + F.linear(out.transpose(0, 1).reshape(t, d), ly.w_co, ly.b_co)
             h = h + F.linear(self.act(F.linear(ly.ln3(h), ly.w_fc1, ly.b_fc1)), ly.w_fc2, ly.b_fc2)
         return self.final_ln(h)
+
+    def prompt_logits(self, encs: list[torch.Tensor], prompts: list[list[int]]) -> torch.Tensor:
+        """Raw logits [len(prompts), vocab] (no suppression) after the last token of each prompt,
+        each over its own encoder output, from one dense causal pass outside the engine: Whisper
+        reads its no-speech probability there, at the ``<|startoftranscript|>`` position, which
+        the engine never samples from. One pass for all, so the 51k-row output projection is
+        read once, not once per window."""
+        starts = [0, *itertools.accumulate(len(p) for p in prompts)]
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+
+        def self_attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            for lo, hi in itertools.pairwise(starts):
+                qs, ks, vs = (x[lo:hi].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
+                out[lo:hi] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=1.0)[0].transpose(0, 1)
+            return out
+
+        cross = [self.cross_kv(e) for e in encs]
+        h = self._layers(self.embed(ids) + self.pos[positions], self_attn, cross, starts)
+        return F.linear(h[[s - 1 for s in starts[1:]]], self.lm_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.lm_head)

@@ -4,6 +4,10 @@ Audio → (VAD + windows for long files) → log-mel features → encoder, batch
 waiting at that moment (one forward per batch, on a worker thread) → one decoder request per window
 on the shared engine (``LLMEngine`` with ``WhisperDecoderAdapter``: paged self-attention KV,
 continuous batching of all clips' decodes) → texts stitched into one transcript.
+
+Each window is checked as ``whisper.transcribe`` does (``modalities.asr.quality``): a repetitive
+or unlikely decode is retried at higher temperatures (seeded from the request's ``seed``, so a
+request is reproducible), and a window the model hears as silence yields no text.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from modalities.asr.longform import Window, plan_windows, stitch
+from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
 from modalities.asr.model import WhisperModel, load_whisper
+from modalities.asr.quality import WindowResult, avg_logprob, compression_ratio, fallback_temperatures, passes_so_far
+from modalities.asr.types import Segment, Transcript, TranscriptDelta, TranscriptionRequest
 
 logger = logging.getLogger("mmserve.asr")
 
@@ -27,42 +33,7 @@ WINDOW_S = 30.0
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
-@dataclass
-class Segment:
-    id: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int] = field(default_factory=list)
-    avg_logprob: float = 0.0
-
-
-@dataclass
-class Transcript:
-    text: str
-    segments: list[Segment]
-    language: str
-    duration: float
-
-
-@dataclass
-class TranscriptionRequest:
-    """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
-    ``vad``: None = only for audio longer than one window."""
-
-    audio: np.ndarray
-    language: str | None = None
-    prompt: str | None = None
-    temperature: float = 0.0
-    vad: bool | None = None
-
-
-@dataclass
-class TranscriptDelta:
-    """A streamed piece: ``text`` to append; the last one has ``transcript`` set."""
-
-    text: str
-    transcript: Transcript | None = None
+_EncoderJob = tuple[np.ndarray, list[int]]  # (≤30 s window audio, decoder prompt ids)
 
 
 @dataclass
@@ -129,12 +100,15 @@ class AsrEngine:
             t: whisper.tokenizer.convert_tokens_to_ids(t) for t in ("<|startoftranscript|>", "<|startofprev|>")
         }
         self._no_ts = gen.no_timestamps_token_id
+        self._eos = gen.eos_token_id
+        self._no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
-        self._enc_queue: asyncio.Queue[tuple[np.ndarray, asyncio.Future[Any]]] | None = None
+        self._enc_queue: asyncio.Queue[tuple[_EncoderJob, asyncio.Future[Any]]] | None = None
         self._enc_task: asyncio.Task[None] | None = None
         self.audio_seconds = 0.0
         self.num_windows = 0
         self.num_encoder_batches = 0
+        self.num_fallback_decodes = 0
 
     @classmethod
     def from_config(cls, config: AsrConfig) -> AsrEngine:
@@ -166,17 +140,19 @@ class AsrEngine:
             audio_seconds_total=self.audio_seconds,
             windows_total=self.num_windows,
             encoder_batches_total=self.num_encoder_batches,
+            fallback_decodes_total=self.num_fallback_decodes,
             cross_kv_cached=self.adapter.num_cached_cross,
         )
         return s
 
     # -- encoder batching ----------------------------------------------------------------------
-    async def _encode(self, audio: np.ndarray) -> Any:
-        """Encoder output [frames, d_model] of one ≤30 s window (batched with concurrent calls)."""
+    async def _encode(self, audio: np.ndarray, prompt_ids: list[int]) -> tuple[Any, float]:
+        """(encoder output [frames, d_model], no-speech probability under ``prompt_ids``) of one
+        ≤30 s window, batched with concurrent calls."""
         await self.start()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         assert self._enc_queue is not None
-        await self._enc_queue.put((audio, fut))
+        await self._enc_queue.put(((audio, prompt_ids), fut))
         return await fut
 
     async def _encoder_loop(self) -> None:
@@ -189,7 +165,7 @@ class AsrEngine:
             # Hold no encoder output past its request: its cross K/V are freed with it.
             del batch
 
-    async def _encode_batch(self, batch: list[tuple[np.ndarray, asyncio.Future[Any]]]) -> None:
+    async def _encode_batch(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]]) -> None:
         live = [(a, f) for a, f in batch if not f.done()]
         if not live:
             return
@@ -204,19 +180,24 @@ class AsrEngine:
             if not f.done():
                 f.set_result(out)
 
-    def _run_encoder(self, audios: list[np.ndarray]) -> list[Any]:
+    def _run_encoder(self, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
         import torch
 
-        feats = self.whisper.feature_extractor(audios, sampling_rate=RATE, return_tensors="pt").input_features
+        feats = self.whisper.feature_extractor(
+            [a for a, _ in jobs], sampling_rate=RATE, return_tensors="pt"
+        ).input_features
+        sot = self._tok["<|startoftranscript|>"]
         with torch.inference_mode():
             hidden = self.whisper.model.model.encoder(
                 input_features=feats.to(self.whisper.model.dtype)
             ).last_hidden_state
-            outs = [hidden[i].clone() for i in range(hidden.shape[0])]
-            for out in outs:  # cross-attention K/V here, off the decode loop
-                self.adapter.cross_kv(out)
+            outs = [hidden[i].clone() for i in range(len(jobs))]
+            # Cross-attention K/V (cached) and Whisper's no-speech probability, read at the
+            # <|startoftranscript|> position, for the whole batch here, off the decode loop.
+            logits = self.adapter.prompt_logits(outs, [p[: p.index(sot) + 1] for _, p in jobs])
+            no_speech = torch.softmax(logits.float(), -1)[:, self._no_speech].tolist()
         self.num_encoder_batches += 1
-        return outs
+        return list(zip(outs, no_speech, strict=True))
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, language: str | None = None, prompt: str | None = None) -> list[int]:
@@ -239,14 +220,14 @@ class AsrEngine:
         return ids
 
     # -- decoding ------------------------------------------------------------------------------
-    async def _decode_window(
-        self, audio: np.ndarray, prompt_ids: list[int], temperature: float, seed: int | None = None
-    ) -> AsyncIterator[tuple[str, list[int], bool, float]]:
-        """Stream (delta text, token ids so far, finished, mean token logprob) for one ≤30 s window."""
+    async def _generate(
+        self, enc: Any, prompt_ids: list[int], temperature: float, seed: int | None = None
+    ) -> AsyncIterator[tuple[str, list[int], bool, list[float]]]:
+        """Stream (delta text, token ids so far, finished, chosen-token logprobs so far) of one
+        decode of one encoded window."""
         from engine.sampling_params import SamplingParams
         from engine.sequence import PromptInputs
 
-        enc = await self._encode(audio)
         params = SamplingParams(
             temperature=temperature,
             max_tokens=min(self.config.max_new_tokens, self.engine.max_model_len - len(prompt_ids)),
@@ -257,17 +238,41 @@ class AsrEngine:
         request_id = f"asr-{next(self._ids)}"
         async for out in self.engine.generate(request_id, PromptInputs(prompt_ids, encoder_output=enc), params):
             o = out.outputs[0]
-            lps = [lp.logprob for lp in o.logprobs or []]
-            yield o.delta_text, o.token_ids, out.finished, sum(lps) / len(lps) if lps else 0.0
+            yield o.delta_text, o.token_ids, out.finished, [lp.logprob for lp in o.logprobs or []]
 
     async def decode_tokens(self, audio: np.ndarray, prompt_ids: list[int], temperature: float = 0.0) -> list[int]:
-        """Generated token ids (eos excluded) of one ≤30 s clip: the unit the correctness test
-        compares with ``generate()``."""
+        """Generated token ids (eos excluded) of one ≤30 s clip, one decode at ``temperature``
+        (no fallback): the unit the correctness test compares with ``generate()``."""
+        enc, _ = await self._encode(audio, prompt_ids)
         tokens: list[int] = []
-        async for _, ids, _, _ in self._decode_window(audio, prompt_ids, temperature):
+        async for _, ids, _, _ in self._generate(enc, prompt_ids, temperature):
             tokens = ids
-        eos = self.whisper.model.generation_config.eos_token_id
-        return [t for t in tokens if t != eos]
+        return [t for t in tokens if t != self._eos]
+
+    async def decode_window(
+        self, audio: np.ndarray, prompt_ids: list[int], temperature: float = 0.0, seed: int = 0
+    ) -> AsyncIterator[tuple[str, WindowResult | None]]:
+        """Decode one ≤30 s window with Whisper's temperature fallback: yields ``(live text,
+        None)`` while a decode's running figures pass the checks, then ``(text, result)`` with the
+        kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``."""
+        enc, no_speech = await self._encode(audio, prompt_ids)
+        temps = fallback_temperatures(temperature)
+        for attempt, t in enumerate(temps):
+            text, ids, lps = "", [], []
+            async for delta, ids_so_far, finished, lps in self._generate(
+                enc, prompt_ids, t, seed + attempt if t > 0 else None
+            ):
+                text += delta
+                ids = ids_so_far
+                if delta and not finished and passes_so_far(text, lps, no_speech):
+                    yield text, None
+            tokens = [x for x in ids if x != self._eos]
+            text = text.strip()
+            res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)
+            if not res.needs_fallback or attempt == len(temps) - 1:
+                break
+            self.num_fallback_decodes += 1
+        yield ("" if res.silent else res.text), res
 
     def _windows(self, audio: np.ndarray, vad: bool | None) -> list[Window]:
         duration = len(audio) / RATE
@@ -288,24 +293,23 @@ class AsrEngine:
         windows = self._windows(audio, req.vad)
         self.audio_seconds += len(audio) / RATE
         self.num_windows += len(windows)
-        queue: asyncio.Queue[tuple[int, str, list[int], bool, float] | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, str, WindowResult | None] | BaseException] = asyncio.Queue()
+        seed = req.seed or 0
 
         async def run(i: int, w: Window) -> None:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
-                text = ""
-                async for delta, tokens, done, lp in self._decode_window(clip, prompt_ids, req.temperature):
-                    text += delta
-                    await queue.put((i, text, tokens, done, lp))
+                # Each window its own seeds, reproducible whatever else is decoding.
+                async for text, res in self.decode_window(clip, prompt_ids, req.temperature, seed + 1000 * i):
+                    await queue.put((i, text, res))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer
                 await queue.put(exc)
                 raise
 
         tasks = [asyncio.create_task(run(i, w)) for i, w in enumerate(windows)]
         texts = [""] * len(windows)
-        tokens = [[] for _ in windows]
+        results: list[WindowResult | None] = [None] * len(windows)
         done = [False] * len(windows)
-        logprobs = [0.0] * len(windows)
         emitted = ""
         try:
             pending = len(windows)
@@ -313,18 +317,18 @@ class AsrEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                i, texts[i], tokens[i], finished, logprobs[i] = item
-                if finished:
-                    done[i] = True
+                i, texts[i], res = item
+                if res is not None:
+                    results[i], done[i] = res, True
                     pending -= 1
-                stable = _stable_text(windows, texts, done)
+                stable = stable_text(windows, texts, done)
                 if stable.startswith(emitted) and len(stable) > len(emitted):
                     yield TranscriptDelta(stable[len(emitted) :])
                     emitted = stable
         finally:
             for t in tasks:
                 t.cancel()
-        segments = _segments(windows, texts, tokens, logprobs)
+        segments = _segments(windows, texts, results)  # type: ignore[arg-type] # all set
         text = " ".join(s.text for s in segments)
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
@@ -350,43 +354,33 @@ class AsrEngine:
             yield delta
 
 
-def _stitched(windows: list[Window], texts: list[str]) -> list[str]:
-    """Per-window texts with the overlap between consecutive split windows removed."""
-    out = [t.strip() for t in texts]
-    for i in range(1, len(windows)):
-        if windows[i].overlaps_prev:
-            out[i - 1], out[i] = stitch(out[i - 1], out[i])
-    return out
-
-
-def _stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
-    """The transcript prefix that can no longer change: finished windows in order, then the live
-    text of the first unfinished one if no overlap stitch can touch it."""
-    n = 0
-    while n < len(windows) and done[n]:
-        n += 1
-    # A finished window followed by an overlapping one may still lose its tail to the stitch.
-    k = n
-    while k > 0 and k < len(windows) and windows[k].overlaps_prev:
-        k -= 1
-    parts = [t for t in _stitched(windows[:k], texts[:k]) if t]
-    if (
-        k == n < len(windows)
-        and not windows[n].overlaps_prev
-        and not (n + 1 < len(windows) and windows[n + 1].overlaps_prev)
-    ):
-        live = texts[n].strip()
-        if live:
-            parts.append(live)
-    return " ".join(parts)
-
-
-def _segments(windows: list[Window], texts: list[str], tokens: list[list[int]], lps: list[float]) -> list[Segment]:
+def _segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
     segments = []
-    for i, (w, text) in enumerate(zip(windows, _stitched(windows, texts), strict=True)):
+    for w, text, r in zip(windows, stitched_texts(windows, texts), results, strict=True):
         if text:
-            segments.append(Segment(len(segments), round(w.start, 3), round(w.end, 3), text, tokens[i], lps[i]))
+            segments.append(
+                Segment(
+                    len(segments),
+                    round(w.start, 3),
+                    round(w.end, 3),
+                    text,
+                    r.tokens,
+                    r.avg_logprob,
+                    r.temperature,
+                    r.compression_ratio,
+                    r.no_speech_prob,
+                )
+            )
     return segments
+
+
+def _no_speech_token(tokenizer: Any, no_timestamps: int) -> int:
+    """Whisper's no-speech token: ``<|nospeech|>`` (v3 vocabularies), ``<|nocaptions|>`` (older)."""
+    for name in ("<|nospeech|>", "<|nocaptions|>"):
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            return tid
+    return no_timestamps - 1  # where both vocabularies put it
 
 
 def _cpu_fp32(model: Any) -> bool:

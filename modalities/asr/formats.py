@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 from modalities.asr.engine import Transcript
@@ -31,13 +30,10 @@ def to_vtt(t: Transcript) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def compression_ratio(text: str) -> float:
-    """Whisper's repetition signal: raw bytes / zlib-compressed bytes."""
-    raw = text.encode()
-    return round(len(raw) / len(zlib.compress(raw)), 3) if raw else 0.0
-
-
-def to_verbose(t: Transcript, temperature: float) -> dict[str, Any]:
+def to_verbose(t: Transcript) -> dict[str, Any]:
+    """OpenAI's ``verbose_json``: Whisper's segment fields, with the per-window figures the
+    engine measured (the kept decode's temperature, mean token logprob, compression ratio and
+    the no-speech probability)."""
     return {
         "task": "transcribe",
         "language": {"en": "english"}.get(t.language, t.language),
@@ -51,9 +47,10 @@ def to_verbose(t: Transcript, temperature: float) -> dict[str, Any]:
                 "end": s.end,
                 "text": s.text,
                 "tokens": s.tokens,
-                "temperature": temperature,
+                "temperature": s.temperature,
                 "avg_logprob": s.avg_logprob,
-                "compression_ratio": compression_ratio(s.text),
+                "compression_ratio": s.compression_ratio,
+                "no_speech_prob": s.no_speech_prob,
             }
             for s in t.segments
         ],

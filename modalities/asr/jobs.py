@@ -2,7 +2,8 @@
 transcript file.
 
 ``params``: ``file_id`` (an audio file uploaded through ``POST /v1/files``), and optionally
-``model``, ``language``, ``prompt``, ``temperature``, ``response_format`` (as the online route).
+``model``, ``language``, ``prompt``, ``temperature``, ``seed``, ``response_format`` (as the online
+route).
 The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
 text, duration and segment count. Cancelling the job closes the transcription stream, which
 aborts its decodes in the engine.
@@ -32,6 +33,7 @@ class TranscriptionJob(BaseModel):
     language: str | None = None
     prompt: str | None = Field(default=None, max_length=4000)
     temperature: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 32)
     response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "verbose_json"
 
 
@@ -55,11 +57,11 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
     return "audio_seconds", file_bytes / BYTES_PER_AUDIO_SECOND
 
 
-def render(transcript: Any, fmt: str, temperature: float) -> bytes:
+def render(transcript: Any, fmt: str) -> bytes:
     from modalities.asr.formats import to_srt, to_verbose, to_vtt
 
     if fmt == "verbose_json":
-        return json.dumps(to_verbose(transcript, temperature)).encode()
+        return json.dumps(to_verbose(transcript)).encode()
     if fmt == "json":
         return json.dumps({"text": transcript.text}).encode()
     return {"text": transcript.text + "\n", "srt": to_srt(transcript), "vtt": to_vtt(transcript)}[fmt].encode()
@@ -75,7 +77,7 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     name, engine = pick_asr_engine(ctx.engines, ctx.aliases, job.model)
     data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(job.file_id))
     audio = (await asyncio.to_thread(decode_audio, data)).samples
-    req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature)
+    req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature, seed=job.seed)
     transcript = None
     ctx.progress(0, 1)
     async with aclosing(engine.stream(req)) as deltas:
@@ -89,7 +91,7 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
         ctx.store.put,
         ctx.job_id,
         f"transcript.{ext}",
-        render(transcript, job.response_format, job.temperature),
+        render(transcript, job.response_format),
         _TYPES[ext],
     )
     ctx.progress(1, 1)

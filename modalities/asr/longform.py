@@ -105,3 +105,34 @@ def stitch(prev: str, nxt: str, tail_words: int = 12, min_match: int = 2) -> tup
     if match.size < min_match or not any(na[match.a : match.a + match.size]):
         return prev, nxt
     return " ".join(a[: ta + match.a]), " ".join(b[match.b :])
+
+
+def stitched_texts(windows: list[Window], texts: list[str]) -> list[str]:
+    """Per-window texts with the overlap between consecutive split windows removed."""
+    out = [t.strip() for t in texts]
+    for i in range(1, len(windows)):
+        if windows[i].overlaps_prev:
+            out[i - 1], out[i] = stitch(out[i - 1], out[i])
+    return out
+
+
+def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
+    """The transcript prefix that can no longer change: finished windows in order, then the live
+    text of the first unfinished one if no overlap stitch can touch it."""
+    n = 0
+    while n < len(windows) and done[n]:
+        n += 1
+    # A finished window followed by an overlapping one may still lose its tail to the stitch.
+    k = n
+    while k > 0 and k < len(windows) and windows[k].overlaps_prev:
+        k -= 1
+    parts = [t for t in stitched_texts(windows[:k], texts[:k]) if t]
+    if (
+        k == n < len(windows)
+        and not windows[n].overlaps_prev
+        and not (n + 1 < len(windows) and windows[n + 1].overlaps_prev)
+    ):
+        live = texts[n].strip()
+        if live:
+            parts.append(live)
+    return " ".join(parts)

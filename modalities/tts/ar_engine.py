@@ -5,14 +5,14 @@ see ``modalities.tts.tiny``) runs on ``engine.async_engine.AsyncEngine`` like an
 paged KV, continuous batching with other requests, preemption by recompute, abort on cancel.
 Sampling is constrained to the codec tokens and ``<|audio_end|>`` (``allowed_token_ids``); a
 piece stops at ``<|audio_end|>`` or ``max_frames``. Codec tokens are turned into waveform by the
-model's transformers codec (DAC) as they arrive: ``StreamingCodecDecoder`` decodes every
-``decode_every`` frames with ``context_frames`` of context on both sides (the decoder's measured
-receptive field), so the streamed audio equals one decode of all frames.
+model's transformers codec (DAC) as they arrive (``modalities.tts.codec_stream``): a window every
+``decode_every`` frames (the first after ``first_every``) with the decoder's receptive field as
+context, so the streamed audio equals one decode of all frames; the windows of all concurrent
+requests are decoded in batches on one codec thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -24,6 +24,7 @@ import numpy as np
 
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
+from modalities.tts.codec_stream import CodecBatcher, StreamingCodecDecoder
 from modalities.tts.protocol import TTSRequest
 from modalities.tts.text import split_text
 from modalities.tts.tiny import TTS_CONFIG
@@ -65,45 +66,6 @@ class ARTTSLayout:
         return (arr % self.codebook_size).reshape(-1, q).T
 
 
-class StreamingCodecDecoder:
-    """Frame-by-frame waveform from a convolutional codec: ``push(codes)`` returns the samples
-    that no future frame can change; ``finish()`` the rest. Concatenated, they equal
-    ``codec.decode`` of all the frames (up to float rounding)."""
-
-    def __init__(self, codec: Any, context_frames: int, decode_every: int) -> None:
-        self.codec = codec
-        self.ctx = context_frames
-        self.every = decode_every
-        self.hop = int(codec.config.hop_length)
-        self.frames: np.ndarray | None = None  # [q, T]
-        self.emitted = 0  # frames whose samples are out
-
-    def _decode(self, end_frame: int, final: bool) -> np.ndarray:
-        import torch
-
-        assert self.frames is not None
-        start = max(0, self.emitted - self.ctx)
-        with torch.no_grad():
-            window = torch.from_numpy(self.frames[None, :, start:])
-            audio = self.codec.decode(audio_codes=window).audio_values[0].numpy()
-        lo = (self.emitted - start) * self.hop
-        hi = len(audio) if final else (end_frame - start) * self.hop
-        self.emitted = end_frame
-        return audio[lo:hi].astype(np.float32, copy=False)
-
-    def push(self, codes: np.ndarray) -> np.ndarray | None:
-        self.frames = codes if self.frames is None else np.concatenate([self.frames, codes], axis=1)
-        ready = self.frames.shape[1] - self.ctx
-        if ready - self.emitted < self.every:
-            return None
-        return self._decode(ready, final=False)
-
-    def finish(self) -> np.ndarray | None:
-        if self.frames is None or self.frames.shape[1] == 0:
-            return None
-        return self._decode(self.frames.shape[1], final=True)
-
-
 class ARTTSEngine:
     """AR TTS behind the TTS engine contract (``modalities.tts.base``). ``engine`` may be shared
     with text requests: ``engine.generate`` is the same call LLM routes make."""
@@ -119,12 +81,17 @@ class ARTTSEngine:
         max_frames: int = 750,
         decode_every: int = 8,
         name: str | None = None,
+        first_every: int | None = None,
     ) -> None:
         self.engine = engine
         self.codec = codec
         self.layout = layout
         self.max_frames = max_frames
         self.decode_every = decode_every
+        self.first_every = first_every or decode_every
+        # The codec decode runs between the engine's steps, batched across requests: on a few
+        # cores, a decode running beside the step slowed both (two thread teams on the same cores).
+        self.codec_batcher = CodecBatcher(codec, getattr(engine, "call_between_steps", None))
         self.model_name = name or engine.model_name
         self.voices = list(layout.voices)
         self.sample_rate = int(codec.config.sampling_rate)
@@ -177,11 +144,12 @@ class ARTTSEngine:
             allowed_token_ids=self._allowed,
             stop_token_ids=[self.layout.audio_end_id],
             ignore_eos=True,  # the text EOS is not a codec token; only <|audio_end|> ends audio
+            detokenize=False,  # codec tokens have no text: skip the per-token decode
         )
 
     async def _piece(self, text: str, voice: str) -> AsyncIterator[np.ndarray]:
         """Waveform of one text piece at the codec's rate, as frames arrive."""
-        decoder = StreamingCodecDecoder(self.codec, self.layout.context_frames, self.decode_every)
+        decoder = StreamingCodecDecoder(self.codec, self.layout.context_frames, self.decode_every, self.first_every)
         q = self.layout.num_codebooks
         tokens: list[int] = []
         used = 0
@@ -191,13 +159,17 @@ class ARTTSEngine:
                 tokens.extend(t for t in out.outputs[0].delta_token_ids if t != self.layout.audio_end_id)
                 complete = len(tokens) // q * q
                 if complete > used:
-                    audio = await asyncio.to_thread(decoder.push, self.layout.codes(tokens[used:complete]))
+                    window = decoder.take(self.layout.codes(tokens[used:complete]))
                     used = complete
-                    if audio is not None and audio.size:
-                        yield audio
-        tail = await asyncio.to_thread(decoder.finish)
-        if tail is not None and tail.size:
-            yield tail
+                    if window is not None:
+                        audio = await self.codec_batcher.decode(window)
+                        if audio.size:
+                            yield audio
+        window = decoder.take_last()
+        if window is not None:
+            tail = await self.codec_batcher.decode(window)
+            if tail.size:
+                yield tail
 
     async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
         """Float32 chunks every ``decode_every`` frames, at ``req.sample_rate or sample_rate``."""

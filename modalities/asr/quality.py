@@ -1,0 +1,71 @@
+"""Whisper's per-window quality checks: temperature fallback and silence (no-speech) skipping.
+
+As ``whisper.transcribe`` does it: a window decoded at temperature ``t`` whose text is too
+repetitive (gzip compression ratio > 2.4) or too unlikely (mean token logprob < -1.0) is decoded
+again at ``t + 0.2``, ... up to 1.0; a window the model thinks silent (no-speech probability > 0.6)
+and whose text is unlikely (mean logprob ≤ -1.0) is neither retried nor transcribed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+COMPRESSION_RATIO_THRESHOLD = 2.4
+LOGPROB_THRESHOLD = -1.0
+NO_SPEECH_THRESHOLD = 0.6
+TEMPERATURE_STEP = 0.2
+
+
+def compression_ratio(text: str) -> float:
+    """Whisper's repetition signal: raw bytes / zlib-compressed bytes (0 for no text)."""
+    raw = text.encode()
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+
+
+def fallback_temperatures(start: float) -> list[float]:
+    """``start``, then ``start + 0.2``, ... while ≤ 1.0 (whisper's ``np.arange(t, 1 + 1e-6, 0.2)``)."""
+    return [round(float(t), 6) for t in np.arange(start, 1.0 + 1e-6, TEMPERATURE_STEP)] or [start]
+
+
+def avg_logprob(logprobs: list[float], num_text_tokens: int) -> float:
+    """Whisper's ``sum_logprobs / (len(tokens) + 1)``: the sum covers the text tokens and the
+    end-of-text token, the count the text tokens plus one."""
+    return sum(logprobs) / (num_text_tokens + 1)
+
+
+@dataclass
+class WindowResult:
+    """One decode attempt of one ≤30 s window."""
+
+    text: str  # stripped
+    tokens: list[int]  # text tokens, end-of-text excluded
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+    @property
+    def silent(self) -> bool:
+        """Whisper skips such a window: probably no speech, and the text is not trusted."""
+        return self.no_speech_prob > NO_SPEECH_THRESHOLD and self.avg_logprob <= LOGPROB_THRESHOLD
+
+    @property
+    def needs_fallback(self) -> bool:
+        """Decode again at the next temperature (never for a silent window)."""
+        bad = self.compression_ratio > COMPRESSION_RATIO_THRESHOLD or self.avg_logprob < LOGPROB_THRESHOLD
+        return bad and not self.silent
+
+
+def passes_so_far(text: str, logprobs: list[float], no_speech_prob: float) -> bool:
+    """Whether a window's live text may be streamed before the window ends: its running figures
+    pass the checks and it cannot turn out silent. (A window can still fail at its end; the
+    stream then stops sending deltas and its final event carries the text that was kept.)"""
+    if no_speech_prob > NO_SPEECH_THRESHOLD or not logprobs:
+        return False
+    return (
+        sum(logprobs) / len(logprobs) >= LOGPROB_THRESHOLD
+        and compression_ratio(text.strip()) <= COMPRESSION_RATIO_THRESHOLD
+    )

@@ -1,0 +1,53 @@
+"""The ASR engine's picklable request and result types (they cross the Celery dispatch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Segment:
+    """One window's text (after stitching) with Whisper's per-window figures: the temperature of
+    the kept decode, its mean token logprob and compression ratio, and the no-speech probability."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    avg_logprob: float = 0.0
+    temperature: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+
+
+@dataclass
+class Transcript:
+    text: str
+    segments: list[Segment]
+    language: str
+    duration: float
+
+
+@dataclass
+class TranscriptionRequest:
+    """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
+    ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
+    fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0)."""
+
+    audio: np.ndarray
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    vad: bool | None = None
+    seed: int | None = None
+
+
+@dataclass
+class TranscriptDelta:
+    """A streamed piece: ``text`` to append; the last one has ``transcript`` set."""
+
+    text: str
+    transcript: Transcript | None = None

@@ -1,0 +1,159 @@
+"""Streaming waveform from a convolutional audio codec, decoded in batches across streams.
+
+``StreamingCodecDecoder`` keeps one stream's frames and says which window of them is due for
+decoding (every ``decode_every`` frames, with ``context_frames`` of context on both sides: the
+decoder's measured receptive field), so the streamed audio equals one decode of all frames.
+``CodecBatcher`` decodes the due windows of every stream of an engine: windows due at the same
+time run as one batch (one call instead of one per stream), between the engine's steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CodecWindow:
+    """Codes ``[q, T]`` to decode and the samples ``[lo, hi)`` of the result that are new.
+    ``hi is None`` for a stream's last window (everything to the end is kept); otherwise every
+    kept sample is at least ``context`` frames before the window's end, so frames appended after
+    it (batch padding) cannot change them."""
+
+    codes: np.ndarray
+    lo: int
+    hi: int | None
+
+
+def decode_windows(codec: Any, windows: list[CodecWindow]) -> list[np.ndarray]:
+    """The kept samples of each window. Windows with a known end are right-padded to the longest
+    and decoded as one batch; a last window (its end is the audio's end) is decoded as it is."""
+    import torch
+
+    out: list[np.ndarray | None] = [None] * len(windows)
+    groups: list[list[int]] = []
+    bounded = [i for i, w in enumerate(windows) if w.hi is not None]
+    if bounded:
+        groups.append(bounded)
+    groups += [[i] for i, w in enumerate(windows) if w.hi is None]
+    for group in groups:
+        width = max(windows[i].codes.shape[1] for i in group)
+        batch = np.zeros((len(group), windows[group[0]].codes.shape[0], width), dtype=np.int64)
+        for row, i in enumerate(group):
+            codes = windows[i].codes
+            batch[row, :, : codes.shape[1]] = codes
+            batch[row, :, codes.shape[1] :] = codes[:, -1:]  # any code: only dropped samples see it
+        with torch.no_grad():
+            audio = codec.decode(audio_codes=torch.from_numpy(batch)).audio_values.numpy()
+        for row, i in enumerate(group):
+            w = windows[i]
+            out[i] = audio[row, w.lo : w.hi].astype(np.float32, copy=True)
+    return out  # type: ignore[return-value]
+
+
+class StreamingCodecDecoder:
+    """One stream's frames: ``take(codes)`` returns the window due now (samples no future frame
+    can change) or None; ``take_last()`` the rest. ``push``/``finish`` decode those windows at
+    once. Concatenated, the windows' audio equals ``codec.decode`` of all the frames (up to float
+    rounding). The first window is due after ``first_every`` frames (default ``decode_every``):
+    a small first chunk is what keeps time-to-first-audio low."""
+
+    def __init__(self, codec: Any, context_frames: int, decode_every: int, first_every: int | None = None) -> None:
+        self.codec = codec
+        self.ctx = context_frames
+        self.every = decode_every
+        self.first_every = first_every or decode_every
+        self.hop = int(codec.config.hop_length)
+        self.frames: np.ndarray | None = None  # [q, T]
+        self.emitted = 0  # frames whose samples are out
+
+    def _window(self, end_frame: int, last: bool) -> CodecWindow:
+        assert self.frames is not None
+        start = max(0, self.emitted - self.ctx)
+        lo = (self.emitted - start) * self.hop
+        hi = None if last else (end_frame - start) * self.hop
+        self.emitted = end_frame
+        return CodecWindow(self.frames[:, start:], lo, hi)
+
+    def take(self, codes: np.ndarray) -> CodecWindow | None:
+        self.frames = codes if self.frames is None else np.concatenate([self.frames, codes], axis=1)
+        ready = self.frames.shape[1] - self.ctx
+        if ready - self.emitted < (self.every if self.emitted else self.first_every):
+            return None
+        return self._window(ready, last=False)
+
+    def take_last(self) -> CodecWindow | None:
+        if self.frames is None or self.frames.shape[1] == 0:
+            return None
+        return self._window(self.frames.shape[1], last=True)
+
+    def push(self, codes: np.ndarray) -> np.ndarray | None:
+        window = self.take(codes)
+        return None if window is None else decode_windows(self.codec, [window])[0]
+
+    def finish(self) -> np.ndarray | None:
+        window = self.take_last()
+        return None if window is None else decode_windows(self.codec, [window])[0]
+
+
+@dataclass
+class _Job:
+    window: CodecWindow
+    future: asyncio.Future[np.ndarray]
+
+
+Runner = Callable[[Callable[[], list[np.ndarray]]], Awaitable[list[np.ndarray]]]
+
+
+class CodecBatcher:
+    """Decodes ``CodecWindow``s for any number of streams: the windows submitted in one event-loop
+    iteration (the streams one engine step woke) go to ``run`` as one ``decode_windows`` call.
+    ``run`` is where the decode executes: ``AsyncEngine.call_between_steps`` makes it take turns
+    with the engine's step on the engine thread (no second team of torch threads fighting the
+    step for the cores); the default is a worker thread (``asyncio.to_thread``)."""
+
+    def __init__(self, codec: Any, run: Runner | None = None) -> None:
+        self.codec = codec
+        self._run: Runner = run or asyncio.to_thread
+        self._pending: dict[asyncio.AbstractEventLoop, list[_Job]] = {}  # per loop: flushed by it
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batches = 0  # decode calls made
+        self.windows = 0  # windows decoded
+
+    async def decode(self, window: CodecWindow) -> np.ndarray:
+        """The kept samples of ``window`` (see ``decode_windows``)."""
+        loop = asyncio.get_running_loop()
+        pending = self._pending.setdefault(loop, [])
+        if not pending:
+            loop.call_soon(self._flush, loop)  # after the other streams woken in this iteration
+        job = _Job(window, loop.create_future())
+        pending.append(job)
+        return await job.future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        task = loop.create_task(self._decode(self._pending.pop(loop)))
+        self._tasks.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._tasks.discard)
+
+    async def _decode(self, jobs: list[_Job]) -> None:
+        jobs = [j for j in jobs if not j.future.done()]  # cancelled streams
+        if not jobs:
+            return
+        windows = [j.window for j in jobs]
+        try:
+            results: list[Any] = await self._run(lambda: decode_windows(self.codec, windows))
+        except Exception as exc:  # noqa: BLE001 - every waiter gets the error
+            results = [exc] * len(jobs)
+        self.batches += 1
+        self.windows += len(jobs)
+        for job, result in zip(jobs, results, strict=True):
+            if job.future.done():
+                continue
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
