@@ -31,7 +31,11 @@ def add_cp_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--frames", type=int, default=5, help="video frames")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2, help="timed requests per configuration (after one warm-up)")
+    ap.add_argument("--cache", type=float, default=None, help="first-block cache threshold (default off)")
     ap.add_argument("--model-only", action="store_true", help="print only the analytic scaling model")
+    ap.add_argument(
+        "--memory", action="store_true", help="only memory: server and rank RSS/USS/PSS before and after the release"
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -126,7 +130,7 @@ def run_measured(args: argparse.Namespace) -> list[dict]:
     import numpy as np
     import torch
 
-    from modalities.diffusion.cache import OFF
+    from modalities.diffusion.cache import OFF, CacheSpec
     from modalities.diffusion.model import DiffusionModel, Item, Shape
     from modalities.diffusion.parallel import ContextParallelRunner
     from modalities.diffusion.tiny import tiny_model_dir
@@ -136,10 +140,16 @@ def run_measured(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(cores)
     model = DiffusionModel(path)
     frames = args.frames if model.is_video else 1
-    shape = Shape(args.size, args.size, frames, args.steps, 4.0, OFF)
+    cache = OFF if args.cache is None else CacheSpec("fbc", threshold=args.cache)
+    shape = Shape(args.size, args.size, frames, args.steps, 4.0, cache)
     items = [Item("a lighthouse at dusk", "", 1234)]
+    run0 = model.counter.run
     base_s, ref = _timed(lambda: model.generate(shape, items), args.repeats)
-    rows = [dict(degree=1, mode="single", s_per_request=base_s, speedup=1.0, max_abs_diff=0.0, bytes_per_step=0)]
+    blocks = (model.counter.run - run0) // (args.repeats + 1)
+    rows = [
+        dict(degree=1, mode="single", s_per_request=base_s, speedup=1.0, max_abs_diff=0.0, bytes_per_step=0,
+             blocks_run=blocks)
+    ]  # fmt: skip
     for n in (int(x) for x in args.degrees.split(",")):
         for mode in args.modes.split(","):
             runner = ContextParallelRunner(path, n, mode, threads_per_rank=max(1, cores // n))
@@ -155,28 +165,90 @@ def run_measured(args: argparse.Namespace) -> list[dict]:
             rows.append(
                 dict(degree=n, mode=mode, s_per_request=secs, speedup=base_s / secs,
                      max_abs_diff=float(np.abs(np.asarray(out) - ref).max()), bytes_per_step=st["bytes_per_step"],
-                     expected_bytes_per_step=st["expected_bytes_per_step"], forwards=st["forwards"])
+                     expected_bytes_per_step=st["expected_bytes_per_step"], forwards=st["forwards"],
+                     blocks_run=st["blocks_run"])
             )  # fmt: skip
     print(
         f"\n{model.name}: {args.size}x{args.size}"
         + (f"x{frames}f" if model.is_video else "")
-        + f", {args.steps} steps,"
+        + f", {args.steps} steps, cache {cache.label} ({rows[0]['blocks_run']} blocks run per request in one process),"
     )
     print(f"{cores} CPU cores shared by all ranks (threads per rank = cores / N): no scaling can show here.")
     print(
-        "| N | mode | s/request | speed-up | max abs diff (pixels in [0,1]) | bytes/step/rank (measured = analytic) |"
+        "| N | mode | s/request | speed-up | max abs diff (pixels in [0,1]) | bytes/step/rank (measured = analytic) "
+        "| blocks run |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         check = "" if r["degree"] == 1 else (" ✓" if r["bytes_per_step"] == r["expected_bytes_per_step"] else " ✗")
         print(
             f"| {r['degree']} | {r['mode']} | {r['s_per_request']:.3f} | {r['speedup']:.2f}x | "
-            f"{r['max_abs_diff']:.2e} | {r['bytes_per_step']:,.0f}{check} |"
+            f"{r['max_abs_diff']:.2e} | {r['bytes_per_step']:,.0f}{check} | {r['blocks_run']} |"
+        )
+    return rows
+
+
+def _mem(pid: int) -> dict[str, float]:
+    import psutil
+
+    info = psutil.Process(pid).memory_full_info()
+    return {k: getattr(info, k) / 2**20 for k in ("rss", "uss", "pss")}
+
+
+def run_memory(args: argparse.Namespace) -> list[dict]:
+    """What ``--cp-degree N`` holds: the serving process (its ``DiffusionModel``) and the N ranks,
+    before and after ``release_generation_weights`` (the serving process's copy of the denoiser and
+    text encoders). MiB; USS is memory private to a process, PSS splits shared pages among sharers."""
+    import gc
+    import os
+    from pathlib import Path
+
+    from modalities.diffusion.cache import OFF
+    from modalities.diffusion.model import DiffusionModel, Item, Shape
+    from modalities.diffusion.parallel import ContextParallelRunner
+    from modalities.diffusion.parallel.serving import release_generation_weights
+    from modalities.diffusion.tiny import tiny_model_dir
+
+    path = Path(args.arch) if Path(args.arch).is_dir() else tiny_model_dir(args.arch)
+    rows = []
+    for n in (int(x) for x in args.degrees.split(",")):
+        model = DiffusionModel(path)
+        runner = ContextParallelRunner(path, n, args.modes.split(",")[0], threads_per_rank=1)
+        frames = args.frames if model.is_video else 1
+        runner.start()
+        try:  # one request first: weights mapped from safetensors are only resident once read
+            runner.generate(Shape(args.size, args.size, frames, 2, 4.0, OFF), [Item("a lighthouse", "", 1)])
+            ranks = [p.pid for p in runner._procs]
+            before = _mem(os.getpid())
+            freed = release_generation_weights(model)
+            gc.collect()
+            after = _mem(os.getpid())
+            rank_mem = [_mem(pid) for pid in ranks]
+        finally:
+            runner.close()
+        total = {k: sum(m[k] for m in rank_mem) for k in ("rss", "uss", "pss")}
+        rows.append(dict(degree=n, freed_mib=freed / 2**20, server_before=before, server_after=after, ranks=total))
+        del model
+        gc.collect()
+    print(f"\n{path.name}: memory of --cp-degree N (MiB; USS private, PSS shared pages split)")
+    print("| N | weights released by the server | server RSS / USS before | after | N ranks RSS / USS / PSS |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        b, a, k = r["server_before"], r["server_after"], r["ranks"]
+        print(
+            f"| {r['degree']} | {r['freed_mib']:.1f} | {b['rss']:.0f} / {b['uss']:.0f} | {a['rss']:.0f} / "
+            f"{a['uss']:.0f} | {k['rss']:.0f} / {k['uss']:.0f} / {k['pss']:.0f} |"
         )
     return rows
 
 
 def run_cp(args: argparse.Namespace) -> None:
+    if args.memory:
+        rows = run_memory(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": getattr(args, "command_line", ""), "memory": rows}, f, indent=1)
+        return
     measured = [] if args.model_only else run_measured(args)
     model_rows = scaling_model()
     print_model(model_rows)

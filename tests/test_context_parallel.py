@@ -4,8 +4,9 @@ send are exactly the analytic volume.
 - hooks, 4 ranks: Ulysses 4, ring 4 and hybrid 2x2 on tiny random PixArt, SD3, Flux and Wan
   transformers (every plan), against the same model unhooked in the same process;
 - runner, 2 ranks: the tiny PixArt and Wan pipelines end to end (decoded pixels in [0, 1]) against
-  ``DiffusionModel.generate``; bad sizes and caching are a ``ValueError`` without wedging the ranks;
-  a cancel from ``on_step`` stops every rank and the next request still works.
+  ``DiffusionModel.generate``, uncached and with the first-block cache (same skipped blocks, the
+  skip decision all-reduced); bad sizes are a ``ValueError`` without wedging the ranks; a cancel
+  from ``on_step`` stops every rank and the next request still works.
 """
 
 from __future__ import annotations
@@ -132,11 +133,12 @@ def test_hooks_match_single_process_and_bytes_match_formula(tmp_path: Path) -> N
 # -- end to end: the runner on the tiny pipelines ------------------------------------------------
 
 
-def _shape(model, steps: int = 3):
+def _shape(model, steps: int = 3, cache=None):
     from modalities.diffusion.cache import OFF
     from modalities.diffusion.model import Shape
 
-    return Shape(width=32, height=32, num_frames=5 if model.is_video else 1, steps=steps, guidance_scale=4.0, cache=OFF)
+    frames = 5 if model.is_video else 1
+    return Shape(width=32, height=32, num_frames=frames, steps=steps, guidance_scale=4.0, cache=cache or OFF)
 
 
 @pytest.fixture(scope="module", params=[("dit", "ulysses"), ("video", "ring")], ids=["dit-ulysses", "video-ring"])
@@ -170,10 +172,35 @@ def test_runner_matches_single_process(pair) -> None:
     assert stats["forwards"] == shape.steps * (2 if model.is_video else 1)  # Wan runs CFG as two forwards
 
 
+def test_runner_first_block_cache_matches_single_process(pair) -> None:
+    """Same skipped blocks and the same pixels as one process with the same cache setting."""
+    from modalities.diffusion.cache import CacheSpec
+    from modalities.diffusion.model import Item
+
+    model, runner = pair
+    torch.set_num_threads(1)
+    items = [Item("a red cat", "", 7), Item("two dogs", "blurry", 8)]
+    shape = _shape(model, steps=8, cache=CacheSpec("fbc", threshold=0.2))
+    calls, run = model.counter.calls, model.counter.run
+    want = model.generate(shape, items)
+    want_calls, want_run = model.counter.calls - calls, model.counter.run - run
+    got = runner.generate(shape, items)
+    stats = runner.last_stats
+    diff = float(np.abs(got - want).max())
+    print(f"{model.name} {runner.config} cached: max abs diff {diff:.3g}, blocks run {want_run}/{want_calls}", stats)
+    assert 0 < want_run < want_calls  # the cache skipped some blocks, not all
+    assert (stats["blocks_called"], stats["blocks_run"]) == (want_calls, want_run)
+    assert diff < 1e-3
+    assert stats["measured"]["reduce"] > 0
+    assert stats["bytes_per_step"] == stats["expected_bytes_per_step"]  # skipped blocks sent nothing
+    uncached = runner.generate(_shape(model, steps=8), items)  # the hooks come off again
+    assert runner.last_stats["blocks_run"] == runner.last_stats["blocks_called"]
+    assert float(np.abs(uncached - model.generate(_shape(model, steps=8), items)).max()) < 1e-3
+
+
 def test_runner_rejects_bad_input_then_still_works(pair) -> None:
     from dataclasses import replace
 
-    from modalities.diffusion.cache import CacheSpec
     from modalities.diffusion.model import Item
 
     model, runner = pair
@@ -181,8 +208,6 @@ def test_runner_rejects_bad_input_then_still_works(pair) -> None:
     if model.is_video:  # 48 px, one frame: 3x3 patches, an odd token count (the image sizes all shard by 2)
         with pytest.raises(ValueError, match="divisible"):
             runner.generate(replace(_shape(model), width=48, height=48, num_frames=1), items)
-    with pytest.raises(ValueError, match="caching"):
-        runner.generate(replace(_shape(model), cache=CacheSpec("fbc", threshold=0.1)), items)
     shape = _shape(model, steps=2)
     assert np.abs(runner.generate(shape, items) - model.generate(shape, items)).max() < 1e-3
 
@@ -227,6 +252,25 @@ async def test_engine_serves_through_the_ranks(pair) -> None:
     finally:
         for engine in (plain, cp):
             await engine.shutdown()
+
+
+def test_server_copy_released_keeps_validation_and_previews(pair) -> None:
+    """``--cp-degree``: the serving process frees its denoiser and text encoders (the ranks hold
+    them) and still validates sizes and decodes previews exactly as before."""
+    from modalities.diffusion.model import DiffusionModel, Item
+    from modalities.diffusion.parallel.serving import ContextParallelModel, release_generation_weights
+
+    shared, runner = pair
+    seen: list[torch.Tensor] = []
+    shape = _shape(shared, steps=2)
+    runner.generate(shape, [Item("x", "", 1)], on_step=lambda i, latents: seen.append(latents))
+    model = DiffusionModel(runner.path)
+    preview = model.decode_preview(seen[-1])
+    assert release_generation_weights(model) > 0
+    assert all(p.device.type == "meta" for p in model.denoiser.parameters())
+    served = ContextParallelModel(model, runner)
+    assert served.check_shape(32, 32, shape.num_frames) == shape.num_frames
+    assert np.array_equal(served.decode_preview(seen[-1]), preview)
 
 
 def test_configs_and_unsupported_models_are_rejected() -> None:

@@ -25,6 +25,7 @@ from tests.helpers import serve_app
 
 API_KEY = "test-key"
 IMAGE, VIDEO = "tiny-dit", "tiny-video"
+ALIAS = "dit-alias"
 
 
 class Server:
@@ -56,7 +57,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         IMAGE: DiffusionEngine.from_path(str(tiny_model_dir("dit")), served_name=IMAGE),
         VIDEO: DiffusionEngine.from_path(str(tiny_model_dir("video")), served_name=VIDEO, max_frames=33),
     }
-    app = create_app(engines, api_key=API_KEY)
+    app = create_app(engines, api_key=API_KEY, aliases={ALIAS: IMAGE})
     app.state.args = argparse.Namespace(results_dir=str(tmp_path_factory.mktemp("results")), dispatch="local")
     with serve_app(app) as base_url:
         yield Server(base_url, engines)
@@ -161,3 +162,27 @@ def test_image_job_with_progress(server: Server, tmp_path: Path) -> None:
     assert np.abs(png_pixels(png).astype(int) - want.astype(int)).max() <= 1
     bad = server.post("/v1/jobs", {"kind": "images.generate", "params": {**params, "size": "10x10"}})
     assert bad.status_code == 400 and "multiple of 8" in bad.text
+
+
+def test_job_models_resolve_like_the_routes(server: Server) -> None:
+    """``images.generate``/``videos.generate`` params name models as the routes do: same 400/404s,
+    and an alias runs on its served model (the stored params name it, for workers)."""
+    cases = [
+        ("nope", "images.generate", "/v1/images/generations"),  # unknown: 404
+        (VIDEO, "images.generate", "/v1/images/generations"),  # served, but not an image model: 400
+        (ALIAS, "videos.generate", "/v1/videos"),
+    ]
+    for model, kind, route in cases:
+        sync = server.post(route, {"prompt": "x", "model": model})
+        job = server.post("/v1/jobs", {"kind": kind, "params": {"prompt": "x", "model": model}})
+        assert sync.status_code in (400, 404) and job.status_code == sync.status_code, (model, job.text)
+        assert job.json()["error"] == sync.json()["error"]
+    params = {"model": ALIAS, "prompt": "alias", "size": "32x32", "steps": 2, "seed": 3}
+    r = server.post("/v1/jobs", {"kind": "images.generate", "params": params})
+    assert r.status_code == 202, r.text
+    assert r.json()["params"]["model"] == IMAGE
+    deadline = time.monotonic() + 60
+    while (job := server.get(f"/v1/jobs/{r.json()['id']}").json())["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert job["status"] == "succeeded", job

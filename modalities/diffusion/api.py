@@ -28,12 +28,19 @@ router = APIRouter(tags=["diffusion"], strict_content_type=False)
 
 def resolve_engine(request: Request, model: str | None, modality: str) -> tuple[str, Any]:
     """``(served_name, engine)`` among the engines serving ``modality`` (``image`` or ``video``)."""
-    engines: dict[str, Any] = request.app.state.engines
+    return pick_generator(request.app.state.engines, getattr(request.app.state, "aliases", {}), model, modality)
+
+
+def pick_generator(
+    engines: dict[str, Any], aliases: dict[str, str], model: str | None, modality: str
+) -> tuple[str, Any]:
+    """:func:`resolve_engine` without a request (the job kinds use it): ``APIError`` 400/404 as the
+    routes answer them."""
     matching = {name: e for name, e in engines.items() if getattr(e, "modality", None) == modality}
     flag = "--image" if modality == "image" else "--video"
     return pick_engine(
         engines,
-        getattr(request.app.state, "aliases", {}),
+        aliases,
         model,
         matching,
         none_served=f"no {modality} generation model is served (start with {flag})",

@@ -21,7 +21,7 @@ were answered from a cache; tests and ``stats()`` use it to show that caching sk
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +181,8 @@ class CacheSwitch:
         self.unet = hasattr(denoiser, "up_blocks") and hasattr(denoiser, "down_blocks")
         self.current = OFF
         self.fbc: Any = None
+        # context parallelism: an all-reduce sum over the ranks, so first-block decisions agree
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set(self, spec: CacheSpec, requests: int = 1) -> None:
         """Install ``spec`` (removing the previous one) and reset the cache state for a new
@@ -197,7 +199,7 @@ class CacheSwitch:
                 remove_deepcache(self.denoiser)
             self.current = OFF
             if spec.kind == "fbc":
-                self.fbc = BatchFBCConfig(threshold=spec.threshold)
+                self.fbc = BatchFBCConfig(threshold=spec.threshold, reduce=self.reduce)
                 apply_batch_fbc(self.denoiser, self.fbc)
             elif spec.kind == "deepcache":
                 apply_deepcache(self.denoiser, DeepCacheConfig(interval=spec.interval))

@@ -16,10 +16,17 @@ per-context state through ``cache_context``), with the decision taken per *reque
   residuals of the computed rows only. A group's reference residual also moves only when it computes.
 
 At ``B = 1`` this is diffusers' first-block cache (``tests/test_diffusion.py`` checks it).
+
+Under context parallelism every rank sees ``1/N`` of the tokens, so a decision from the local
+residual alone could differ between ranks (and one rank skipping the blocks while another runs their
+collectives would hang them). ``BatchFBCConfig.reduce`` (an all-reduce sum over the ranks) makes the
+per-group change and scale global: the shards are equal, so the sum of the ranks' means is ``N``
+times the whole sequence's mean for both, and every rank takes the single-process decision.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +39,12 @@ _BLOCK = "mmserve_fbc_block"
 @dataclass
 class BatchFBCConfig:
     """``threshold`` as in diffusers' ``FirstBlockCacheConfig``; ``requests``: how many requests
-    the next pipeline call carries (set by the engine before each batch)."""
+    the next pipeline call carries (set by the engine before each batch); ``reduce``: sums a tensor
+    over the context-parallel ranks (``None`` in one process)."""
 
     threshold: float = 0.05
     requests: int = 1
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -92,6 +101,8 @@ def _hooks() -> tuple[type, type, type]:
             groups = self.config.requests if rows % max(1, self.config.requests) == 0 else rows
             change = (res - prev).abs().reshape(rows, -1).mean(1).reshape(rows // groups, groups).mean(0)
             scale = prev.abs().reshape(rows, -1).mean(1).reshape(rows // groups, groups).mean(0)
+            if self.config.reduce is not None:  # one decision on every rank (see the module docstring)
+                change, scale = self.config.reduce(torch.stack([change, scale])).unbind(0)
             return (change / scale > self.config.threshold).repeat(rows // groups)
 
         def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

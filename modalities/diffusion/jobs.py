@@ -16,6 +16,9 @@ from typing import Any
 from workers.jobs import JobCancelled, JobContext, register_job_kind
 
 KINDS = {"images.generate": "image", "videos.generate": "video"}
+# Jobs at once per process: the engine batches concurrent ones (one at a time would forgo request
+# batching under local dispatch); 16 is also a celery worker's default --concurrency.
+CONCURRENCY = 16
 
 
 def _parse(kind: str, params: dict[str, Any]) -> Any:
@@ -28,14 +31,11 @@ def _parse(kind: str, params: dict[str, Any]) -> Any:
         raise ValueError(f"invalid {kind} params: {exc}") from None
 
 
-def _engine(engines: dict[str, Any], aliases: dict[str, str], model: str | None, modality: str) -> Any:
-    matching = {name: e for name, e in engines.items() if getattr(e, "modality", None) == modality}
-    if model is None and len(matching) == 1:
-        return next(iter(matching.values()))
-    name = aliases.get(model, model) if model is not None else None
-    if name in matching:
-        return matching[name]
-    raise ValueError(f"no {modality} generation model {model or ''} is served (models: {', '.join(matching)})")
+def _engine(engines: dict[str, Any], aliases: dict[str, str], model: str | None, modality: str) -> tuple[str, Any]:
+    """``(served_name, engine)``, resolved as the synchronous routes resolve ``model`` (same 400/404)."""
+    from modalities.diffusion.api import pick_generator
+
+    return pick_generator(engines, aliases, model, modality)
 
 
 def _request(kind: str, body: Any, request_id: str) -> Any:
@@ -47,15 +47,16 @@ def _request(kind: str, body: Any, request_id: str) -> Any:
 
 
 def _validator(kind: str) -> Any:
-    def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
+    def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+        """The model resolves as on the synchronous routes (under celery the gateway's engines are
+        remote ones with the same names); the stored params name the served model, so a worker,
+        which knows no aliases, finds it."""
         body = _parse(kind, params)
         req = _request(kind, body, "validate")  # the size syntax
-        if not any(getattr(e, "modality", None) == KINDS[kind] for e in engines.values()):
-            return params  # the model lives on workers only (celery dispatch): they check the rest
-        engine = _engine(engines, {}, body.model, KINDS[kind])
+        name, engine = _engine(engines, aliases, body.model, KINDS[kind])
         if hasattr(engine, "prepare"):
             engine.prepare(req)
-        return params
+        return {**params, "model": name}
 
     return validate
 
@@ -65,10 +66,10 @@ def _coster(kind: str) -> Any:
         """``image_steps``, as the online routes charge (``modalities.diffusion.api.image_steps``)."""
         from modalities.diffusion.api import image_steps
 
-        body = _parse(kind, params)
-        req = _request(kind, body, "cost")
-        local = any(getattr(e, "modality", None) == KINDS[kind] for e in engines.values())
-        return "image_steps", image_steps(_engine(engines, {}, body.model, KINDS[kind]) if local else None, req)
+        body = _parse(kind, params)  # validated: names the served model
+        return "image_steps", image_steps(
+            _engine(engines, {}, body.model, KINDS[kind])[1], _request(kind, body, "cost")
+        )
 
     return cost
 
@@ -81,7 +82,7 @@ def _runner(kind: str) -> Any:
         from modalities.diffusion.media import encode_mp4, encode_png
 
         body = _parse(kind, params)
-        engine = _engine(ctx.engines, ctx.aliases, body.model, KINDS[kind])
+        _, engine = _engine(ctx.engines, ctx.aliases, body.model, KINDS[kind])
         req = _request(kind, body, f"job-{ctx.job_id}-{ctx.attempt}")
 
         def on_step(step: int, total: int, latents: Any) -> None:  # on the engine thread
@@ -113,4 +114,6 @@ def _runner(kind: str) -> Any:
 def register() -> None:
     """Register both kinds (idempotent: re-registering replaces)."""
     for kind in KINDS:
-        register_job_kind(kind, "diffusion", _runner(kind), validate=_validator(kind), cost=_coster(kind))
+        register_job_kind(
+            kind, "diffusion", _runner(kind), validate=_validator(kind), cost=_coster(kind), concurrency=CONCURRENCY
+        )

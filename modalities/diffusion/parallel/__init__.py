@@ -31,8 +31,10 @@ API for the diffusion engine::
     runner.last_stats["bytes_per_step"]             # measured (== "expected_bytes_per_step")
     runner.close()
 
-``generate`` raises ``ValueError`` (a 400) for sizes whose token count the degree does not divide and
-for step caching (not supported together with CP), before any compute.
+``generate`` raises ``ValueError`` (a 400) for sizes whose token count the degree does not divide,
+before any compute. First-block caching combines with CP: each rank measures the first block's
+residual change on its shard and an all-reduce makes the decision global, so all ranks skip the
+same steps as one process would (``modalities.diffusion.fbcache``).
 
 Serving: ``mmserve serve/worker --cp-degree N [--cp-mode ...]`` calls
 :func:`~.serving.enable_context_parallel` on each DiT ``DiffusionEngine``: the engine keeps its local

@@ -1,14 +1,16 @@
 """Process groups and instrumented collectives for context parallelism.
 
 Every collective the CP hooks issue goes through :class:`CPGroups`, which counts the payload bytes
-*this rank sends* per operation kind (``a2a``, ``ring``, ``gather``), so bytes per denoising step can
+*this rank sends* per operation kind (``a2a``, ``ring``, ``gather``, ``reduce``), so bytes per denoising step can
 be reported and checked against the analytic model in :mod:`.model`. Conventions (what a rank puts on
 the wire, excluding the share it keeps for itself):
 
 - all-to-all of a local tensor of ``b`` bytes over ``n`` ranks: ``b * (n - 1) / n``;
 - all-gather of a local chunk of ``b`` bytes over ``n`` ranks: ``b * (n - 1)`` (each chunk reaches
   ``n - 1`` peers, whatever algorithm the backend uses);
-- one ring hop: the bytes of the tensors passed to the next rank.
+- one ring hop: the bytes of the tensors passed to the next rank;
+- all-reduce of ``b`` bytes (the step cache's decision, a few floats): ``2 * b * (n - 1) / n`` (ring
+  all-reduce: a reduce-scatter then an all-gather).
 
 Rank layout for ``ulysses_degree = u`` and ``ring_degree = r`` (``world = u * r``): ``rank = ring_idx * u +
 ulysses_idx``. Ulysses groups are ``u`` consecutive ranks (all-to-all is the bandwidth-hungry one, so it
@@ -128,6 +130,13 @@ class CPGroups:
         dist.all_gather(parts, x)
         self.counter.add("gather", x.numel() * x.element_size() * (self.world_size - 1))
         return torch.cat(parts, dim=dim)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x`` (a new tensor; ``x`` is left alone)."""
+        out = x.detach().clone().contiguous()
+        dist.all_reduce(out)
+        self.counter.add("reduce", 2 * out.numel() * out.element_size() * (self.world_size - 1) // self.world_size)
+        return out
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's contiguous chunk of ``x`` along ``dim`` (local, no communication)."""

@@ -24,6 +24,13 @@ class CPHandle:
     handles: list[Any] = field(default_factory=list)
     attention_modules: list[str] = field(default_factory=list)
     forward_batches: list[int] = field(default_factory=list)  # batch size of each model forward since reset
+    # sharded attention calls of each model forward (fewer than the model's layers when a step
+    # cache skipped blocks)
+    forward_layers: list[int] = field(default_factory=list)
+
+    def reset_forwards(self) -> None:
+        self.forward_batches.clear()
+        self.forward_layers.clear()
 
     def remove(self) -> None:
         for h in self.handles:
@@ -105,13 +112,21 @@ def apply_context_parallel(model: nn.Module, groups: CPGroups, plan: CPPlan | No
 
                 handle.handles.append(mod.register_forward_hook(post_hook))
 
+    calls_at_start: list[int] = []
+
     def count_forward(m, args, kwargs):
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(x, torch.Tensor):
             handle.forward_batches.append(int(x.shape[0]))
+            calls_at_start.append(handle.attention.calls)
+
+    def count_layers(m, args, output):
+        if calls_at_start:
+            handle.forward_layers.append(handle.attention.calls - calls_at_start.pop())
 
     # Registered first so it runs before the root's own split hook (if any).
     handle.handles.insert(0, model.register_forward_pre_hook(count_forward, with_kwargs=True, prepend=True))
+    handle.handles.append(model.register_forward_hook(count_layers))
 
     tokens: dict[int, Any] = {}
     for pattern in plan.sharded_attention:

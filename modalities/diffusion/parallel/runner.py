@@ -11,6 +11,7 @@ the process group, so a wedged collective cannot take the server down with it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -88,6 +89,7 @@ def _rank_main(
         )
         groups = CPGroups(cfg)
         model = DiffusionModel(path)
+        model.cache.reduce = groups.all_reduce_sum  # first-block cache decisions agree on every rank
         if backend == "nccl":
             torch.cuda.set_device(rank)
             model.pipe.to(f"cuda:{rank}")
@@ -118,11 +120,10 @@ def _rank_main(
                 raise StopGeneration
 
         try:
-            if shape.cache.kind != "off":
-                raise ValueError("step caching is not supported with context parallelism (cache must be off)")
             check_divisible(cfg, forward_shape_for(model, shape, len(items)))
             groups.counter.reset()
-            handle.forward_batches.clear()
+            handle.reset_forwards()
+            blocks = (model.counter.calls, model.counter.run)
             out = model.generate(shape, items, on_step=on_step)
         except StopGeneration:
             if rank == 0:
@@ -137,14 +138,20 @@ def _rank_main(
             break
         if rank == 0:
             expected: dict[str, int] = {}
-            for b in handle.forward_batches:
-                for k, v in bytes_per_forward(cfg, forward_shape_for(model, shape, b)).items():
+            for b, layers in zip(handle.forward_batches, handle.forward_layers, strict=True):
+                fwd = dataclasses.replace(forward_shape_for(model, shape, b), layers=layers)
+                for k, v in bytes_per_forward(cfg, fwd).items():
                     expected[k] = expected.get(k, 0) + v
+            if groups.counter.calls["reduce"]:  # the cache's decisions: [change, scale] per request
+                per_call = 2 * (2 * len(items) * 4) * (world - 1) // world
+                expected["reduce"] = groups.counter.calls["reduce"] * per_call
             stats = {
                 "steps": shape.steps,
                 "forwards": len(handle.forward_batches),
                 "measured": dict(groups.counter.bytes),
                 "expected": expected,
+                "blocks_called": model.counter.calls - blocks[0],
+                "blocks_run": model.counter.run - blocks[1],
             }
             results.put(("done", out, stats))
     dist.destroy_process_group()
@@ -156,8 +163,9 @@ class ContextParallelRunner:
 
     ``mode`` is ``ulysses``, ``ring`` or ``hybrid`` (see :meth:`ContextParallelConfig.for_degree`).
     Thread-safe (one request at a time). A size that cannot be sharded (tokens not divisible by the
-    degree, heads not by the Ulysses degree) or a cache setting other than off raises ``ValueError``
-    before any compute; a crashed rank raises ``RuntimeError`` and the ranks restart on the next call.
+    degree, heads not by the Ulysses degree) raises ``ValueError`` before any compute. First-block
+    caching works: its skip decision is all-reduced, so every rank skips the same steps as one
+    process would; a crashed rank raises ``RuntimeError`` and the ranks restart on the next call.
     """
 
     def __init__(
