@@ -1,27 +1,36 @@
 """``mmserve bench jobs``: job-queue throughput with several concurrent submitters.
 
-Starts the job routes in this process (uvicorn on a free loopback port) with a synthetic job kind,
-``bench.sleep`` (``steps`` steps of ``step_ms`` each, one progress event per step), and either
-runs the jobs there (``--dispatch local``: ``--local-concurrency`` at once) or on ``--workers``
-``mmserve worker --modality embed`` processes (``--dispatch celery``, Redis at ``--redis-url``, a
-fresh key/queue prefix per run). ``--submitters`` clients each submit their share of ``--jobs``
-back to back (``POST /v1/jobs``) and follow each job to its end over SSE.
+Two job kinds:
 
-Reported: submit latency P50/P99, end-to-end jobs/s (first submit to last job done), queue wait
-and run time P50/P99 (from the job's own timings), and errors. With ``steps x step_ms`` near 0
-this measures the queue's overhead; raise them to see how it overlaps real work.
+- ``--kind sleep`` (default): a synthetic kind, ``bench.sleep`` (``--steps`` steps of ``--step-ms``
+  each, one progress event per step): the queue's own overhead, and how it overlaps work.
+- ``--kind images``: real ``images.generate`` jobs on ``--image`` (default the tiny DiT pipeline) at
+  ``--size`` with ``--steps`` denoising steps and ``--n`` images per job. Each finished job's
+  images are fetched by their URL and checked to be PNGs of the asked size.
+
+The gateway is the real one (``mmserve serve`` options, uvicorn on a free loopback port, results in
+a fresh directory). ``--dispatch local`` runs the jobs in the gateway process; ``--dispatch celery``
+on ``--workers`` ``mmserve worker`` processes (``--modality embed`` for sleep jobs, ``--modality
+diffusion --image ...`` for images; ``--worker-threads`` torch threads each) over Redis at
+``--redis-url``, with a fresh key/queue prefix per run. ``--submitters`` clients each submit their
+share of ``--jobs`` back to back (``POST /v1/jobs``) and follow each job to its end over SSE.
+
+Reported: jobs/s and images/s (first submit to last result fetched), submit latency, queue wait and
+run time P50/P99 (from the job's own timings), and errors (refused submissions, failed jobs,
+missing or invalid images).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
+import shutil
 import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -31,8 +40,6 @@ from typing import Any
 import numpy as np
 
 from workers.jobs import JobContext, register_job_kind
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _sleep_job(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
@@ -51,14 +58,20 @@ _register(64)  # also imported by the workers (MMSERVE_JOB_MODULES=bench.jobs)
 
 
 def add_jobs_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--kind", choices=["sleep", "images"], default="sleep", help="synthetic or real image jobs")
     ap.add_argument("--dispatch", choices=["local", "celery"], default="local")
     ap.add_argument("--submitters", type=int, default=8, help="concurrent submitting clients")
     ap.add_argument("--jobs", type=int, default=200, help="jobs in total")
-    ap.add_argument("--steps", type=int, default=5, help="progress steps per job")
-    ap.add_argument("--step-ms", type=float, default=10.0, help="duration of a step")
-    ap.add_argument("--local-concurrency", type=int, default=64, help="jobs run at once (local)")
+    ap.add_argument("--steps", type=int, default=5, help="progress steps (sleep) or denoising steps (images)")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="duration of a step (sleep)")
+    ap.add_argument("--image", default="tiny-dit", help="image pipeline (images)")
+    ap.add_argument("--size", default="64x64", help="image size (images)")
+    ap.add_argument("--n", type=int, default=1, help="images per job (images)")
+    ap.add_argument("--max-batch", type=int, default=8, help="--diffusion-max-batch of the engines (images)")
+    ap.add_argument("--local-concurrency", type=int, default=64, help="sleep jobs run at once (local)")
     ap.add_argument("--workers", type=int, default=2, help="mmserve worker processes (celery)")
     ap.add_argument("--worker-concurrency", type=int, default=16, help="threads per worker (celery)")
+    ap.add_argument("--worker-threads", type=int, default=1, help="torch threads per worker (celery)")
     ap.add_argument("--redis-url", default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
@@ -71,6 +84,8 @@ class _Server:
     """uvicorn in a background thread on a free port."""
 
     def __init__(self, app: Any) -> None:
+        import socket
+
         import uvicorn
 
         self.sock = socket.socket()
@@ -82,48 +97,71 @@ class _Server:
     def __enter__(self) -> str:
         self.thread.start()
         while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the gateway did not start")
             time.sleep(0.05)
         return self.url
 
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
-        self.thread.join(30)
+        self.thread.join(60)
 
 
-def _start_workers(args: argparse.Namespace, prefix: str) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "MMSERVE_JOB_MODULES": "bench.jobs", "PYTHONPATH": str(REPO_ROOT)}
-    procs = []
-    for _ in range(args.workers):
-        cmd = [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "worker",
-            "--modality",
-            "embed",
-            "--redis-url",
+def _app(args: argparse.Namespace, prefix: str, results: str) -> Any:
+    """The gateway as ``mmserve serve`` builds it (sleep jobs: ``--only diffusion`` with no pipeline
+    builds no engine, only the job routes)."""
+    from gateway.app import build_app
+    from gateway.cli import build_parser
+
+    argv = ["serve", "--results-dir", results, "--log-level", "warning"]
+    if args.kind == "images":
+        argv += ["--only", "diffusion", "--image", args.image, "--diffusion-max-batch", str(args.max_batch)]
+    else:
+        argv += ["--only", "diffusion"]
+    if args.dispatch == "celery":
+        argv += ["--dispatch", "celery", "--redis-url", args.redis_url, "--prefix", prefix]
+    return build_app(build_parser().parse_args(argv))
+
+
+def _start_workers(args: argparse.Namespace, prefix: str, log_dir: Path) -> list[Any]:
+    from workers.local_cluster import start_worker, wait_for_heartbeats
+
+    if args.kind == "images":
+        modality, model_args = "diffusion", ["--image", args.image, "--diffusion-max-batch", str(args.max_batch)]
+    else:
+        modality, model_args = "embed", []
+        os.environ["MMSERVE_JOB_MODULES"] = "bench.jobs"  # the workers register bench.sleep (inherited env)
+    procs = [
+        start_worker(
+            modality,
             args.redis_url,
-            "--prefix",
             prefix,
-            "--concurrency",
-            str(args.worker_concurrency),
-            "--log-level",
-            "warning",
-        ]
-        if os.geteuid() == 0:
-            cmd.append("--allow-root")
-        procs.append(subprocess.Popen(cmd, cwd=REPO_ROOT, env=env))
-    import redis
-
-    from workers.wire import Keys
-
-    r = redis.Redis.from_url(args.redis_url)
-    deadline = time.monotonic() + 180
-    while len(r.keys(Keys(prefix).worker_pattern)) < args.workers:
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            raise RuntimeError("the workers did not start")
-        time.sleep(0.2)
+            model_args,
+            worker_id=f"{prefix}-{i}",
+            concurrency=args.worker_concurrency,
+            threads=args.worker_threads,
+            log_dir=log_dir,
+        )
+        for i in range(args.workers)
+    ]
+    try:
+        wait_for_heartbeats(args.redis_url, prefix, procs, timeout_s=300)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     return procs
+
+
+def _png_ok(data: bytes, size: tuple[int, int]) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()  # decodes every byte (verify() alone skips the pixel data)
+            return img.format == "PNG" and img.size == size
+    except Exception:  # noqa: BLE001 - anything unreadable is an invalid image
+        return False
 
 
 async def _follow(client: Any, job_id: str) -> dict[str, Any]:
@@ -133,42 +171,75 @@ async def _follow(client: Any, job_id: str) -> dict[str, Any]:
     return (await client.get(f"/v1/jobs/{job_id}")).json()
 
 
+async def _fetch_images(client: Any, job: dict[str, Any], size: tuple[int, int], want: int) -> int:
+    """How many of ``job``'s images are missing or not PNGs of ``size`` (``want`` expected)."""
+    data = (job.get("result") or {}).get("data") or []
+    bad = max(0, want - len(data))
+    for item in data:
+        resp = await client.get(item["url"])
+        bad += resp.status_code != 200 or not await asyncio.to_thread(_png_ok, resp.content, size)
+    return bad
+
+
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    if args.kind == "sleep":
+        return {"kind": "bench.sleep", "params": {"steps": args.steps, "step_ms": args.step_ms}}
+    params = {"prompt": "a lighthouse at dusk", "size": args.size, "n": args.n, "steps": args.steps, "seed": 0}
+    return {"kind": "images.generate", "params": params}
+
+
 async def _drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
-    body = {"kind": "bench.sleep", "params": {"steps": args.steps, "step_ms": args.step_ms}}
+    body = _params(args)
+    width, height = (int(v) for v in args.size.lower().split("x"))
     submit_s: list[float] = []
     finals: list[dict[str, Any]] = []
-    errors = 0
+    refused = bad_images = 0
     limits = httpx.Limits(max_connections=args.jobs + args.submitters + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
 
-        async def submitter(n: int) -> None:
-            nonlocal errors
+        async def one(job_id: str) -> None:
+            nonlocal bad_images
+            job = await _follow(client, job_id)
+            finals.append(job)
+            if args.kind == "images" and job["status"] == "succeeded":
+                bad_images += await _fetch_images(client, job, (width, height), args.n)
+
+        async def submitter(n: int, first_seed: int) -> None:
+            nonlocal refused
             follows = []
-            for _ in range(n):
+            for i in range(n):
+                if args.kind == "images":  # a distinct seed per job: no two jobs are the same work
+                    body["params"] = {**body["params"], "seed": first_seed + i * args.n}
                 t0 = time.perf_counter()
                 resp = await client.post("/v1/jobs", json=body)
                 submit_s.append(time.perf_counter() - t0)
                 if resp.status_code != 202:
-                    errors += 1
+                    refused += 1
                     continue
-                follows.append(asyncio.create_task(_follow(client, resp.json()["id"])))
-            finals.extend(await asyncio.gather(*follows))
+                follows.append(asyncio.create_task(one(resp.json()["id"])))
+            await asyncio.gather(*follows)
 
         shares = [args.jobs // args.submitters + (i < args.jobs % args.submitters) for i in range(args.submitters)]
+        starts = [sum(shares[:i]) * args.n for i in range(len(shares))]
         start = time.perf_counter()
-        await asyncio.gather(*(submitter(n) for n in shares))
+        await asyncio.gather(*(submitter(n, s) for n, s in zip(shares, starts, strict=True)))
         wall = time.perf_counter() - start
     done = [f for f in finals if f["status"] == "succeeded"]
     queue = [f["timings"]["queue_s"] for f in done]
     run = [f["timings"]["run_s"] for f in done]
+    images = len(done) * args.n - bad_images if args.kind == "images" else 0
     return {
         "jobs": args.jobs,
         "succeeded": len(done),
-        "errors": errors + len(finals) - len(done),
+        "errors": refused + len(finals) - len(done) + bad_images,
+        "refused": refused,
+        "failed": len(finals) - len(done),
+        "bad_images": bad_images,
         "wall_s": wall,
         "jobs_per_s": len(done) / wall,
+        "images_per_s": images / wall,
         "submit_p50_ms": _pct(submit_s, 50) * 1000,
         "submit_p99_ms": _pct(submit_s, 99) * 1000,
         "queue_p50_ms": _pct(queue, 50) * 1000,
@@ -179,54 +250,44 @@ async def _drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_jobs(args: argparse.Namespace) -> dict[str, Any]:
-    import tempfile
-
-    from gateway.app import create_app
-    from workers.jobs.plugin import router
-    from workers.jobs.runner import JobsConfig, JobService
-
     _register(args.local_concurrency)
     prefix = f"bench{uuid.uuid4().hex[:8]}"
     results = tempfile.mkdtemp(prefix="mmserve-bench-jobs-")
-    cfg = JobsConfig(
-        dispatch=args.dispatch,
-        redis_url=args.redis_url,
-        key_prefix=f"{prefix}:jobs",
-        queue_prefix=prefix,
-        store={"type": "local", "root": results},
-    )
-    procs = _start_workers(args, prefix) if args.dispatch == "celery" else []
-    app = create_app({}, routers=[router])
-    app.state.jobs = JobService(cfg, app.state.engines)
+    procs = _start_workers(args, prefix, Path(results)) if args.dispatch == "celery" else []
     try:
-        with _Server(app) as url:
+        with _Server(_app(args, prefix, results)) as url:
             figures = asyncio.run(_drive(url, args))
     finally:
         for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.kill(signal.SIGTERM)
         if args.dispatch == "celery":
             import redis
 
             r = redis.Redis.from_url(args.redis_url)
             for key in r.scan_iter(f"{prefix}*"):
                 r.delete(key)
+        shutil.rmtree(results, ignore_errors=True)  # the generated images and the worker logs
     figures.update(
+        kind=args.kind,
         dispatch=args.dispatch,
         submitters=args.submitters,
         steps=args.steps,
-        step_ms=args.step_ms,
         workers=args.workers if args.dispatch == "celery" else 0,
+        **(
+            {"size": args.size, "n": args.n, "image": args.image}
+            if args.kind == "images"
+            else {"step_ms": args.step_ms}
+        ),
     )
-    print(f"jobs ({args.dispatch}, {args.submitters} submitters, {args.jobs} jobs of {args.steps} x {args.step_ms} ms)")
-    print(
-        f"  {figures['succeeded']}/{args.jobs} succeeded, {figures['errors']} errors in {figures['wall_s']:.2f} s: "
-        f"{figures['jobs_per_s']:.1f} jobs/s"
+    what = (
+        f"{args.steps} x {args.step_ms} ms" if args.kind == "sleep" else f"{args.n} x {args.size}, {args.steps} steps"
     )
+    print(f"jobs ({args.kind}, {args.dispatch}, {args.submitters} submitters, {args.jobs} jobs of {what})")
+    line = f"  {figures['succeeded']}/{args.jobs} succeeded, {figures['errors']} errors in {figures['wall_s']:.2f} s: "
+    line += f"{figures['jobs_per_s']:.2f} jobs/s"
+    if args.kind == "images":
+        line += f", {figures['images_per_s']:.2f} images/s ({figures['bad_images']} invalid)"
+    print(line)
     for what in ("submit", "queue", "run"):
         print(f"  {what:<7} P50 {figures[f'{what}_p50_ms']:8.1f} ms   P99 {figures[f'{what}_p99_ms']:8.1f} ms")
     if args.json:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -111,6 +111,7 @@ def create_app(
     routers: Sequence[APIRouter] | None = None,
     aliases: dict[str, str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_limits: Mapping[str, int] | None = None,
     keys: KeyStore | None = None,
     ratelimiter: RateLimiter | None = None,
     drain_timeout_s: float = 30.0,
@@ -123,7 +124,10 @@ def create_app(
     shutdown, ``/ready`` turns 503 and in-flight requests get ``drain_timeout_s`` to finish
     before the engines stop (see ``gateway.drain``).
 
-    Request bodies over ``max_body_bytes`` are answered 413 before any route reads them.
+    Request bodies over ``max_body_bytes`` are answered 413 before any route reads them, except on
+    the routes of ``body_limits`` (``{"METHOD /path": bytes}``, default: what the plugins declare
+    when ``routers`` is omitted, else none), which stream their bodies under their own limit
+    (``gateway.limits``).
 
     ``aliases`` maps extra accepted ``model`` values to served names (not listed in ``/v1/models``).
 
@@ -131,9 +135,11 @@ def create_app(
     modality plugin's router). The lifespan calls ``start()`` on every engine and ``shutdown()`` on exit.
     """
     if routers is None:
+        from gateway.plugins import body_limits as plugin_body_limits
         from gateway.plugins import routers as plugin_routers
 
         routers = plugin_routers()
+        body_limits = plugin_body_limits(None) if body_limits is None else body_limits
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -184,7 +190,7 @@ def create_app(
     app.include_router(_models_router(), dependencies=auth)
     for router in routers:
         app.include_router(router, dependencies=auth)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, route_limits=body_limits)
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(InFlightMiddleware, inflight=app.state.inflight)
     app.add_middleware(RequestLogMiddleware)  # outermost: every response carries X-Request-ID
@@ -210,6 +216,7 @@ def build_app(args: Any) -> FastAPI:
         routers=plugins.routers(),
         aliases=built.aliases,
         max_body_bytes=max_body,
+        body_limits=plugins.body_limits(args),
         keys=keystore_from_args(args),  # --keys-file, --api-key, --limit
         ratelimiter=limiter_from_args(args),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),

@@ -1,8 +1,18 @@
-"""Request-size limit as a pure ASGI middleware: oversized bodies get OpenAI error JSON (413)
-before any route parses them, whether the size is declared (Content-Length) or streamed."""
+"""Request-size limits as a pure ASGI middleware: oversized bodies get OpenAI error JSON (413)
+whether the size is declared (Content-Length) or streamed.
+
+Every route gets ``max_bytes`` (``--max-body-mb``), its body read up front before any route parses
+it. A route in ``route_limits`` (``"METHOD /path"`` -> bytes; uploads, e.g. ``POST /v1/files``) has
+its own limit instead and its body is passed through as it arrives, never held here: the route
+streams it (to a spooled temporary file, then to the result store), and the byte that crosses the
+limit ends the request with the 413.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError
@@ -10,23 +20,42 @@ from gateway.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
+def _too_large(limit: int) -> str:
+    return f"request body exceeds the server's limit of {limit} bytes ({limit / (1 << 20):.1f} MiB)"
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` once a streamed body crosses its route's limit. An
+    ``HTTPException``, so FastAPI's body parsing re-raises it as is and the app's handler renders
+    it as OpenAI error JSON."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, _too_large(limit))
+
+
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES, route_limits: Mapping[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.route_limits = dict(route_limits or {})
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        mb = self.max_bytes / (1 << 20)
-        error = APIError(413, f"request body exceeds the server's limit of {self.max_bytes} bytes ({mb:.1f} MiB)")
-        await error.response()(scope, receive, send)
+    async def _reject(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        await APIError(413, _too_large(limit)).response()(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        route_limit = self.route_limits.get(f"{scope['method']} {scope['path']}")
+        limit = self.max_bytes if route_limit is None else route_limit
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._reject(limit, scope, receive, send)
+            return
+        if route_limit is not None:
+            await self._streamed(route_limit, scope, receive, send)
             return
         # Read the body up front (bounded by the limit), then replay it to the app.
         buffered: list[Message] = []
@@ -37,8 +66,8 @@ class BodySizeLimitMiddleware:
             if message["type"] != "http.request":
                 break
             total += len(message.get("body", b""))
-            if total > self.max_bytes:
-                await self._reject(scope, receive, send)
+            if total > limit:
+                await self._reject(limit, scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
@@ -47,3 +76,29 @@ class BodySizeLimitMiddleware:
             return buffered.pop(0) if buffered else await receive()
 
         await self.app(scope, replay, send)
+
+    async def _streamed(self, limit: int, scope: Scope, receive: Receive, send: Send) -> None:
+        """The body passes through, counted; crossing ``limit`` raises ``BodyTooLarge`` in the
+        reader (answered 413 here if it escapes the app before a response started)."""
+        total, started = 0, False
+
+        async def counted() -> Message:
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watch)
+        except BodyTooLarge:
+            if started:
+                raise
+            await self._reject(limit, scope, receive, send)

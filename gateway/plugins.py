@@ -8,6 +8,9 @@ Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.p
   the user asked for this modality with ``--only``; a missing *default* model may then be an error,
   otherwise the plugin may skip itself with a warning);
 - optionally ``add_models_commands(subparsers)``: extra ``mmserve models`` subcommands;
+- optionally ``body_limits(args) -> {"METHOD /path": bytes}``: routes that stream their request
+  body under a limit of their own instead of the gateway's ``--max-body-mb`` (``args`` may be
+  ``None``: the defaults);
 - optionally ``TINY_ARCHS``: ``{arch: make(dir, seed) -> Path}`` for ``mmserve models make-tiny``.
 
 Adding a modality means writing its plugin module; no gateway file changes. Services that are
@@ -74,6 +77,15 @@ def build_all(args: Any) -> Built:
         for alias, served in built.aliases.items():
             if alias not in out.engines:
                 out.aliases.setdefault(alias, served)
+    return out
+
+
+def body_limits(args: Any) -> dict[str, int]:
+    """The per-route request-body limits the plugins declare (``gateway.limits``)."""
+    out: dict[str, int] = {}
+    for plugin in load_plugins().values():
+        if hasattr(plugin, "body_limits"):
+            out.update(plugin.body_limits(args))
     return out
 
 

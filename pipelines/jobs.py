@@ -4,6 +4,9 @@ with ``params.file_id`` an audio file uploaded through ``POST /v1/files``.
 The job id comes back at once (202). Under local dispatch the stages run in the gateway process;
 under Celery dispatch the job runs on an ASR worker, which sends the stage chain (VAD and ASR on
 ``mmserve.asr``, LLM on ``mmserve.llm``, TTS on ``mmserve.tts``) and follows it in the stage store.
+The job runs on the worker's engine loop, so it polls the chain with the worker's async Redis
+client and does its blocking calls on threads; the Celery app and the stage store
+(``pipelines.chain.shared_store``) are made once per process.
 The job's result: transcript, segments, reply text, usage, per-stage attempts and seconds, and
 ``reply.wav`` in the result store.
 """
@@ -11,10 +14,15 @@ The job's result: transcript, segments, reply text, usage, per-stage attempts an
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if TYPE_CHECKING:  # imported lazily at run time: the plugin stays light
+    from pipelines.chain import ChainOptions, StageStore
 
 KIND = "audio.pipeline"
 
@@ -34,7 +42,7 @@ class PipelineParams(BaseModel):
     tts: str | None = None
     fail_once: list[Literal["vad", "asr", "llm", "tts"]] = Field(default_factory=list)
 
-    def options(self) -> Any:
+    def options(self) -> ChainOptions:
         from pipelines.chain import ChainOptions
 
         fields = self.model_dump(exclude={"file_id"})
@@ -59,9 +67,38 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
     return audio_cost(params, engines, file_bytes)
 
 
+@functools.cache
+def _celery_app(redis_url: str) -> Any:
+    """One Celery app per process (and Redis URL) sends every job's chain."""
+    from workers.celery_app import make_celery
+
+    return make_celery(redis_url)
+
+
+async def _follow(
+    rt: Any, store: StageStore, chain_id: str, opts: ChainOptions, check_cancelled: Callable[[], None]
+) -> None:
+    """Send the chain and wait for its end (a retried job's chain skips its done stages); raises
+    if it failed, and marks it cancelled when the job stops."""
+    from pipelines.chain import celery_chain
+
+    await asyncio.to_thread(celery_chain(_celery_app(rt.redis_url), chain_id, opts, rt.prefix).apply_async)
+    key = store.meta_key(chain_id)
+    try:  # the worker's async client: polling never blocks the engine loop
+        while (raw := await rt.redis.hget(key, "status")) is not None and raw not in (b"succeeded", b"failed"):
+            check_cancelled()
+            await asyncio.sleep(0.05)
+    except BaseException:
+        store.set_status(chain_id, "cancelled")  # the stages still queued become no-ops
+        raise
+    if raw != b"succeeded":
+        status = await asyncio.to_thread(store.status, chain_id)
+        raise RuntimeError(f"pipeline failed: {status and status['error']}")
+
+
 async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     from modalities.audio import decode_audio, encode_audio
-    from pipelines.chain import StageStore, celery_chain, result, run_local
+    from pipelines.chain import StageStore, result, run_local, shared_store
     from pipelines.services import Services
     from workers import runtime
     from workers.jobs.store import parse_file_id
@@ -79,22 +116,11 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         services = Services.from_engines(ctx.engines, opts.llm, opts.asr, opts.tts, ctx.aliases, need=need)
         await run_local(store, chain_id, services, ctx.check_cancelled)
     else:
-        from workers.celery_app import make_celery
-
-        store = StageStore(rt.redis_url, rt.prefix)
-        if store.status(chain_id) is None:  # a retried job resumes its chain: done stages are skipped
-            store.create(chain_id, audio, opts)
-        celery_chain(make_celery(rt.redis_url), chain_id, opts, rt.prefix).apply_async()
-        try:
-            while (status := store.status(chain_id)) is not None and status["status"] not in ("succeeded", "failed"):
-                ctx.check_cancelled()
-                await asyncio.sleep(0.05)
-        except BaseException:
-            store.set_status(chain_id, "cancelled")  # the stages still queued become no-ops
-            raise
-        if status is None or status["status"] == "failed":
-            raise RuntimeError(f"pipeline failed: {status and status['error']}")
-    out = result(store, chain_id)
+        store = shared_store(rt.redis_url, rt.prefix)
+        if await asyncio.to_thread(store.status, chain_id) is None:  # a retried job resumes its chain
+            await asyncio.to_thread(store.create, chain_id, audio, opts)
+        await _follow(rt, store, chain_id, opts, ctx.check_cancelled)
+    out = await asyncio.to_thread(result, store, chain_id)
     files = {}
     audio_out = out.pop("audio", None)
     if audio_out is not None and audio_out.size:

@@ -32,3 +32,13 @@ def serve_app(app: Any) -> Iterator[str]:
         uv.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def redis_reachable(url: str) -> bool:
+    """Whether the Redis server at ``url`` answers a ping (tests needing it skip otherwise)."""
+    try:
+        import redis
+
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except Exception:  # noqa: BLE001
+        return False

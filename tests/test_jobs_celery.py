@@ -22,23 +22,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import serve_app
+from tests.helpers import redis_reachable, serve_app
 from tests.test_jobs import error, get, post, sse, wait
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _redis_ok() -> bool:
-    try:
-        import redis
-
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _redis_ok(), reason="needs the Redis server on 127.0.0.1:6379")
+pytestmark = pytest.mark.skipif(not redis_reachable(REDIS_URL), reason="needs the Redis server on 127.0.0.1:6379")
 
 
 class Cluster:

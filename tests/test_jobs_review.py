@@ -19,7 +19,7 @@ import websockets.sync.client
 from fastapi import APIRouter, Request
 
 import tests.test_jobs_kinds  # noqa: F401 - registers the test.steps kind
-from tests.helpers import serve_app
+from tests.helpers import redis_reachable, serve_app
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
@@ -30,16 +30,7 @@ def _auth(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
 
-def _redis_ok() -> bool:
-    try:
-        import redis
-
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-@pytest.mark.skipif(not _redis_ok(), reason="needs the Redis server on 127.0.0.1:6379")
+@pytest.mark.skipif(not redis_reachable(REDIS_URL), reason="needs the Redis server on 127.0.0.1:6379")
 def test_idempotent_replays_leave_the_queued_count_alone() -> None:
     from workers.jobs.redis_backend import RedisBackend
     from workers.jobs.state import new_id, new_record

@@ -100,3 +100,42 @@ def test_job_results_in_the_bucket_fetched_by_url(s3_endpoint: str, bucket: str)
     key = f"results/{job['id']}/out.txt"
     obj = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").get_object(Bucket=bucket, Key=key)
     assert obj["Body"].read() == b"2 steps, attempt 1" and obj["ContentType"] == "text/plain"
+
+
+def test_s3_sweep_and_streamed_put(s3_endpoint: str, bucket: str) -> None:
+    """The retention sweep on a bucket: finished and orphaned jobs and old uploads go; a running
+    job's files and the upload it reads stay. ``put_file`` streams; ``delete_job`` deletes them all."""
+    import asyncio
+    import io
+
+    from workers.jobs import state
+    from workers.jobs.store import UPLOADS, make_store
+    from workers.jobs.upkeep import sweep
+
+    store = make_store({"type": "s3", "bucket": bucket, "prefix": "sweep/", "endpoint_url": s3_endpoint})
+    assert store.put_file(UPLOADS, "file-in-use", io.BytesIO(b"in"), "text/plain").endswith("file-in-use/content")
+    store.put(UPLOADS, "file-old", b"old", "text/plain")
+    store.put("job_orphan", "out.txt", b"x", "text/plain")
+    backend = state.MemoryBackend()
+
+    async def scenario() -> list[str]:
+        ids = {}
+        for status in ("succeeded", "running"):
+            rec = state.new_record(state.new_id(), "test.steps", "embed", {"file_id": "file-in-use"}, max_attempts=1)
+            await backend.create(rec)
+            await backend.update(rec["id"], state.claim(rec["token"], 30, "w"))
+            if status == "succeeded":
+                await backend.update(rec["id"], state.finish(rec["token"], "succeeded"))
+            for i in range(3):
+                store.put(rec["id"], f"part-{i}.bin", b"x", "application/octet-stream")
+            ids[status] = rec["id"]
+        gone = await sweep(backend, store, 60.0, now=time.time() + 3600)
+        assert sorted(gone) == sorted([ids["succeeded"], "job_orphan", "file-old"])
+        return [ids["running"]]
+
+    (running,) = asyncio.run(scenario())
+    left = sorted((job, name) for job, name, _ in store.entries())
+    assert left == [(running, "part-0.bin"), (running, "part-1.bin"), (running, "part-2.bin"), (UPLOADS, "file-in-use")]
+    assert store.get(UPLOADS, "file-in-use") == (b"in", "text/plain")
+    store.delete_job(running)
+    assert [job for job, _, _ in store.entries()] == [UPLOADS]

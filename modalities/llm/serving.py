@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.errors import PromptTooLongError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from gateway.errors import APIError, from_engine_error, model_not_found
+from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import Charge, charge
@@ -33,23 +33,21 @@ from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, MergedG
 
 
 def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
-    """``(served_name, engine)`` for ``model``; the only LLM engine when ``model`` is omitted.
-    Naming a model of another modality (e.g. an embedding model) is a 400."""
+    """``(served_name, engine)`` for ``model`` (``gateway.errors.pick_engine``); the only LLM
+    engine when ``model`` is omitted. Naming a model of another modality (e.g. an embedding
+    model) is a 400, an unknown one a 404."""
     from engine.async_engine import AsyncEngine  # here, not at import: plugin loading stays torch-free
 
-    engines: dict[str, Any] = request.app.state.engines
-    llms = {name: e for name, e in engines.items() if isinstance(e, AsyncEngine)}
-    if model is None:
-        if len(llms) == 1:
-            return next(iter(llms.items()))
-        raise APIError(400, "you must provide a model parameter", param="model")
-    if model not in engines:
-        model = getattr(request.app.state, "aliases", {}).get(model, model)
-    if model not in engines:
-        raise model_not_found(model, list(engines))
-    if model not in llms:
-        raise APIError(400, f"model {model!r} does not generate text", param="model")
-    return model, llms[model]
+    state = request.app.state
+    llms = {name: e for name, e in state.engines.items() if isinstance(e, AsyncEngine)}
+    return pick_engine(
+        state.engines,
+        getattr(state, "aliases", {}),
+        model,
+        llms,
+        none_served="no text generation model is served (start with --llm)",
+        unsupported="does not generate text",
+    )
 
 
 def token_text(tokenizer: Any, token_id: int, cache: dict[int, str]) -> str:

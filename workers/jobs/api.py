@@ -7,7 +7,11 @@
 - ``GET /v1/jobs/{id}/events``: Server-Sent Events from the start (or ``Last-Event-ID`` / ``?after=``)
   until the job ends; previews are included with ``?previews=true``. ``WS /v1/jobs/{id}/ws``: the
   same events as JSON messages; send ``{"type": "cancel"}`` to cancel.
-- ``POST /v1/jobs/{id}/cancel``.
+- ``POST /v1/jobs/{id}/cancel``; ``DELETE /v1/jobs/{id}`` (a finished job: its record and result
+  files; 409 while it is queued or running).
+
+Retention: a finished job's record and result files are deleted ``--jobs-ttl-h`` hours after it
+ended (default 24; ``workers.jobs.upkeep.sweep``); the job object's ``expires_at`` says when.
 
 ``workers.jobs.files`` adds the ``/v1/files`` routes and ``workers.jobs.batch`` the
 ``/v1/batches`` routes to this router.
@@ -85,11 +89,13 @@ def service(app: Any) -> JobService:
         cfg = config_from_args(args) if args is not None else JobsConfig()
         svc = JobService(cfg, app.state.engines, getattr(app.state, "aliases", {}))
         app.state.jobs = svc
+    svc.ensure_started()
     return svc
 
 
-def job_view(rec: state.Record) -> dict[str, Any]:
-    """The public job object (no internal tokens or leases)."""
+def job_view(rec: state.Record, ttl_s: float) -> dict[str, Any]:
+    """The public job object (no internal tokens or leases); ``expires_at``: when the retention
+    sweep deletes it (``ttl_s`` after it finished; ``None`` until then)."""
     started, finished = rec["started_at"], rec["finished_at"]
     return {
         "id": rec["id"],
@@ -99,6 +105,7 @@ def job_view(rec: state.Record) -> dict[str, Any]:
         "created_at": rec["created_at"],
         "started_at": started,
         "finished_at": finished,
+        "expires_at": finished + ttl_s if finished else None,
         "timings": {
             "queue_s": round(started - rec["created_at"], 6) if started else None,
             "run_s": round(finished - started, 6) if started and finished else None,
@@ -232,12 +239,24 @@ async def create_job(
     headers = {"Location": f"/v1/jobs/{rec['id']}"}
     if not created:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(job_view(rec), status_code=202, headers=headers)
+    return JSONResponse(job_view(rec, svc.cfg.result_ttl_s), status_code=202, headers=headers)
 
 
 @router.get("/v1/jobs/{job_id}")
 async def get_job(job_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(job_view(await get_job_or_404(service(request.app), job_id, owner_of(request))))
+    svc = service(request.app)
+    return JSONResponse(job_view(await get_job_or_404(svc, job_id, owner_of(request)), svc.cfg.result_ttl_s))
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def delete_job(job_id: str, request: Request) -> JSONResponse:
+    """Delete a finished job with its result files (409 while it is queued or running: cancel it first)."""
+    svc = service(request.app)
+    rec = await get_job_or_404(svc, job_id, owner_of(request))
+    if rec["status"] not in state.TERMINAL:
+        raise APIError(409, f"job {job_id} is {rec['status']}; cancel it first", code="job_not_finished")
+    await svc.delete(rec)
+    return JSONResponse({"id": job_id, "object": "job.deleted", "deleted": True})
 
 
 @router.post("/v1/jobs/{job_id}/cancel")
@@ -249,7 +268,7 @@ async def cancel_job(job_id: str, request: Request) -> JSONResponse:
         raise APIError(409, f"job {job_id} already {rec['status']}", code="job_finished")
     rec = await svc.cancel(job_id)
     assert rec is not None
-    return JSONResponse(job_view(rec))
+    return JSONResponse(job_view(rec, svc.cfg.result_ttl_s))
 
 
 def _public_event(ev: dict[str, Any], previews: bool) -> dict[str, Any]:

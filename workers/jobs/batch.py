@@ -300,7 +300,7 @@ async def create_batch(
         svc, f"batch:{body.endpoint}", params, idempotency_key, owner=owner, id_prefix="batch", request=request
     )
     if created:
-        await svc.backend.index_add(f"batches:{owner or ''}", rec["id"])
+        await svc.backend.index_add(state.batches_index(owner), rec["id"])
     return JSONResponse(batch_view(rec))
 
 
@@ -310,7 +310,7 @@ async def list_batches(
 ) -> JSONResponse:
     """The caller's batches, newest first (OpenAI list object)."""
     svc, owner = service(request.app), owner_of(request)
-    ids = await svc.backend.index_list(f"batches:{owner or ''}", limit + 1, after)
+    ids = await svc.backend.index_list(state.batches_index(owner), limit + 1, after)
     data = [batch_view(rec) for bid in ids[:limit] if (rec := await svc.get(bid)) is not None]
     return JSONResponse(list_object(data, more=len(ids) > limit))
 

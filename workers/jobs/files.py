@@ -3,7 +3,12 @@ files jobs produce, addressed alike by file id.
 
 - ``POST /v1/files`` (multipart ``file`` + ``purpose``) -> the file object;
 - ``GET /v1/files`` (the caller's uploads, newest first), ``GET /v1/files/{id}``,
-  ``GET /v1/files/{id}/content`` (also every job result URL), ``DELETE /v1/files/{id}`` (uploads).
+  ``GET /v1/files/{id}/content`` (also every job result URL), ``DELETE /v1/files/{id}`` (an upload,
+  a generated image, or one output of a finished job).
+
+Uploads stream to the store (spooled to a temporary file on the way, never whole in memory) under
+their own body limit, ``--files-max-mb`` (default 200 MiB; ``gateway.limits``): a larger upload is
+a 413. Files expire with the retention TTL (``expires_at``; see ``workers.jobs.upkeep``).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from fastapi import File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError
+from workers.jobs import state
 from workers.jobs.api import not_found, owner_of, router, service, visible
 from workers.jobs.runner import JobService
 from workers.jobs.store import UPLOADS, check_name, parse_file_id
+from workers.jobs.upkeep import delete_upload
 
-MAX_UPLOAD_BYTES = 200 << 20
 FILE_PURPOSES = ("batch", "user_data")
 _SAFE_FILENAME = re.compile(r"[^A-Za-z0-9._ -]")
 
@@ -37,7 +43,7 @@ async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str,
         meta = await svc.backend.get_meta(f"file:{fid}")
         if meta is None or not visible(meta.get("owner"), owner):
             raise not_found("file", fid)
-        return {k: v for k, v in meta.items() if k != "owner"}
+        return public_meta(meta, svc.cfg.result_ttl_s)
     rec = await svc.get(job_id)
     info = next((f for f in rec["files"] if f["name"] == name), None) if rec else None
     if rec is None or info is None or not visible(rec.get("owner"), owner):
@@ -48,33 +54,41 @@ async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str,
         "object": "file",
         "bytes": info["bytes"],
         "created_at": int(rec["finished_at"] or time.time()),
+        "expires_at": int(rec["finished_at"] + svc.cfg.result_ttl_s) if rec["finished_at"] else None,
         "filename": name,
         "purpose": purpose,
         "status": "processed",
     }
 
 
+def public_meta(meta: dict[str, Any], ttl_s: float) -> dict[str, Any]:
+    """The file object of an upload or a generated file: its metadata less the owner."""
+    return {**{k: v for k, v in meta.items() if k != "owner"}, "expires_at": int(meta["created_at"] + ttl_s)}
+
+
 @router.post("/v1/files")
 async def upload_file(
     request: Request, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
 ) -> JSONResponse:
-    """OpenAI ``POST /v1/files`` (multipart): stores the upload, returns the file object."""
+    """OpenAI ``POST /v1/files`` (multipart): stores the upload, returns the file object. The body
+    limit (413) is enforced while it arrives (``gateway.limits``); the parsed file is spooled to
+    disk and copied to the store in chunks."""
     svc = service(request.app)
     if purpose not in FILE_PURPOSES:
         raise APIError(400, f"purpose must be one of {', '.join(FILE_PURPOSES)}", param="purpose")
-    data = await file.read(MAX_UPLOAD_BYTES + 1)
-    if len(data) > MAX_UPLOAD_BYTES:
-        raise APIError(413, f"files are limited to {MAX_UPLOAD_BYTES >> 20} MiB", param="file")
-    if not data:
+    await file.seek(0)
+    size = file.size or 0  # counted by the multipart parser as it spooled the file
+    if not size:
         raise APIError(400, "the uploaded file is empty", param="file")
     if purpose == "batch" and not (file.filename or "").endswith(".jsonl"):
         raise APIError(400, "batch input files must be JSONL (a .jsonl filename)", param="file")
     fid = f"file-{uuid.uuid4().hex[:24]}"
-    await asyncio.to_thread(svc.store.put, UPLOADS, fid, data, file.content_type or "application/octet-stream")
+    content_type = file.content_type or "application/octet-stream"
+    await asyncio.to_thread(svc.store.put_file, UPLOADS, fid, file.file, content_type)
     obj = {
         "id": fid,
         "object": "file",
-        "bytes": len(data),
+        "bytes": size,
         "created_at": int(time.time()),
         "filename": _SAFE_FILENAME.sub("_", file.filename or "upload")[-200:],
         "purpose": purpose,
@@ -82,8 +96,8 @@ async def upload_file(
     }
     owner = owner_of(request)
     await svc.backend.put_meta(f"file:{fid}", {**obj, "owner": owner})
-    await svc.backend.index_add(f"files:{owner or ''}", fid)
-    return JSONResponse(obj)
+    await svc.backend.index_add(state.files_index(owner), fid)
+    return JSONResponse(public_meta(obj, svc.cfg.result_ttl_s))
 
 
 @router.get("/v1/files")
@@ -95,12 +109,12 @@ async def list_files(
 ) -> JSONResponse:
     """The caller's uploaded files, newest first (OpenAI list object)."""
     svc, owner = service(request.app), owner_of(request)
-    ids = await svc.backend.index_list(f"files:{owner or ''}", limit + 1, after)
+    ids = await svc.backend.index_list(state.files_index(owner), limit + 1, after)
     data = []
     for fid in ids:
         meta = await svc.backend.get_meta(f"file:{fid}")
         if meta is not None and (purpose is None or meta["purpose"] == purpose):
-            data.append({k: v for k, v in meta.items() if k != "owner"})
+            data.append(public_meta(meta, svc.cfg.result_ttl_s))
     return JSONResponse(list_object(data[:limit], more=len(ids) > limit))
 
 
@@ -132,11 +146,19 @@ async def get_file_content(file_id: str, request: Request) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
-    """Delete an uploaded file (job outputs go with their job)."""
+    """Delete a file: an upload or generated file, or one output of a finished job (409 while the
+    job is queued or running; ``DELETE /v1/jobs/{id}`` deletes a job with all its files)."""
     svc = service(request.app)
-    obj = await file_object(svc, file_id, owner_of(request))
-    if obj["purpose"] not in FILE_PURPOSES:
-        raise APIError(400, "job outputs cannot be deleted one by one", param="file_id")
-    await asyncio.to_thread(svc.store.delete, UPLOADS, file_id)
-    await svc.backend.delete_meta(f"file:{file_id}")
+    await file_object(svc, file_id, owner_of(request))  # 404 unless the caller's
+    job_id, name = parse_file_id(file_id)
+    if job_id == UPLOADS:
+        await delete_upload(svc.backend, svc.store, file_id, await svc.backend.get_meta(f"file:{file_id}"))
+    else:
+        rec, _ = await svc.backend.update(job_id, state.remove_file(name))
+        if rec is None:
+            raise not_found("file", file_id)
+        if rec["status"] not in state.TERMINAL:
+            msg = f"job {job_id} is {rec['status']}; its files can be deleted once it ends"
+            raise APIError(409, msg, code="job_not_finished")
+        await asyncio.to_thread(svc.store.delete, job_id, name)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})

@@ -2,7 +2,9 @@
 
 Jobs follow the gateway's ``--dispatch``: ``local`` runs them in the gateway process (state in
 memory), ``celery`` on ``mmserve worker`` processes of each kind's modality (state in Redis at
-``--redis-url``, queues under ``--prefix``).
+``--redis-url``, queues under ``--prefix``). Finished jobs, their result files and uploaded files
+are deleted after ``--jobs-ttl-h`` hours. ``POST /v1/files`` streams uploads of up to
+``--files-max-mb`` to the result store (its own body limit, not the gateway's ``--max-body-mb``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from typing import Any
 from workers.jobs import api, batch, files  # noqa: F401 - batch and files add their routes to api.router
 from workers.jobs.runner import JobsConfig
 
-__all__ = ["add_serve_args", "config_from_args", "router"]
+__all__ = ["add_serve_args", "body_limits", "config_from_args", "router"]
+
+DEFAULT_FILES_MAX_MB = 200.0
+DEFAULT_TTL_H = 24.0
 
 router = api.router  # /v1/jobs, /v1/files, /v1/batches
 
@@ -27,6 +32,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--jobs-max-attempts", type=int, default=3, help="attempts per job before it is failed")
     g.add_argument("--jobs-lease-s", type=float, default=30.0, help="a job whose worker is silent this long is retried")
     g.add_argument("--jobs-max-queued", type=int, default=10_000, help="waiting jobs before submissions get 429")
+    g.add_argument(
+        "--jobs-ttl-h",
+        type=float,
+        default=DEFAULT_TTL_H,
+        help="hours a finished job's record and result files, and an uploaded file, are kept (default 24)",
+    )
+    g.add_argument(
+        "--files-max-mb", type=float, default=DEFAULT_FILES_MAX_MB, help="largest POST /v1/files upload (default 200)"
+    )
+
+
+def body_limits(args: Any) -> dict[str, int]:
+    """``POST /v1/files`` streams its body under ``--files-max-mb`` (gateway.plugins hook)."""
+    mb = getattr(args, "files_max_mb", None) or DEFAULT_FILES_MAX_MB
+    return {"POST /v1/files": int(mb * (1 << 20))}
 
 
 def config_from_args(args: Any) -> JobsConfig:
@@ -52,4 +72,5 @@ def config_from_args(args: Any) -> JobsConfig:
         max_attempts=getattr(args, "jobs_max_attempts", 3),
         lease_s=getattr(args, "jobs_lease_s", 30.0),
         max_queued=getattr(args, "jobs_max_queued", 10_000),
+        result_ttl_s=(getattr(args, "jobs_ttl_h", None) or DEFAULT_TTL_H) * 3600.0,
     )

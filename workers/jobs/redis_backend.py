@@ -15,14 +15,15 @@ class RedisBackend:
     """Job state in Redis under ``prefix`` (celery runner): ``<prefix>:job:<id>`` (JSON),
     ``<prefix>:idem:<key>``, ``<prefix>:events:<id>`` (stream), ``<prefix>:running`` (set),
     ``<prefix>:queued`` (sorted set: last dispatch time),
-    ``<prefix>:meta:<key>``, ``<prefix>:index:<name>`` (sorted sets). Finished jobs and their events expire after ``ttl_s``."""
+    ``<prefix>:meta:<key>``, ``<prefix>:index:<name>`` (sorted sets). Finished jobs, their events, idempotency
+    keys and file metadata expire after ``ttl_s`` (the retention TTL: ``JobsConfig.result_ttl_s``)."""
 
-    def __init__(self, redis_url: str, prefix: str = "mmserve:jobs", ttl_s: float = 7 * 86400) -> None:
+    def __init__(self, redis_url: str, prefix: str = "mmserve:jobs", ttl_s: float = 86400) -> None:
         import redis.asyncio as aioredis
 
         self.r = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.prefix = prefix
-        self.ttl_s = int(ttl_s)
+        self.ttl_s = max(1, int(ttl_s))
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -66,7 +67,7 @@ class RedisBackend:
                         await pipe.unwatch()
                         return rec, False
                     pipe.multi()
-                    pipe.set(key, json.dumps(new))
+                    pipe.set(key, json.dumps(new), keepttl=True)  # a finished record keeps its expiry
                     if new["status"] == "running":
                         pipe.sadd(self._k("running"), job_id)
                     else:
@@ -75,7 +76,7 @@ class RedisBackend:
                         pipe.zadd(self._k("queued"), {job_id: time.time()})
                     elif new["status"] != "queued":
                         pipe.zrem(self._k("queued"), job_id)
-                    if new["status"] in TERMINAL:
+                    if new["status"] in TERMINAL and rec["status"] not in TERMINAL:
                         pipe.expire(key, self.ttl_s)
                         pipe.expire(self._k("events", job_id), self.ttl_s)
                     await pipe.execute()
@@ -141,6 +142,27 @@ class RedisBackend:
         rank = await self.r.zrevrank(key, after) if after else None
         start = rank + 1 if rank is not None else 0
         return [m.decode() for m in await self.r.zrevrange(key, start, start + limit - 1)]
+
+    async def index_remove(self, index: str, item_id: str) -> None:
+        await self.r.zrem(self._k("index", index), item_id)
+
+    async def delete(self, job_id: str) -> None:
+        rec = await self.get(job_id)
+        keys = [self._k("job", job_id), self._k("events", job_id)]
+        if rec is not None and rec.get("idempotency_key"):
+            keys.append(self._k("idem", rec["idempotency_key"]))
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.delete(*keys)
+            pipe.srem(self._k("running"), job_id)
+            pipe.zrem(self._k("queued"), job_id)
+            await pipe.execute()
+
+    async def expired(self, before: float) -> list[Record]:
+        return []  # finished records expire after ttl_s by themselves
+
+    async def active_ids(self) -> list[str]:
+        queued = [m.decode() for m in await self.r.zrange(self._k("queued"), 0, -1)]
+        return [*queued, *await self.running_ids()]
 
     async def close(self) -> None:
         await self.r.aclose()

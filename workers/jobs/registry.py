@@ -34,7 +34,9 @@ Contract of ``run(params, ctx)``:
 
 ``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
 raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
-never costs compute. ``engines`` are the gateway's engines (remote proxies under celery dispatch).
+never costs compute. ``engines`` are the gateway's engines (remote proxies under celery dispatch);
+a hook with an ``aliases`` parameter also gets the gateway's model aliases (``validate(params,
+engines, aliases)``), to resolve ``model`` as the synchronous routes do.
 
 ``cost(params, engines) -> (unit, amount)`` (optional) runs after ``validate``: the submitting
 tenant is charged ``amount`` of the rate-limit ``unit`` (``gateway.ratelimit``) before the job is
@@ -52,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 RunFn = Callable[[dict[str, Any], "JobContext"], "dict[str, Any] | None | Awaitable[dict[str, Any] | None]"]
-ValidateFn = Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+ValidateFn = Callable[..., dict[str, Any]]  # (params, engines[, aliases=]) -> params
 CostFn = Callable[..., tuple[str, float]]  # (params, engines[, file_bytes=]) -> (unit, amount)
 
 

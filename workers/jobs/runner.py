@@ -1,4 +1,4 @@
-"""Running jobs: one attempt in this process (``Executor``), and the two runners behind one interface.
+"""Running jobs: the two runners behind one interface, and the service the API calls.
 
 - ``LocalRunner``: asyncio tasks in the gateway process, at most ``JobKind.concurrency`` jobs of a
   kind at once; state in memory.
@@ -10,29 +10,26 @@
   redelivery of a killed worker's unacked message (after the visibility timeout) is harmless: the
   message's attempt token is stale by then, so it does nothing.
 
-``JobService`` (the API's entry point) validates and submits jobs, answers queries, cancels, and
-runs the reaper.
+``JobService`` (the API's entry point) validates and submits jobs, answers queries, cancels,
+deletes, and runs the reaper and the retention sweep (``workers.jobs.upkeep``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import logging
-import os
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import QueueFullError
 from workers.jobs import state
-from workers.jobs.registry import JobCancelled, JobContext, JobKind, ProgressEvent, get_job_kind
+from workers.jobs.executor import Executor
+from workers.jobs.registry import JobKind, get_job_kind
 from workers.jobs.state import Backend, Record
-from workers.jobs.store import Store, file_id, make_store
+from workers.jobs.store import make_store
+from workers.jobs.upkeep import delete_job, reap, reap_forever, sweep, sweep_forever
 
-logger = logging.getLogger("mmserve.jobs")
 TASK_NAME = "mmserve.jobs.run"
 
 
@@ -50,6 +47,10 @@ class JobsConfig:
     reap_interval_s: float = 5.0
     redispatch_after_s: float = 120.0  # a job queued this long is sent again (duplicates are harmless)
     max_queued: int = 10_000  # admission control: more waiting jobs than this is a 429
+    # retention: a finished job's record and files, and an uploaded or generated file, are kept
+    # this long (from the end of the job, from the upload); the sweep runs every sweep_interval_s
+    result_ttl_s: float = 24 * 3600.0
+    sweep_interval_s: float = 600.0
 
     def task_config(self) -> dict[str, Any]:
         return {
@@ -57,178 +58,11 @@ class JobsConfig:
             "key_prefix": self.key_prefix,
             "queue_prefix": self.queue_prefix,
             "store": self.store,
+            "result_ttl_s": self.result_ttl_s,
             "lease_s": self.lease_s,
             "reap_interval_s": self.reap_interval_s,
             "redispatch_after_s": self.redispatch_after_s,
         }
-
-
-class _RecordingStore:
-    """The result store as a job sees it: every ``put`` is also listed in the job's ``files``."""
-
-    def __init__(self, store: Store, job_id: str, record: Callable[[dict[str, Any]], None]) -> None:
-        self._store, self._job_id, self._record = store, job_id, record
-
-    def put(self, job_id: str, name: str, data: bytes, content_type: str) -> str:
-        url = self._store.put(job_id, name, data, content_type)
-        if job_id == self._job_id:
-            self._record(
-                {
-                    "id": file_id(job_id, name),
-                    "name": name,
-                    "url": url,
-                    "content_type": content_type,
-                    "bytes": len(data),
-                }
-            )
-        return url
-
-    def get(self, job_id: str, name: str) -> tuple[bytes, str]:
-        return self._store.get(job_id, name)
-
-    def delete_job(self, job_id: str) -> None:
-        self._store.delete_job(job_id)
-
-
-class Executor:
-    """Runs attempts of jobs in this process: claim, heartbeat, progress, result, cancel."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        store: Store,
-        engines: dict[str, Any],
-        *,
-        lease_s: float,
-        aliases: dict[str, str] | None = None,
-        redispatch: Callable[[Record], Awaitable[None]] | None = None,
-    ) -> None:
-        self.backend, self.store, self.engines, self.aliases = backend, store, engines, aliases or {}
-        self.lease_s = lease_s
-        self.redispatch = redispatch
-        self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self.active: dict[str, tuple[JobContext, asyncio.Task[Any]]] = {}
-
-    def cancel_local(self, job_id: str) -> None:
-        """Stop a job running here now (a sync ``run`` stops at its next ``check_cancelled``)."""
-        if job_id in self.active:
-            ctx, task = self.active[job_id]
-            ctx.cancel_event.set()
-            task.cancel()
-
-    async def _finish(self, job_id: str, fn: state.Transition) -> Record | None:
-        rec, changed = await self.backend.update(job_id, fn)
-        if changed and rec is not None:
-            await self.backend.add_event(job_id, state.status_event(rec))
-            if rec["status"] == "queued" and self.redispatch is not None:
-                await self.redispatch(rec)
-        return rec
-
-    async def execute(self, job_id: str, token: str) -> None:
-        rec, claimed = await self.backend.update(job_id, state.claim(token, self.lease_s, self.worker))
-        if not claimed or rec is None:
-            return  # cancelled, already run, or a stale message
-        await self.backend.add_event(job_id, state.status_event(rec))
-        kind = get_job_kind(rec["kind"])
-        if kind is None:
-            await self._finish(
-                job_id,
-                state.finish(
-                    token,
-                    "failed",
-                    error={
-                        "message": f"job kind {rec['kind']!r} is not registered on worker {self.worker}",
-                        "type": "server_error",
-                    },
-                ),
-            )
-            return
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue()
-
-        def post(item: tuple[str, Any]) -> None:  # thread-safe: a sync run reports from its thread
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        ctx = JobContext(
-            job_id=job_id,
-            kind=rec["kind"],
-            params=rec["params"],
-            engines=self.engines,
-            store=_RecordingStore(self.store, job_id, lambda info: post(("file", info))),
-            aliases=self.aliases,
-            attempt=rec["attempts"],
-            wants_preview=bool(rec.get("wants_preview")),
-            on_progress=lambda ev: post(("progress", ev)),
-        )
-        writer = asyncio.create_task(self._write_events(job_id, token, queue))
-        work = asyncio.create_task(self._run(kind, ctx))
-        self.active[job_id] = (ctx, work)
-        beat = asyncio.create_task(self._heartbeat(job_id, token, ctx, work))
-        outcome: state.Transition
-        try:
-            result = await work
-            outcome = state.finish(token, "succeeded", result=result)
-        except asyncio.CancelledError:
-            if not ctx.cancelled:
-                raise  # this process is shutting down: the lease expires and the job is retried
-            outcome = state.finish(token, "cancelled")  # no-op when cancel() already recorded it
-        except JobCancelled:
-            outcome = state.finish(token, "cancelled")  # also when the job stopped itself as cancelled
-        except Exception as exc:  # noqa: BLE001 - the job's failure is reported, not raised
-            logger.warning("job %s (%s) attempt %d failed: %r", job_id, rec["kind"], rec["attempts"], exc)
-            error = {"message": f"{type(exc).__name__}: {exc}", "type": "job_error"}
-            outcome = (
-                state.requeue_or_fail(token, error["message"], expired_only=False)
-                if kind.retry_on_error
-                else state.finish(token, "failed", error=error)
-            )
-        finally:
-            beat.cancel()
-            self.active.pop(job_id, None)
-            queue.put_nowait(None)
-            with contextlib.suppress(Exception):
-                await writer
-        await self._finish(job_id, outcome)
-
-    async def _run(self, kind: JobKind, ctx: JobContext) -> Any:
-        if kind.is_async:
-            return await kind.run(ctx.params, ctx)  # type: ignore[misc]
-        return await asyncio.to_thread(kind.run, ctx.params, ctx)
-
-    async def _write_events(self, job_id: str, token: str, queue: asyncio.Queue[tuple[str, Any] | None]) -> None:
-        """Apply progress and file records in the order the job reported them."""
-        import base64
-
-        while (item := await queue.get()) is not None:
-            what, value = item
-            try:
-                if what == "file":
-                    await self.backend.update(job_id, state.add_file(token, value))
-                    continue
-                ev: ProgressEvent = value
-                await self.backend.update(job_id, state.set_progress(token, ev.step, ev.total))
-                out: dict[str, Any] = {"type": "progress", "step": ev.step, "total": ev.total}
-                if ev.preview is not None:
-                    out["preview"] = base64.b64encode(ev.preview).decode()
-                    out["preview_type"] = ev.preview_type
-                await self.backend.add_event(job_id, out)
-            except Exception:  # noqa: BLE001 - a lost progress event must not kill the job
-                logger.exception("job %s: could not record %s", job_id, what)
-
-    async def _heartbeat(self, job_id: str, token: str, ctx: JobContext, work: asyncio.Task[Any]) -> None:
-        """Renew the lease; notice a cancel (or a lost lease) recorded by another process."""
-        interval = min(self.lease_s / 3, 0.5)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                rec, _ = await self.backend.update(job_id, state.heartbeat(token, self.lease_s))
-            except Exception as exc:  # noqa: BLE001 - Redis hiccup: try again; the lease is longer
-                logger.warning("job %s: heartbeat failed: %r", job_id, exc)
-                continue
-            if rec is None or rec["status"] != "running" or rec["token"] != token:
-                ctx.cancel_event.set()
-                work.cancel()
-                return
 
 
 class LocalRunner:
@@ -293,27 +127,37 @@ class JobService:
 
     def __init__(self, cfg: JobsConfig, engines: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
         self.cfg = cfg
-        self.engines = engines
+        self.engines, self.aliases = engines, aliases or {}
         self.store = make_store(cfg.store)
         self.backend: Backend
         if cfg.dispatch == "celery":
             from workers.jobs.redis_backend import RedisBackend
 
-            self.backend = RedisBackend(cfg.redis_url, cfg.key_prefix)
+            self.backend = RedisBackend(cfg.redis_url, cfg.key_prefix, cfg.result_ttl_s)
             self.runner: LocalRunner | CeleryRunner = CeleryRunner(cfg)
         else:
             self.backend = state.MemoryBackend()
             self.runner = LocalRunner(Executor(self.backend, self.store, engines, lease_s=cfg.lease_s, aliases=aliases))
-        self._reaper: asyncio.Task[None] | None = None
+        self._upkeep: list[asyncio.Task[None]] = []
 
     def ensure_started(self) -> None:
-        """Start the reaper (celery) on the running loop, once."""
-        if self.cfg.dispatch == "celery" and self._reaper is None:
-            self._reaper = asyncio.create_task(self._reap_forever())
+        """Start the retention sweep and (celery) the reaper on the running loop, once."""
+        if self._upkeep:
+            return
+        cfg = self.cfg
+        self._upkeep.append(
+            asyncio.create_task(sweep_forever(self.backend, self.store, cfg.result_ttl_s, cfg.sweep_interval_s))
+        )
+        if cfg.dispatch == "celery":
+            self._upkeep.append(
+                asyncio.create_task(
+                    reap_forever(self.backend, self.runner.dispatch, cfg.reap_interval_s, cfg.redispatch_after_s)
+                )
+            )
 
     async def shutdown(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for task in self._upkeep:
+            task.cancel()
         await self.runner.shutdown()
         await self.backend.close()
 
@@ -341,7 +185,8 @@ class JobService:
         if kind is None:
             raise KeyError(kind_name)
         if kind.validate is not None:
-            params = kind.validate(params, self.engines)
+            takes_aliases = "aliases" in inspect.signature(kind.validate).parameters  # model-name resolvers
+            params = kind.validate(params, self.engines, **({"aliases": self.aliases} if takes_aliases else {}))
         fid, file_bytes = params.get("file_id"), None
         if file_size is not None and isinstance(fid, str):
             file_bytes = await file_size(fid)
@@ -409,45 +254,13 @@ class JobService:
             self.runner.cancel_local(job_id)
         return rec
 
+    async def delete(self, rec: Record) -> None:
+        """Delete a finished job: its result files, record and events."""
+        await delete_job(self.backend, self.store, rec)
+
     async def reap(self) -> list[str]:
         return await reap(self.backend, self.runner.dispatch, self.cfg.redispatch_after_s)
 
-    async def _reap_forever(self) -> None:
-        await reap_forever(self.backend, self.runner.dispatch, self.cfg.reap_interval_s, self.cfg.redispatch_after_s)
-
-
-async def reap(
-    backend: Backend, dispatch: Callable[[Record], Awaitable[None]], redispatch_after_s: float = 120.0
-) -> list[str]:
-    """Requeue (or fail, after ``max_attempts``) running jobs whose lease expired, and send again
-    jobs queued longer than ``redispatch_after_s`` (their message may have died with a worker that
-    had reserved it; a duplicate message finds the job claimed and does nothing); the ids touched.
-    Safe to run in several processes at once: each transition is atomic, so only one acts."""
-    touched = []
-    for job_id in await backend.stale_queued(redispatch_after_s):
-        rec = await backend.get(job_id)
-        if rec is not None and rec["status"] == "queued":
-            touched.append(job_id)
-            await dispatch(rec)
-    for job_id in await backend.running_ids():
-        fn = state.requeue_or_fail(None, "the worker running the job was lost (lease expired)", expired_only=True)
-        rec, changed = await backend.update(job_id, fn)
-        if not changed or rec is None:
-            continue
-        touched.append(job_id)
-        logger.warning("job %s: lease expired -> %s", job_id, rec["status"])
-        await backend.add_event(job_id, state.status_event(rec))
-        if rec["status"] == "queued":
-            await dispatch(rec)
-    return touched
-
-
-async def reap_forever(
-    backend: Backend, dispatch: Callable[[Record], Awaitable[None]], interval_s: float, redispatch_after_s: float
-) -> None:
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await reap(backend, dispatch, redispatch_after_s)
-        except Exception as exc:  # noqa: BLE001 - Redis down: try again later
-            logger.warning("job reaper failed: %r", exc)
+    async def sweep(self, now: float | None = None) -> list[str]:
+        """One retention sweep (``workers.jobs.upkeep.sweep``); ``now`` for tests."""
+        return await sweep(self.backend, self.store, self.cfg.result_ttl_s, now)

@@ -16,6 +16,7 @@ the terminal status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import deque
@@ -27,6 +28,16 @@ Transition = Callable[[Record], "Record | None"]
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 STATUSES = ("queued", "running", *TERMINAL)
+
+
+def files_index(owner: str | None) -> str:
+    """The listing (``Backend.index_*``) of a tenant's uploaded files."""
+    return f"files:{owner or ''}"
+
+
+def batches_index(owner: str | None) -> str:
+    """The listing of a tenant's batches."""
+    return f"batches:{owner or ''}"
 
 
 def new_id(prefix: str = "job") -> str:
@@ -165,6 +176,17 @@ def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Tr
     return fn
 
 
+def remove_file(name: str) -> Transition:
+    """A finished job's output ``name`` deleted (``DELETE /v1/files/{id}``)."""
+
+    def fn(rec: Record) -> Record | None:
+        if rec["status"] not in TERMINAL or all(f["name"] != name for f in rec["files"]):
+            return None
+        return {**rec, "files": [f for f in rec["files"] if f["name"] != name]}
+
+    return fn
+
+
 def fail_queued(message: str) -> Transition:
     """queued -> failed (the job could not be queued)."""
 
@@ -241,6 +263,21 @@ class Backend(Protocol):
         """Up to ``limit`` ids of ``index``, newest first, starting after the id ``after``."""
         ...
 
+    async def index_remove(self, index: str, item_id: str) -> None: ...
+
+    async def delete(self, job_id: str) -> None:
+        """Forget a job: its record, events and idempotency key (idempotent)."""
+        ...
+
+    async def expired(self, before: float) -> list[Record]:
+        """Records of jobs that finished before ``before`` (epoch seconds) and stay until deleted;
+        a backend whose records expire by themselves (Redis) returns ``[]``."""
+        ...
+
+    async def active_ids(self) -> list[str]:
+        """The queued and running jobs."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -250,7 +287,7 @@ def is_terminal_event(ev: dict[str, Any]) -> bool:
 
 class MemoryBackend:
     """In-process state (local runner): lost with the process, which also runs the jobs. Only the
-    ``max_finished`` most recently finished jobs are kept."""
+    ``max_finished`` most recently finished jobs are kept (and none past the retention sweep)."""
 
     def __init__(self, max_finished: int = 10_000) -> None:
         self.jobs: dict[str, Record] = {}
@@ -299,6 +336,17 @@ class MemoryBackend:
         if rec and rec.get("idempotency_key"):
             self.idem.pop(rec["idempotency_key"], None)
 
+    async def delete(self, job_id: str) -> None:
+        self._forget(job_id)
+        with contextlib.suppress(ValueError):
+            self._finished.remove(job_id)
+
+    async def expired(self, before: float) -> list[Record]:
+        return [rec for j in list(self._finished) if (rec := self.jobs[j])["finished_at"] < before]
+
+    async def active_ids(self) -> list[str]:
+        return [j for j, r in self.jobs.items() if r["status"] not in TERMINAL]
+
     async def add_event(self, job_id: str, event: dict[str, Any]) -> None:
         self.log.setdefault(job_id, []).append({**event, "ts": time.time()})
         async with self._changed:
@@ -343,6 +391,10 @@ class MemoryBackend:
         ids = self.indexes.get(index, [])[::-1]
         start = ids.index(after) + 1 if after in ids else 0
         return ids[start : start + limit]
+
+    async def index_remove(self, index: str, item_id: str) -> None:
+        with contextlib.suppress(ValueError):
+            self.indexes.get(index, []).remove(item_id)
 
     async def close(self) -> None:
         return None

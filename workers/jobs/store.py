@@ -5,19 +5,23 @@
 - ``S3Store``: an S3-compatible bucket (``--results-s3-bucket``, ``--results-s3-endpoint`` for
   MinIO/Ceph/...; credentials from the usual AWS environment). ``boto3`` is imported only then.
 
-Objects are addressed ``(job_id, name)``; ``put`` returns the gateway URL that serves them,
-``/v1/files/<file id>/content`` (the gateway reads them back through the same store, so clients
-never need bucket credentials). Uploaded files use the pseudo job id ``uploads``.
+Objects are addressed ``(job_id, name)``; ``put`` (bytes) and ``put_file`` (a file object, copied
+in chunks) return the gateway URL that serves them, ``/v1/files/<file id>/content`` (the gateway
+reads them back through the same store, so clients never need bucket credentials). Uploaded files
+use the pseudo job id ``uploads``. ``entries()`` lists every object with its modification time, for
+the retention sweep (``workers.jobs.upkeep.sweep``).
 """
 
 from __future__ import annotations
 
+import io
 import mimetypes
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 UPLOADS = "uploads"
@@ -64,10 +68,15 @@ class LocalStore:
         return self.root / check_name(job_id) / check_name(name)
 
     def put(self, job_id: str, name: str, data: bytes, content_type: str) -> str:
+        return self.put_file(job_id, name, io.BytesIO(data), content_type)
+
+    def put_file(self, job_id: str, name: str, src: IO[bytes], content_type: str) -> str:
+        """Like ``put``, copying ``src`` from its current position in chunks."""
         path = self._path(job_id, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(data)
+        with tmp.open("wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
         tmp.replace(path)  # readers never see a half-written file
         return file_url(job_id, name)
 
@@ -79,6 +88,17 @@ class LocalStore:
 
     def delete_job(self, job_id: str) -> None:
         shutil.rmtree(self.root / check_name(job_id), ignore_errors=True)
+
+    def entries(self) -> Iterator[tuple[str, str, float]]:
+        """``(job_id, name, modified epoch seconds)`` of every file (half-written ones included)."""
+        for job_dir in self.root.iterdir():
+            if not job_dir.is_dir():
+                continue
+            for path in job_dir.iterdir():
+                try:
+                    yield job_dir.name, path.name, path.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
 
     def spec(self) -> dict[str, Any]:
         return {"type": "local", "root": str(self.root)}
@@ -102,6 +122,12 @@ class S3Store:
         self.s3.put_object(Bucket=self.bucket, Key=self._key(job_id, name), Body=data, ContentType=content_type)
         return file_url(job_id, name)
 
+    def put_file(self, job_id: str, name: str, src: IO[bytes], content_type: str) -> str:
+        """Like ``put``, streaming ``src`` (a multipart upload when it is large)."""
+        key = self._key(job_id, name)
+        self.s3.upload_fileobj(src, self.bucket, key, ExtraArgs={"ContentType": content_type})
+        return file_url(job_id, name)
+
     def get(self, job_id: str, name: str) -> tuple[bytes, str]:
         try:
             obj = self.s3.get_object(Bucket=self.bucket, Key=self._key(job_id, name))
@@ -112,10 +138,21 @@ class S3Store:
     def delete(self, job_id: str, name: str) -> None:
         self.s3.delete_object(Bucket=self.bucket, Key=self._key(job_id, name))
 
+    def _objects(self, prefix: str) -> Iterator[dict[str, Any]]:
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            yield from page.get("Contents", [])
+
     def delete_job(self, job_id: str) -> None:
-        listing = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}{check_name(job_id)}/")
-        for obj in listing.get("Contents", []):
-            self.s3.delete_object(Bucket=self.bucket, Key=obj["Key"])
+        keys = [{"Key": obj["Key"]} for obj in self._objects(f"{self.prefix}{check_name(job_id)}/")]
+        for i in range(0, len(keys), 1000):  # the most one request deletes
+            self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000], "Quiet": True})
+
+    def entries(self) -> Iterator[tuple[str, str, float]]:
+        """``(job_id, name, modified epoch seconds)`` of every object under the prefix."""
+        for obj in self._objects(self.prefix):
+            job_id, _, name = obj["Key"][len(self.prefix) :].partition("/")
+            if name:
+                yield job_id, name, obj["LastModified"].timestamp()
 
     def spec(self) -> dict[str, Any]:
         return {

@@ -17,9 +17,11 @@ from typing import Any
 from celery import shared_task
 
 from workers.jobs import state
+from workers.jobs.executor import Executor
 from workers.jobs.redis_backend import RedisBackend
-from workers.jobs.runner import TASK_NAME, Executor, reap_forever
+from workers.jobs.runner import TASK_NAME
 from workers.jobs.store import make_store
+from workers.jobs.upkeep import reap_forever
 
 for _module in filter(None, (m.strip() for m in os.environ.get("MMSERVE_JOB_MODULES", "").split(","))):
     importlib.import_module(_module)
@@ -73,7 +75,8 @@ def _executor(cfg: dict[str, Any], app: Any) -> tuple[Executor, asyncio.Abstract
 
 
 async def _backend(cfg: dict[str, Any]) -> RedisBackend:
-    return RedisBackend(cfg["redis_url"], cfg["key_prefix"])  # created on the loop that uses it
+    # created on the loop that uses it; finished records expire after the gateway's retention TTL
+    return RedisBackend(cfg["redis_url"], cfg["key_prefix"], cfg.get("result_ttl_s", 86400.0))
 
 
 @shared_task(name=TASK_NAME, bind=True)
