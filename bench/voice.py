@@ -11,6 +11,8 @@ speech (the moment the chunk holding the last speech sample was sent):
 
 P50/P99 over all turns for each concurrency in ``--sessions`` (default 1 and 4 sessions at once).
 The server is launched (``mmserve serve --only llm,asr,tts``) unless ``--url`` names one.
+Times are from the end of the speech in the clip, not from the server's commit, so the silence
+wait and any work done speculatively during it are all counted.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--chunk-ms", type=int, default=40, help="audio chunk size sent by the client")
     ap.add_argument("--pace", type=float, default=1.0, help="1.0 = real time")
     ap.add_argument("--silence-ms", type=int, default=400, help="server VAD silence_duration_ms")
+    ap.add_argument(
+        "--speculative-ms",
+        type=int,
+        default=None,
+        help="turn_detection.speculative_silence_ms: the pause that starts a turn speculatively (default: the server's)",
+    )
     ap.add_argument("--max-tokens", type=int, default=48, help="max_response_output_tokens")
     ap.add_argument("--timeout", type=float, default=120.0, help="per-turn timeout (s)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -97,11 +105,10 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
 
     results: list[dict[str, Any]] = []
     async with websockets.connect(url, max_size=None) as ws:
-        session = {
-            "temperature": 0,
-            "max_response_output_tokens": args.max_tokens,
-            "turn_detection": {"type": "server_vad", "silence_duration_ms": args.silence_ms},
-        }
+        td: dict[str, Any] = {"type": "server_vad", "silence_duration_ms": args.silence_ms}
+        if args.speculative_ms is not None:
+            td["speculative_silence_ms"] = args.speculative_ms
+        session = {"temperature": 0, "max_response_output_tokens": args.max_tokens, "turn_detection": td}
         await ws.send(json.dumps({"type": "session.update", "session": session}))
         for turn in range(turns):
             pcm, end_s = clips[turn % len(clips)]

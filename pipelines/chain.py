@@ -11,6 +11,7 @@ scales with its own workers.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from collections.abc import AsyncIterator, Callable
@@ -143,6 +144,10 @@ class StageStore:
     def _key(self, chain_id: str, what: str) -> str:
         return f"{self.prefix}:chain:{chain_id}:{what}"
 
+    def meta_key(self, chain_id: str) -> str:
+        """The Redis hash whose ``status`` field follows the chain (an async client may poll it)."""
+        return self._key(chain_id, "meta")
+
     def create(self, chain_id: str, audio: np.ndarray, opts: ChainOptions) -> None:
         meta = self._key(chain_id, "meta")
         with self.r.pipeline() as p:
@@ -231,6 +236,13 @@ class StageStore:
         keys = [self._key(chain_id, w) for w in ("meta", "input")]
         keys += [self._key(chain_id, f"out:{s.name}") for s in STAGES]
         self.r.delete(*keys)
+
+
+@functools.cache
+def shared_store(redis_url: str, prefix: str) -> StageStore:
+    """The stage store on ``redis_url`` of this process (one Redis connection pool, thread-safe),
+    shared by every job and stage task it runs."""
+    return StageStore(redis_url, prefix)
 
 
 class MemoryKV:

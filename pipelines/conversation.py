@@ -7,6 +7,7 @@ the engine's prefix cache keeps the conversation warm across turns.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,12 @@ class Conversation:
 
     def get(self, item_id: str) -> Item | None:
         return next((i for i in self.items if i.id == item_id), None)
+
+    def answering(self, user_text: str) -> Conversation:
+        """A copy as it will be when the user's ``user_text`` is added and its reply begins (a
+        speculative prompt: ``prompt_ids`` of the copy leaves this conversation unchanged)."""
+        pending = [Item("", "user", user_text), Item("", "assistant")]
+        return dataclasses.replace(self, items=[*self.items, *pending])
 
     def messages(self, first: int = 0) -> list[dict[str, str]]:
         """Chat messages: the instructions as system message, then every non-empty item from ``first``."""

@@ -88,14 +88,22 @@ class UserAudio(Frame):
 
 
 @dataclass
+class SpeechResumed(Frame):
+    """The speaker went on after a pause: speculative work on the utterance so far is stale."""
+
+
+@dataclass
 class Transcript(Frame):
-    """The final transcript of one utterance (``respond``: as in ``UserAudio``)."""
+    """The final transcript of one utterance (``respond``: as in ``UserAudio``). ``tentative``:
+    the transcript of a pause's utterance (``UserAudio.tentative``), for speculative replies only;
+    it never reaches the conversation or the client."""
 
     text: str
     start_ms: int = 0
     end_ms: int = 0
     item_id: str = ""
     respond: bool = True
+    tentative: bool = False
 
 
 @dataclass

@@ -12,15 +12,18 @@ queue per stage, the real-time mode), where:
   right away), drops queued reply frames everywhere after *i* (output included), and calls
   ``on_interrupt()`` on every stage after *i*;
 - an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
-- ``End`` flows in order; each stage forwards it after its queued work, then stops.
+- ``End`` flows in order; each stage forwards it after its queued work, then stops;
+- a stage may pass a frame on from outside ``process`` (a background task's result) with its
+  ``emit``, which a concurrent run sets; when the run ends, every stage's ``close()`` is called.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from pipelines.frames import End, ErrorFrame, Frame, Interrupt, ReplyFrame, SystemFrame
 
@@ -32,6 +35,9 @@ class Processor:
     their work cancelled by a barge-in."""
 
     interruptible: bool = False
+    # Set while a concurrent pipeline runs this stage: pass a frame downstream from a background
+    # task (None in depth-first runs, where no work outlives ``process``).
+    emit: Callable[[Frame], None] | None = None
 
     @property
     def name(self) -> str:
@@ -43,6 +49,9 @@ class Processor:
 
     async def on_interrupt(self) -> None:
         """Forget per-reply state (called when an upstream stage emits ``Interrupt``)."""
+
+    def close(self) -> None:
+        """Cancel background work: the concurrent run this stage was part of has ended."""
 
 
 class Pipeline(Processor):
@@ -78,6 +87,10 @@ class Pipeline(Processor):
         for stage in self.stages:
             await stage.on_interrupt()
 
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.close()
+
     async def run_all(self, frames: Sequence[Frame]) -> list[Frame]:
         """Depth-first run of ``frames`` then ``End``; every output frame (``End`` excluded)."""
         out: list[Frame] = []
@@ -102,6 +115,8 @@ class _Concurrent:
         self.stages = [_Stage(p) for p in procs]
         self.out: asyncio.Queue[Frame] = asyncio.Queue()
         self.hooks: set[asyncio.Task[None]] = set()
+        for i, p in enumerate(procs):
+            p.emit = functools.partial(self._emit, i)
 
     def _emit(self, i: int, frame: Frame) -> None:
         """Route ``frame`` produced by stage ``i`` (-1: the source)."""
@@ -175,6 +190,9 @@ class _Concurrent:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            for stage in self.stages:
+                stage.proc.emit = None
+                stage.proc.close()
 
 
 def _drop_replies(q: asyncio.Queue[Frame]) -> None:

@@ -5,6 +5,11 @@ VAD, ASR, LLM, sentences, TTS at 24 kHz) and the pipeline's output frames into s
 Barge-in: the VAD's ``Interrupt`` cancels the LLM and TTS work in flight (the engine requests are
 aborted) and the assistant item is truncated to what the client has played so far, estimated
 from the audio sent and a real-time playback clock (or given by ``conversation.item.truncate``).
+
+Speculation: with server VAD, a pause of ``turn_detection.speculative_silence_ms`` (an mmserve
+extension; default ``VADConfig.eager_ms``, 150 ms; 0: off) starts the turn's ASR, LLM and first
+sentence's TTS before ``silence_duration_ms`` commits the turn (``pipelines.speculation``); the
+client sees the same events as without it, only sooner.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from pipelines.realtime_events import (
     response_event,
 )
 from pipelines.services import Services
+from pipelines.speculation import SpeechPrefetch
 from pipelines.speech import ASR, LLM, TTS, VAD, LLMOptions, Resample, Sentences, TTSOptions
 from pipelines.vad import VADConfig
 
@@ -73,14 +79,15 @@ class RealtimeSession:
         self.tts_options = TTSOptions()
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
+        prefetch = SpeechPrefetch(services, self.tts_options)  # a speculative reply's first sentence
         self.pipeline = Pipeline(
             [
                 Resample(ASR_RATE),
                 VAD(self.vad_config),
                 ASR(services),
-                LLM(services, self.conv, self.llm_options),
+                LLM(services, self.conv, self.llm_options, prefetch),
                 Sentences(),
-                TTS(services, self.tts_options),
+                TTS(services, self.tts_options, prefetch),
             ]
         )
         self.reply: Reply | None = None  # the latest response (active until done)
@@ -101,6 +108,7 @@ class RealtimeSession:
             self.vad_config.prefix_padding_ms = int(td["prefix_padding_ms"])
             self.vad_config.silence_duration_ms = int(td["silence_duration_ms"])
             self.vad_config.create_response = bool(td.get("create_response", True))
+            self.vad_config.eager_ms = int(td.get("speculative_silence_ms", VADConfig.eager_ms))
         self.llm_options.temperature = c.temperature
         self.llm_options.max_tokens = (
             256 if c.max_response_output_tokens == "inf" else int(c.max_response_output_tokens)

@@ -111,7 +111,12 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
         raise EventError("turn_detection must be null or {'type': 'server_vad', ...}", param="session.turn_detection")
     out = dict(current or SessionConfig("").turn_detection or {})
     out["type"] = "server_vad"
-    limits = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 5000), "silence_duration_ms": (0, 10000)}
+    limits = {
+        "threshold": (0.0, 1.0),
+        "prefix_padding_ms": (0, 5000),
+        "silence_duration_ms": (0, 10000),
+        "speculative_silence_ms": (0, 10000),  # mmserve's extension, echoed only once set
+    }
     for key, (lo, hi) in limits.items():
         if key in td:
             v = td[key]

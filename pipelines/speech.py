@@ -3,16 +3,20 @@
 Each does one thing and passes every frame it does not handle through unchanged. The services
 they call (``Services``: an ASR transcribe function, the LLM ``AsyncEngine``, a TTS engine) are
 plain objects, so the same processors run in the real-time session and in the Celery stages.
+In a concurrent run, a pause in the user's speech starts the turn's work speculatively
+(``pipelines.speculation``): ASR, LLM and the first sentence's TTS, reused if the turn commits
+with the same prompt, aborted if speech resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import re
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from modalities.audio import ASR_RATE, Resampler
 from pipelines.conversation import Conversation
@@ -27,6 +31,7 @@ from pipelines.frames import (
     LLMStarted,
     ResponseRequest,
     Sentence,
+    SpeechResumed,
     SpeechStarted,
     SpeechStopped,
     TextDelta,
@@ -36,8 +41,12 @@ from pipelines.frames import (
     UserAudio,
 )
 from pipelines.processor import Processor
+from pipelines.sentences import SentenceSplitter
 from pipelines.services import Services
+from pipelines.speculation import Buffered, LLMSpeculation, SpeechPrefetch
 from pipelines.vad import BufferFull, VADConfig, VADSegmenter
+
+logger = logging.getLogger("mmserve.pipelines")
 
 
 class Resample(Processor):
@@ -58,8 +67,10 @@ class Resample(Processor):
 class VAD(Processor):
     """Turn detection on 16 kHz audio. With ``config.server_vad`` it emits ``SpeechStarted`` (and
     an ``Interrupt``: barge-in), then ``SpeechStopped`` and the utterance as ``UserAudio`` after
-    ``silence_duration_ms`` of silence. ``CommitFrame`` turns the buffered audio into one
-    utterance (manual turns); ``ClearFrame`` drops it. Audio frames are consumed."""
+    ``silence_duration_ms`` of silence; after a shorter pause (``eager_ms``) a tentative
+    ``UserAudio`` of the speech so far, and ``SpeechResumed`` if speech follows it. ``CommitFrame``
+    turns the buffered audio into one utterance (manual turns); ``ClearFrame`` drops it. Audio
+    frames are consumed."""
 
     def __init__(self, config: VADConfig | None = None) -> None:
         self.config = config or VADConfig()
@@ -82,12 +93,11 @@ class VAD(Processor):
                 if ev.kind == "start":
                     yield SpeechStarted(ev.ms, item_id=self._next_item())
                     yield Interrupt("speech_started")
-                elif ev.kind == "pause":
-                    yield UserAudio(
-                        ev.samples, ASR_RATE, ev.start_ms, ev.ms, item_id=self.item_id, tentative=True, turn_key=ev.key
-                    )
-                else:
-                    yield SpeechStopped(ev.ms, item_id=self.item_id)
+                elif ev.kind == "resume":
+                    yield SpeechResumed()
+                else:  # "pause": a tentative utterance for speculation; "stop": the committed one
+                    if ev.kind == "stop":
+                        yield SpeechStopped(ev.ms, item_id=self.item_id)
                     yield UserAudio(
                         ev.samples,
                         ASR_RATE,
@@ -95,6 +105,7 @@ class VAD(Processor):
                         ev.ms,
                         item_id=self.item_id,
                         respond=self.config.create_response,
+                        tentative=ev.kind == "pause",
                         turn_key=ev.key,
                     )
         elif isinstance(frame, CommitFrame):
@@ -110,13 +121,19 @@ class VAD(Processor):
 class ASR(Processor):
     """``UserAudio`` → ``Transcript`` (the audio is consumed). A tentative utterance starts its
     transcription in the background; the final one with the same ``turn_key`` takes that result
-    (the silence wait and the ASR overlap), any other discards it."""
+    (the silence wait and the ASR overlap), any other discards it, and so does ``SpeechResumed``.
+    In a concurrent run, a background transcript still unclaimed when it is ready is also passed
+    on as a tentative ``Transcript`` (the LLM may start the reply speculatively)."""
 
     def __init__(self, services: Services) -> None:
         self.services = services
         self.early: tuple[int, asyncio.Task[str]] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        if isinstance(frame, SpeechResumed):
+            self.close()
+            yield frame
+            return
         if not isinstance(frame, UserAudio):
             yield frame
             return
@@ -125,10 +142,22 @@ class ASR(Processor):
             early[1].cancel()
             early = None
         if frame.tentative:
-            self.early = (frame.turn_key, asyncio.create_task(self.services.transcribe(frame.samples)))
+            self.early = (frame.turn_key, asyncio.create_task(self._early(frame)))
             return
         text = await (early[1] if early is not None else self.services.transcribe(frame.samples))
         yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
+
+    async def _early(self, frame: UserAudio) -> str:
+        text = await self.services.transcribe(frame.samples)
+        unclaimed = self.early is not None and self.early[1] is asyncio.current_task()
+        if unclaimed and self.emit is not None and frame.respond:
+            self.emit(Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, tentative=True))
+        return text
+
+    def close(self) -> None:
+        early, self.early = self.early, None
+        if early is not None:
+            early[1].cancel()
 
 
 @dataclass
@@ -140,49 +169,108 @@ class LLMOptions:
 class LLM(Processor):
     """Adds transcripts to the conversation and streams replies: on a ``Transcript`` that asks
     for one, or on ``ResponseRequest``. Cancelling ``process`` (barge-in) aborts the engine
-    request at once (``AsyncEngine.generate`` aborts when its consumer leaves)."""
+    request at once (``AsyncEngine.generate`` aborts when its consumer leaves).
+
+    A tentative ``Transcript`` starts a speculative reply (and, with ``prefetch``, the synthesis
+    of its first sentence) in the background; the next reply takes it if its prompt and sampling
+    parameters are the same, otherwise (and on ``SpeechResumed`` or a barge-in) it is aborted."""
 
     interruptible = True
 
-    def __init__(self, services: Services, conversation: Conversation, options: LLMOptions | None = None) -> None:
+    def __init__(
+        self,
+        services: Services,
+        conversation: Conversation,
+        options: LLMOptions | None = None,
+        prefetch: SpeechPrefetch | None = None,
+    ) -> None:
         self.services = services
         self.conversation = conversation
         self.options = options or LLMOptions()
+        self.prefetch = prefetch
         self.active: str | None = None
+        self.speculation: LLMSpeculation | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
-        if isinstance(frame, Transcript):
+        if isinstance(frame, Transcript) and frame.tentative:
+            self._speculate(frame.text)
+        elif isinstance(frame, SpeechResumed):
+            self.close()
+        elif isinstance(frame, Transcript):
             self.conversation.add("user", frame.text, frame.item_id or None)
             yield frame
             if frame.respond and frame.text:  # nothing was said (noise): no reply
                 async for out in self._reply(None):
                     yield out
+            else:
+                self.close()
         elif isinstance(frame, ResponseRequest):
             async for out in self._reply(frame.instructions):
                 yield out
         else:
             yield frame
 
-    async def _reply(self, instructions: str | None) -> AsyncIterator[Frame]:
+    def _params(self) -> tuple[int, float]:
+        return self.options.max_tokens, self.options.temperature
+
+    def _prompt(self, conv: Conversation) -> list[int]:
+        engine = self.services.llm
+        max_len = getattr(engine, "max_model_len", None)
+        return conv.prompt_ids(engine.tokenizer, max_len - self.options.max_tokens if max_len else None)
+
+    def _generate(self, request_id: str, ids: list[int]) -> AsyncIterator[Any]:
         from engine.sampling_params import SamplingParams
 
+        max_tokens, temperature = self._params()
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        # Response ids count per session; the engine is shared by every session, so its request
+        # id needs a process-unique suffix.
+        return self.services.llm.generate(f"{request_id}-{uuid.uuid4().hex[:12]}", ids, params)
+
+    def _speculate(self, text: str) -> None:
+        """Start the reply the conversation would get if the turn ended with ``text``."""
+        self.close()
+        if not text:
+            return
+        try:
+            ids = self._prompt(self.conversation.answering(text))
+        except Exception:  # noqa: BLE001 - the committed turn will report it, not a speculation
+            logger.debug("no speculative reply", exc_info=True)
+            return
+        splitter = SentenceSplitter()
+
+        def first_sentence(out: Any) -> None:
+            """Synthesise the reply's first sentence (the one ``Sentences`` will send) early."""
+            if self.prefetch is None or spec.prefetch is not None:
+                return
+            first = splitter.feed(out.outputs[0].delta_text or "")
+            if not first and out.finished:
+                first = [splitter.flush()]
+            if first and first[0]:
+                spec.prefetch = self.prefetch
+                self.prefetch.start(first[0])
+
+        spec = LLMSpeculation(ids, self._params(), Buffered(self._generate("spec", ids), first_sentence))
+        self.speculation = spec
+
+    async def _reply(self, instructions: str | None) -> AsyncIterator[Frame]:
         conv = self.conversation
         response_id = conv.new_id("resp")
-        engine = self.services.llm
         if instructions:
             conv.instructions = instructions
         item = conv.add("assistant")
         self.active = response_id
         yield LLMStarted(response_id, item_id=item.id)
-        params = SamplingParams(max_tokens=self.options.max_tokens, temperature=self.options.temperature)
         final, error = None, None
         ids: list[int] = []
+        spec, self.speculation = self.speculation, None
         try:
-            max_len = getattr(engine, "max_model_len", None)
-            ids = conv.prompt_ids(engine.tokenizer, max_len - self.options.max_tokens if max_len else None)
-            # Response ids count per session; the engine is shared by every session, so its request
-            # id needs a process-unique suffix.
-            async for out in engine.generate(f"{response_id}-{uuid.uuid4().hex[:12]}", ids, params):
+            ids = self._prompt(conv)
+            if spec is not None and not spec.matches(ids, self._params()):
+                spec.cancel()
+                spec = None
+            outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids)
+            async for out in outputs:
                 final = out
                 delta = out.outputs[0].delta_text
                 if delta:
@@ -191,6 +279,9 @@ class LLM(Processor):
                     yield TextDelta(response_id, delta)
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if spec is not None:
+                spec.outputs.cancel()  # a barge-in left the replay: stop the generation too
         self.active = None
         yield LLMDone(
             response_id,
@@ -203,11 +294,12 @@ class LLM(Processor):
 
     async def on_interrupt(self) -> None:
         self.active = None
+        self.close()
 
-
-_SENTENCE_END = re.compile(r"[.!?;:](?:[\"')\]]*)\s+|\n+")
-_CLAUSE_END = re.compile(r",\s+")
-FIRST_CLAUSE_WORDS = 4  # the reply's first clause of at least this many words is spoken on its own
+    def close(self) -> None:
+        spec, self.speculation = self.speculation, None
+        if spec is not None:
+            spec.cancel()
 
 
 class Sentences(Processor):
@@ -217,44 +309,27 @@ class Sentences(Processor):
     interruptible = True
 
     def __init__(self) -> None:
-        self.buf = ""
-        self.index = 0
+        self.splitter = SentenceSplitter()
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, LLMStarted):
-            self.buf, self.index = "", 0
+            self.splitter = SentenceSplitter()
             yield frame
         elif isinstance(frame, TextDelta):
             yield frame
-            self.buf += frame.text
-            while (m := self._boundary()) is not None:
-                text, self.buf = self.buf[: m.end()].strip(), self.buf[m.end() :]
-                if text:
-                    yield Sentence(frame.response_id, text, self.index)
-                    self.index += 1
+            first = self.splitter.index
+            for k, text in enumerate(self.splitter.feed(frame.text)):
+                yield Sentence(frame.response_id, text, first + k)
         elif isinstance(frame, LLMDone):
-            if self.buf.strip():
-                yield Sentence(frame.response_id, self.buf.strip(), self.index)
-            self.buf, self.index = "", 0
+            index = self.splitter.index
+            if rest := self.splitter.flush():
+                yield Sentence(frame.response_id, rest, index)
             yield frame
         else:
             yield frame
 
-    def _boundary(self) -> re.Match[str] | None:
-        """End of the next sentence; for the first piece also a clause (sooner first audio)."""
-        m = _SENTENCE_END.search(self.buf)
-        if self.index == 0:
-            c = _CLAUSE_END.search(self.buf)
-            if (
-                c is not None
-                and (m is None or c.start() < m.start())
-                and len(self.buf[: c.start()].split()) >= FIRST_CLAUSE_WORDS
-            ):
-                return c
-        return m
-
     async def on_interrupt(self) -> None:
-        self.buf, self.index = "", 0
+        self.splitter = SentenceSplitter()
 
 
 @dataclass
@@ -267,27 +342,45 @@ class TTSOptions:
 class TTS(Processor):
     """``Sentence`` → ``TTSAudio`` chunks at ``options.sample_rate`` (consumed); after the
     reply's ``LLMDone``, ``TTSDone``. Cancelling ``process`` closes the TTS stream, which stops
-    that request inside the TTS engine."""
+    that request inside the TTS engine. A first sentence that ``prefetch`` already synthesises
+    (a speculative reply's) is taken from there."""
 
     interruptible = True
 
-    def __init__(self, services: Services, options: TTSOptions | None = None) -> None:
+    def __init__(
+        self, services: Services, options: TTSOptions | None = None, prefetch: SpeechPrefetch | None = None
+    ) -> None:
         self.services = services
         self.options = options or TTSOptions()
+        self.prefetch = prefetch
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, Sentence):
             if not (self.options.enabled and self.services.tts is not None):
                 return
+            early = self.prefetch.take(frame.text) if self.prefetch is not None and frame.index == 0 else None
+            o = self.options
+            chunks = early.replay() if early is not None else self.services.speak(frame.text, o.voice, o.sample_rate)
             first = True
-            async for chunk in self.services.speak(frame.text, self.options.voice, self.options.sample_rate):
-                if chunk.size:
-                    yield TTSAudio(
-                        frame.response_id, chunk, self.options.sample_rate, frame.index, frame.text if first else ""
-                    )
-                    first = False
+            try:
+                async for chunk in chunks:
+                    if chunk.size:
+                        yield TTSAudio(
+                            frame.response_id, chunk, o.sample_rate, frame.index, frame.text if first else ""
+                        )
+                        first = False
+            finally:
+                if early is not None:
+                    early.cancel()  # a barge-in left the replay: stop the synthesis too
         elif isinstance(frame, LLMDone):
             yield frame
             yield TTSDone(frame.response_id)
         else:
             yield frame
+
+    async def on_interrupt(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.cancel()

@@ -26,13 +26,13 @@ def _services(rt: Any, stage: str) -> Any:
 
 @shared_task(name=TASK_NAME, bind=True, max_retries=None, acks_late=True)
 def run_stage_task(self: Any, chain_id: str, stage: str, prefix: str, last: bool = False) -> dict[str, Any] | None:
-    from pipelines.chain import StageStore, result, run_stage
+    from pipelines.chain import result, run_stage, shared_store
     from workers import runtime
 
     rt = runtime.current()
     if rt is None:
         raise RuntimeError("pipeline stages run inside 'mmserve worker' (no engines in this process)")
-    store = StageStore(rt.redis_url, prefix)
+    store = shared_store(rt.redis_url, prefix)
     opts = store.options(chain_id)
     try:
         rt.run(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id))

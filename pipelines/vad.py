@@ -24,7 +24,9 @@ class VADConfig:
     silence_duration_ms: int = 500
     create_response: bool = True
     min_speech_ms: int = 150
-    eager_ms: int = 200  # a pause this long starts ASR early (0: off); the turn still ends at silence_duration_ms
+    # A pause this long starts the turn's work speculatively (ASR, then the reply's LLM and first
+    # sentence's TTS), unseen by the client until silence_duration_ms commits the turn (0: off).
+    eager_ms: int = 150
     backend: Literal["webrtc", "silero"] = "webrtc"
 
 
@@ -38,8 +40,8 @@ class BufferFull(ValueError):
 
 @dataclass
 class VADEvent:
-    kind: Literal["start", "pause", "stop"]
-    ms: int  # start: where speech began (padded); pause/stop: where the utterance ends
+    kind: Literal["start", "pause", "resume", "stop"]
+    ms: int  # start: where speech began (padded); pause/stop: where the utterance ends; resume: now
     samples: np.ndarray  # pause/stop: the utterance (so far)
     start_ms: int = 0
     key: int = -1  # pause/stop: the padded end-of-speech sample (equal keys: no speech in between)
@@ -58,6 +60,7 @@ class VADSegmenter:
         self.start = 0  # sample where the current speech began
         self.stream: VadStream | None = None
         self.eager: VadStream | None = None  # same detector with a short silence: pauses
+        self.paused = False  # a pause was reported and no speech followed yet
         self.origin = 0  # input sample of the streams' time 0
 
     def _vad(self) -> VadStream | None:
@@ -76,10 +79,12 @@ class VADSegmenter:
         return self.stream
 
     def _pauses(self, samples: np.ndarray) -> list[VADEvent]:
-        """Pauses of ``eager_ms`` while the turn goes on (both detectors see every sample)."""
+        """Pauses of ``eager_ms`` while the turn goes on, and speech resuming after one (both
+        detectors see every sample)."""
         c, eager = self.config, self.eager
         events = eager.push(samples) if eager is not None else []
         if self.stream is None or not self.stream.speaking or not 0 < c.eager_ms < c.silence_duration_ms:
+            self.paused = False
             return []
         out = []
         for ev in events:
@@ -88,6 +93,10 @@ class VADSegmenter:
                 at = min(self.pos, key)
                 utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
                 out.append(VADEvent("pause", self._ms(at), utterance, self._ms(self.start), key))
+                self.paused = True
+            elif self.paused:  # speech_started: the pause was not the end of the turn
+                out.append(VADEvent("resume", self._ms(self.pos), np.zeros(0, np.float32)))
+                self.paused = False
         return out
 
     @property
@@ -139,4 +148,5 @@ class VADSegmenter:
         audio, start = self.buf, self.buf_start
         self.chunks, self.size, self.buf_start = [], 0, self.pos
         self.stream = self.eager = None  # fresh detectors for the next turn
+        self.paused = False
         return audio, self._ms(start), self._ms(self.pos)

@@ -206,6 +206,7 @@ def test_errors_come_back_as_openai_errors(remote: str) -> None:
 def test_same_prefix_goes_to_the_same_worker(remote: str) -> None:
     """Requests sharing their first KV blocks land on one worker (whose prefix cache then hits)."""
     shared = " ".join(f"word{i}" for i in range(40))  # well over 2 blocks of 16 tokens
+    time.sleep(1.5)  # let the heartbeats catch up with earlier tests' requests first
     before = _heartbeats()
     for i in range(4):
         r = _post(remote, "/v1/completions", {"model": LLM, "prompt": f"{shared} tail {i}", "max_tokens": 2})

@@ -200,3 +200,65 @@ def test_celery_dispatch_through_the_jobs_api(question_wav: bytes, cluster: dict
         out = run_job(http, question_wav, {"max_tokens": 24})
     check_result(out, attempts=(1, 1, 1, 1))
     check_workers(out["stages"])
+
+
+def test_celery_job_follows_its_chain_on_the_async_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``audio.pipeline`` under Celery: one Celery app and stage store per process; the job waits
+    on the worker's async Redis client (the engine loop keeps running) and marks its chain
+    cancelled when the job is cancelled. The chain itself is faked: its status is set by a thread."""
+    import asyncio
+    import threading
+
+    import redis.asyncio as aioredis
+
+    import pipelines.chain
+    import pipelines.jobs as jobs
+    from pipelines.chain import ChainOptions, shared_store
+    from workers.jobs import JobCancelled
+
+    prefix = f"h8follow-{uuid.uuid4().hex[:8]}"
+    assert shared_store(REDIS_URL, prefix) is shared_store(REDIS_URL, prefix)
+    assert jobs._celery_app(REDIS_URL) is jobs._celery_app(REDIS_URL)
+    store, opts = shared_store(REDIS_URL, prefix), ChainOptions()
+
+    class FakeChain:
+        def __init__(self, chain_id: str) -> None:
+            self.chain_id = chain_id
+
+        def apply_async(self) -> None:  # the "ok" chain's stages run elsewhere and end after 0.3 s
+            if self.chain_id == "ok":
+                threading.Timer(0.3, store.set_status, (self.chain_id, "succeeded")).start()
+
+    async def scenario() -> tuple[int, str | None]:
+        rt = type("Runtime", (), {"redis_url": REDIS_URL, "prefix": prefix, "redis": aioredis.from_url(REDIS_URL)})()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        try:
+            store.create("ok", np.zeros(16, np.float32), opts)
+            await jobs._follow(rt, store, "ok", opts, lambda: None)
+            tick.cancel()
+            store.create("stop", np.zeros(16, np.float32), opts)
+
+            def cancelled() -> None:
+                raise JobCancelled("cancelled")
+
+            with pytest.raises(JobCancelled):
+                await jobs._follow(rt, store, "stop", opts, cancelled)
+            return ticks, store.state("stop")
+        finally:
+            tick.cancel()
+            for chain_id in ("ok", "stop"):
+                store.delete(chain_id)
+            await rt.redis.aclose()
+
+    monkeypatch.setattr(pipelines.chain, "celery_chain", lambda app, chain_id, opts, prefix: FakeChain(chain_id))
+    ticks, stopped = asyncio.run(scenario())
+    assert ticks >= 10  # the loop ran other work while the job waited ~0.3 s
+    assert stopped == "cancelled"

@@ -318,3 +318,165 @@ def test_chain_stages_skip_done_and_cancelled_work() -> None:
     store.set_status("c", "cancelled")
     asyncio.run(run_stage(store, "c", "asr", Services()))  # a cancelled chain's stages are no-ops
     assert store.output("c", "asr") is None and store.status("c")["status"] == "cancelled"
+
+
+def test_vad_segmenter_reports_speech_resuming_after_a_pause() -> None:
+    from pipelines.vad import VADConfig, VADSegmenter
+
+    a, b = _spoken("Hello there."), _spoken("How are you today?")
+    audio = np.concatenate([a[: -16000 + 3200], b[8000:]])  # 0.2 s of silence between the phrases (and Piper's)
+    seg = VADSegmenter(VADConfig(silence_duration_ms=600, eager_ms=150))
+    kinds = [ev.kind for i in range(0, audio.size, 320) for ev in seg.feed(audio[i : i + 320])]
+    assert kinds == ["start", "pause", "resume", "pause", "stop"]
+
+
+class _Replies:
+    """A streaming LLM engine: answers "You said <the last user message>. Fine." word by word,
+    recording requests and the ones aborted before they finished."""
+
+    max_model_len = 4096
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.requests: list[tuple[str, str]] = []
+        self.aborted: list[str] = []
+        self.tokenizer = type(
+            "Tok", (), {"apply_chat_template": lambda _, m, **__: [ord(c) for c in str([x["content"] for x in m])]}
+        )()
+
+    async def generate(self, request_id: str, ids: list[int], params: object) -> AsyncIterator[object]:
+        from types import SimpleNamespace
+
+        prompt = "".join(map(chr, ids))
+        self.requests.append((request_id, prompt))
+        words = f"You said {eval(prompt)[-1]}. Fine.".split(" ")  # noqa: S307 - our own repr of a list of str
+        done = False
+        try:
+            for i, w in enumerate(words):
+                await asyncio.sleep(self.delay)
+                done = i == len(words) - 1
+                out = SimpleNamespace(delta_text=(" " if i else "") + w, token_ids=list(range(i + 1)))
+                yield SimpleNamespace(outputs=[out], finished=done, num_cached_tokens=0)
+        finally:
+            if not done:
+                self.aborted.append(request_id)
+
+
+class _Speech:
+    """Fake ASR ("heard <n samples>") and TTS (three chunks per text) counting open streams."""
+
+    def __init__(self) -> None:
+        self.transcribed: list[int] = []
+        self.spoken: list[str] = []
+        self.open = 0
+        self.committed = asyncio.Event()
+        self.before_commit: list[str] = []  # texts whose synthesis began before the commit
+
+    async def transcribe(self, samples: np.ndarray) -> str:
+        self.transcribed.append(samples.size)
+        await asyncio.sleep(0.02)
+        return f"heard {samples.size}"
+
+    async def speak(self, text: str, voice: str | None, rate: int) -> AsyncIterator[np.ndarray]:
+        self.spoken.append(text)
+        if not self.committed.is_set():
+            self.before_commit.append(text)
+        self.open += 1
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+                yield np.ones(10, np.float32)
+        finally:
+            self.open -= 1
+
+
+def _speculating(llm_delay: float, frames: list[tuple[float, Frame]]) -> tuple[list[Frame], _Replies, _Speech, object]:
+    """Run ASR → LLM → Sentences → TTS over ``frames`` (each after its delay) and End; every
+    output frame must come after the last frame was sent (the commit): nothing leaks earlier."""
+    from pipelines.conversation import Conversation
+    from pipelines.services import Services
+    from pipelines.speculation import SpeechPrefetch
+    from pipelines.speech import ASR, LLM, TTS, Sentences, TTSOptions
+
+    engine, speech = _Replies(llm_delay), _Speech()
+    services = Services(llm=engine, tts=object())
+    services.transcribe = speech.transcribe  # type: ignore[method-assign]
+    services.speak = speech.speak  # type: ignore[method-assign]
+    conv, options = Conversation("sys"), TTSOptions()
+    prefetch = SpeechPrefetch(services, options)
+    pipe = Pipeline(
+        [ASR(services), LLM(services, conv, prefetch=prefetch), Sentences(), TTS(services, options, prefetch)]
+    )
+    committed = speech.committed
+
+    async def source() -> AsyncIterator[Frame]:
+        for i, (delay, frame) in enumerate(frames):
+            await asyncio.sleep(delay)
+            if i == len(frames) - 1:
+                committed.set()
+            yield frame
+        await asyncio.sleep(0.5)  # the reply runs to its end
+        yield End()
+
+    async def go() -> list[Frame]:
+        out = []
+        async for f in pipe.stream(source()):
+            assert committed.is_set(), f"{f} reached the client before the turn was committed"
+            out.append(f)
+        return out
+
+    return asyncio.run(go()), engine, speech, conv
+
+
+def _utterance(n: int, key: int, tentative: bool) -> UserAudio:
+    return UserAudio(np.zeros(n, np.float32), 16_000, item_id="item_in_1", tentative=tentative, turn_key=key)
+
+
+def test_speculative_reply_is_reused_when_the_turn_commits() -> None:
+    from pipelines.frames import LLMStarted, TTSAudio, TTSDone
+
+    frames = [(0.0, _utterance(100, 7, True)), (0.3, _utterance(120, 7, False))]  # only silence after the pause
+    out, engine, speech, conv = _speculating(0.01, frames)
+    assert speech.transcribed == [100]  # the pause's transcript
+    assert [rid.split("-")[0] for rid, _ in engine.requests] == ["spec"] and engine.aborted == []
+    assert speech.spoken == ["You said heard 100.", "Fine."] and speech.open == 0
+    assert speech.before_commit == ["You said heard 100."]  # the first sentence was prefetched
+    kinds = [type(f).__name__ for f in out if not isinstance(f, End)]
+    assert kinds[:2] == ["Transcript", "LLMStarted"] and kinds[-2:] == ["LLMDone", "TTSDone"]
+    transcript = next(f for f in out if isinstance(f, Transcript))
+    assert transcript.text == "heard 100" and not transcript.tentative
+    reply = "".join(f.text for f in out if isinstance(f, TextDelta))
+    assert reply == "You said heard 100. Fine."
+    started = next(f for f in out if isinstance(f, LLMStarted))
+    assert {f.response_id for f in out if isinstance(f, TTSAudio | TTSDone | LLMDone)} == {started.response_id}
+    assert sum(isinstance(f, TTSAudio) for f in out) == 6  # both sentences spoken
+    assert [(i.role, i.text) for i in conv.items] == [("user", "heard 100"), ("assistant", reply)]  # type: ignore[attr-defined]
+
+
+def test_speculation_is_aborted_when_speech_resumes() -> None:
+    from pipelines.frames import SpeechResumed
+
+    frames = [
+        (0.0, _utterance(100, 7, True)),
+        (0.1, SpeechResumed()),  # the speculative reply is being generated
+        (0.1, _utterance(200, 9, False)),  # the whole utterance
+    ]
+    out, engine, speech, conv = _speculating(0.03, frames)
+    assert speech.transcribed == [100, 200]
+    (spec_id, _), (reply_id, prompt) = engine.requests
+    assert spec_id.startswith("spec-") and engine.aborted == [spec_id]  # aborted inside the engine
+    assert reply_id.startswith("resp_") and "heard 200" in prompt and "heard 100" not in prompt
+    assert "".join(f.text for f in out if isinstance(f, TextDelta)) == "You said heard 200. Fine."
+    assert [f.text for f in out if isinstance(f, Transcript)] == ["heard 200"]
+    assert speech.open == 0 and "You said heard 100." not in speech.spoken
+    assert [i.text for i in conv.items][0] == "heard 200"  # type: ignore[attr-defined]
+
+
+def test_speculation_is_redone_when_more_speech_was_committed() -> None:
+    """A committed turn with speech after the pause (another ``turn_key``) and no resume event."""
+    frames = [(0.0, _utterance(100, 7, True)), (0.3, _utterance(150, 8, False))]
+    out, engine, speech, _ = _speculating(0.01, frames)
+    assert speech.transcribed == [100, 150]
+    assert [rid.split("-")[0] for rid, _ in engine.requests] == ["spec", "resp_000001"]
+    assert "".join(f.text for f in out if isinstance(f, TextDelta)) == "You said heard 150. Fine."
+    assert speech.spoken == ["You said heard 100.", "You said heard 150.", "Fine."] and speech.open == 0

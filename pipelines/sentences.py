@@ -1,0 +1,49 @@
+"""Streaming text → sentences for the speech pipelines' TTS: a sentence is spoken as soon as it
+is complete, and the reply's first piece may be a clause of ``FIRST_CLAUSE_WORDS`` words or more
+(a sooner first audio). Unlike ``modalities.tts.text.split_text``, which splits a whole text,
+this decides on a growing prefix, one delta at a time.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SENTENCE_END = re.compile(r"[.!?;:](?:[\"')\]]*)\s+|\n+")
+_CLAUSE_END = re.compile(r",\s+")
+FIRST_CLAUSE_WORDS = 4  # the reply's first clause of at least this many words is spoken on its own
+
+
+class SentenceSplitter:
+    """Streaming text → sentences: ``feed`` returns the sentences the text completes (the first
+    may be a clause, for a sooner first audio), ``flush`` the rest."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.index = 0  # sentences returned so far
+
+    def feed(self, text: str) -> list[str]:
+        self.buf += text
+        out = []
+        while (m := self._boundary()) is not None:
+            piece, self.buf = self.buf[: m.end()].strip(), self.buf[m.end() :]
+            if piece:
+                out.append(piece)
+                self.index += 1
+        return out
+
+    def flush(self) -> str:
+        rest, self.buf, self.index = self.buf.strip(), "", 0
+        return rest
+
+    def _boundary(self) -> re.Match[str] | None:
+        """End of the next sentence; for the first piece also a clause (sooner first audio)."""
+        m = _SENTENCE_END.search(self.buf)
+        if self.index == 0:
+            c = _CLAUSE_END.search(self.buf)
+            if (
+                c is not None
+                and (m is None or c.start() < m.start())
+                and len(self.buf[: c.start()].split()) >= FIRST_CLAUSE_WORDS
+            ):
+                return c
+        return m
