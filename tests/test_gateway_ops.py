@@ -182,13 +182,17 @@ def test_drain_finishes_in_flight_stream_then_stops_engines() -> None:
     app = create_app({LLM: engines[LLM]}, routers=[*routers(), stuck], drain_timeout_s=5)
     body = {"model": LLM, "prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    with serve(app, drain_timeout_s=20, grace_s=1.0) as (url, server):
+    with serve(app, drain_timeout_s=20, grace_s=3.0) as (url, server):
         first, lines = threading.Event(), []
         reader = threading.Thread(target=_stream_lines, args=(url, body, first, lines))
         reader.start()
         assert first.wait(30)
         server.should_exit = True  # what SIGTERM does
-        ready = httpx.get(f"{url}/ready")  # during the grace period: still answering, not ready
+        # uvicorn notices should_exit on its next 0.1 s tick: poll; during the grace period the
+        # server still answers, but not ready
+        deadline = time.monotonic() + 2.5
+        while (ready := httpx.get(f"{url}/ready")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert ready.status_code == 503 and ready.json()["status"] == "draining"
         reader.join(60)
         server.thread.join(30)
