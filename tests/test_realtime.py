@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -338,13 +339,16 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
 class Requests:
     """Wraps the LLM engine's ``generate``: each request's id, prompt text and whether it finished."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, ignore_eos: bool = False) -> None:
         self.llm, self.generate_ = llm, llm.generate
+        self.ignore_eos = ignore_eos  # every reply runs to max_tokens
         self.calls: list[dict[str, Any]] = []
 
     async def generate(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> Any:
         call = {"id": request_id, "prompt": self.llm.tokenizer.decode(prompt), "finished": False}
         self.calls.append(call)
+        if self.ignore_eos:
+            params = dataclasses.replace(params, ignore_eos=True)
         async for out in self.generate_(request_id, prompt, params, priority):
             call["finished"] = out.finished
             yield out
@@ -421,9 +425,10 @@ def test_speculative_reply_is_reused_and_unseen_until_the_commit(
 def test_speech_resuming_after_a_pause_aborts_the_speculation(
     server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    requests = Requests(server["llm"])
+    # A long reply (no EOS: a short answer to the first phrase could finish within the gap): a
+    # speculation started in the gap is still generating when speech resumes.
+    requests = Requests(server["llm"], ignore_eos=True)
     monkeypatch.setattr(server["llm"], "generate", requests.generate)
-    # A long reply: a speculation started in the gap is still generating when speech resumes.
     c = run(_voice_turn(server["url"], spoken("What is the capital", "of France?", gap_s=1.0), max_tokens=400))
     assert c.types()[: len(EXPECTED_ORDER)] == EXPECTED_ORDER  # one turn: the pause did not end it
     transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
