@@ -26,6 +26,7 @@ from modalities.audio import Resampler
 from modalities.tts.base import check_request
 from modalities.tts.codec_stream import CodecBatcher, StreamingCodecDecoder
 from modalities.tts.protocol import TTSRequest
+from modalities.tts.tempo import TimeStretch
 from modalities.tts.text import split_text
 from modalities.tts.tiny import TTS_CONFIG
 
@@ -71,7 +72,7 @@ class ARTTSEngine:
     with text requests: ``engine.generate`` is the same call LLM routes make."""
 
     modality = "tts"
-    supports_speed = False
+    supports_speed = True  # WSOLA time-stretch of the decoded audio
 
     def __init__(
         self,
@@ -172,15 +173,17 @@ class ARTTSEngine:
                 yield tail
 
     async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
-        """Float32 chunks every ``decode_every`` frames, at ``req.sample_rate or sample_rate``."""
+        """Float32 chunks every ``decode_every`` frames, at ``req.sample_rate or sample_rate``;
+        ``req.speed`` is a pitch-preserving time-stretch of the codec's audio (``tempo``)."""
         voice = check_request(self, req)
+        stretch = TimeStretch(req.speed, self.sample_rate)
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         for piece in split_text(req.text):
             async with aclosing(self._piece(piece, voice)) as audio_chunks:
                 async for audio in audio_chunks:
-                    out = resample(audio)
+                    out = resample(stretch(audio))
                     if out.size:
                         yield out
-        tail = resample.flush()
+        tail = np.concatenate([resample(stretch.flush()), resample.flush()])
         if tail.size:
             yield tail
