@@ -29,3 +29,28 @@ def test_building_the_parser_and_loading_routers_imports_no_heavy_library() -> N
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["routers"] >= 6, out  # every modality's router was really loaded
     assert out["heavy"] == [], f"imported at CLI start: {out['heavy']} (see `python -X importtime`)"
+
+
+OPENMP = """
+import json, os, sys
+import gateway.cli
+gateway.cli.openmp_defaults()
+import torch  # libgomp reads the environment when it loads, after the defaults are in place
+print(json.dumps({k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}))
+"""
+
+
+def test_serving_processes_default_openmp_to_short_active_waits_unless_the_user_set_them() -> None:
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    outs = []
+    for extra in ({}, {"OMP_WAIT_POLICY": "passive"}):
+        proc = subprocess.run(
+            [sys.executable, "-c", OPENMP], cwd=root, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert outs[0] == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"}
+    assert outs[1]["OMP_WAIT_POLICY"] == "passive"  # the user's choice wins
