@@ -113,6 +113,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
         for turn in range(turns):
             pcm, end_s = clips[turn % len(clips)]
             marks: dict[str, float] = {}
+            reply: list[str] = []
             done = asyncio.Event()
 
             sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
@@ -125,6 +126,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         marks.setdefault("transcript", now)
                     elif kind in ("response.audio_transcript.delta", "response.text.delta"):
                         marks.setdefault("first_token", now)
+                        reply.append(ev.get("delta", ""))
                     elif kind == "response.audio.delta":
                         marks.setdefault("first_audio", now)
                     elif kind == "error":
@@ -136,9 +138,8 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                 done.set()
                 await sender
             end = marks.get("end", math.nan)
-            results.append(
-                {k: marks[k] - end for k in ("transcript", "first_token", "first_audio", "done") if k in marks}
-            )
+            times = {k: marks[k] - end for k in ("transcript", "first_token", "first_audio", "done") if k in marks}
+            results.append({**times, "reply": "".join(reply)})
     return results
 
 
