@@ -2,8 +2,9 @@
 
 A real WebSocket client per session streams spoken questions (synthesised once with the Piper
 voice, 24 kHz pcm16) at real-time pace in small chunks, like a microphone, and keeps streaming
-silence until the reply is done; the server's VAD ends each turn. Per turn, from the end of
-speech (the moment the chunk holding the last speech sample was sent):
+silence until the reply has played (as a listener would: speaking sooner is a barge-in); the
+server's VAD ends each turn. Per turn, from the end of speech (the moment the chunk holding the
+last speech sample was sent):
 
 - ``transcript``: the final transcript arrives;
 - ``first_token``: the first reply text delta arrives (the LLM's first token);
@@ -114,6 +115,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             pcm, end_s = clips[turn % len(clips)]
             marks: dict[str, float] = {}
             reply: list[str] = []
+            audio_s = 0.0
             done = asyncio.Event()
 
             sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
@@ -129,11 +131,16 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         reply.append(ev.get("delta", ""))
                     elif kind == "response.audio.delta":
                         marks.setdefault("first_audio", now)
+                        audio_s += len(base64.b64decode(ev["delta"])) / 2 / RATE
                     elif kind == "error":
                         print(f"server error: {ev['error']}", file=sys.stderr)
                     elif kind == "response.done":
                         marks["done"] = now
                         break
+                # A listener speaks again once the reply has played (earlier would be a barge-in,
+                # which truncates the reply to what was heard).
+                played = marks.get("first_audio", now) + audio_s * args.pace
+                await asyncio.sleep(max(0.0, played - time.monotonic()))
             finally:
                 done.set()
                 await sender

@@ -1,7 +1,9 @@
 """Streaming text → sentences for the speech pipelines' TTS: a sentence is spoken as soon as it
-is complete, and the reply's first piece may be a clause of ``FIRST_CLAUSE_WORDS`` words or more
-(a sooner first audio). Unlike ``modalities.tts.text.split_text``, which splits a whole text,
-this decides on a growing prefix, one delta at a time.
+is complete. The reply's first piece is cut sooner, for a sooner first audio: at a clause of
+``FIRST_CLAUSE_WORDS`` words or more, or after ``FIRST_PIECE_MAX_WORDS`` complete words (waiting
+for a long first sentence costs its decode and its synthesis, ~0.3 s more on 2 cores). Unlike
+``modalities.tts.text.split_text``, which splits a whole text, this decides on a growing prefix,
+one delta at a time.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import re
 _SENTENCE_END = re.compile(r"[.!?;:](?:[\"')\]]*)\s+|\n+")
 _CLAUSE_END = re.compile(r",\s+")
 FIRST_CLAUSE_WORDS = 4  # the reply's first clause of at least this many words is spoken on its own
+FIRST_PIECE_MAX_WORDS = 6  # a first sentence longer than this is cut after its 6th word
+# A word is complete once whitespace follows it (the next delta could still extend it).
+_FIRST_WORDS = re.compile(rf"\s*(?:\S+\s+){{{FIRST_PIECE_MAX_WORDS}}}")
 
 
 class SentenceSplitter:
@@ -36,14 +41,13 @@ class SentenceSplitter:
         return rest
 
     def _boundary(self) -> re.Match[str] | None:
-        """End of the next sentence; for the first piece also a clause (sooner first audio)."""
+        """End of the next sentence; for the first piece also a clause or a word cap, whichever
+        comes first (sooner first audio)."""
         m = _SENTENCE_END.search(self.buf)
-        if self.index == 0:
-            c = _CLAUSE_END.search(self.buf)
-            if (
-                c is not None
-                and (m is None or c.start() < m.start())
-                and len(self.buf[: c.start()].split()) >= FIRST_CLAUSE_WORDS
-            ):
-                return c
-        return m
+        if self.index > 0:
+            return m
+        c = _CLAUSE_END.search(self.buf)
+        if c is not None and len(self.buf[: c.start()].split()) < FIRST_CLAUSE_WORDS:
+            c = None
+        found = [b for b in (m, c, _FIRST_WORDS.match(self.buf)) if b is not None]
+        return min(found, key=lambda b: b.end()) if found else None

@@ -164,6 +164,17 @@ def test_sentences_split_first_clause_then_whole_sentences() -> None:
     assert sum(isinstance(f, TextDelta) for f in out) == 4 and isinstance(out[-1], LLMDone)
 
 
+def test_a_long_first_sentence_is_cut_after_six_complete_words() -> None:
+    from pipelines.sentences import SentenceSplitter
+
+    splitter = SentenceSplitter()
+    said = []
+    for delta in ["The sky on", " a clear", " day", " is", " a deep shade of blue.", " It is", " blue to us all day."]:
+        said += splitter.feed(delta)
+    assert said == ["The sky on a clear day", "is a deep shade of blue."]  # "day" waited for the space
+    assert splitter.flush() == "It is blue to us all day."  # later sentences are never cut
+
+
 def test_heard_text_keeps_whole_sentences_then_a_proportional_part() -> None:
     from pipelines.conversation import Spoken, heard_text
 
