@@ -88,6 +88,27 @@ class Client:
         return self.types().index(type_)
 
 
+TURN_ORDER = [
+    "input_audio_buffer.speech_started",
+    "input_audio_buffer.speech_stopped",
+    "input_audio_buffer.committed",
+    "conversation.item.input_audio_transcription.completed",
+    "response.created",
+    "response.audio.delta",
+    "response.audio.done",
+    "response.done",
+]
+
+
+def assert_voice_turn(c: Client, done: dict[str, Any]) -> None:
+    """One voice turn of QUESTION: its events in order, the question heard, the reply completed."""
+    positions = [c.index(t) for t in TURN_ORDER]
+    assert positions == sorted(positions), c.types()
+    transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
+    assert "capital" in transcript.lower() and "france" in transcript.lower()
+    assert done["response"]["status"] == "completed"
+
+
 def _get(ev: dict[str, Any], path: str) -> Any:
     for key in path.split("__"):
         ev = ev.get(key) if isinstance(ev, dict) else None  # type: ignore[assignment]
@@ -109,22 +130,12 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             feeder = asyncio.create_task(c.stream(server["question"]))
             done = await c.until("response.done")
             await feeder
-            order = [
-                "input_audio_buffer.speech_started",
-                "input_audio_buffer.speech_stopped",
-                "input_audio_buffer.committed",
-                "conversation.item.input_audio_transcription.completed",
-                "response.created",
-                "response.audio_transcript.delta",
-                "response.audio.delta",
-                "response.audio.done",
-                "response.done",
-            ]
-            positions = [c.index(t) for t in order]
-            assert positions == sorted(positions), c.types()
-            transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
-            assert "capital" in transcript.lower() and "france" in transcript.lower()
-            assert done["response"]["status"] == "completed"
+            assert_voice_turn(c, done)
+            assert (
+                c.index("response.created")
+                < c.index("response.audio_transcript.delta")
+                < c.index("response.audio.delta")
+            )
             audio = b"".join(base64.b64decode(e["delta"]) for e in c.events if e["type"] == "response.audio.delta")
             assert len(audio) / 2 / RATE > 0.3  # at least a word of 24 kHz pcm16
             said = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")

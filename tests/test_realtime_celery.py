@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.helpers import serve_app
-from tests.test_realtime import QUESTION, Client, speech
+from tests.test_realtime import QUESTION, Client, assert_voice_turn, speech
 from workers.local_cluster import start_worker, wait_for_heartbeats
 
 websockets = pytest.importorskip("websockets")
@@ -69,21 +69,7 @@ def test_a_voice_turn_over_celery(gateway: str) -> None:
             feeder = asyncio.create_task(c.stream(speech(QUESTION)))
             done = await c.until("response.done", timeout=90)
             await feeder
-            order = [
-                "input_audio_buffer.speech_started",
-                "input_audio_buffer.speech_stopped",
-                "input_audio_buffer.committed",
-                "conversation.item.input_audio_transcription.completed",
-                "response.created",
-                "response.audio.delta",
-                "response.audio.done",
-                "response.done",
-            ]
-            positions = [c.index(t) for t in order]
-            assert positions == sorted(positions), c.types()
-            transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
-            assert "capital" in transcript.lower() and "france" in transcript.lower()
-            assert done["response"]["status"] == "completed"
+            assert_voice_turn(c, done)
             assert done["response"]["usage"]["output_tokens"] > 0
 
     asyncio.run(go())
