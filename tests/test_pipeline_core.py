@@ -151,7 +151,7 @@ def test_end_is_last(n: int) -> None:
     assert isinstance(out[-1], End) and [type(f) for f in out[:-1]] == [Transcript]
 
 
-def test_sentences_split_first_clause_then_whole_sentences() -> None:
+def test_sentences_split_a_short_first_piece_then_whole_sentences() -> None:
     from pipelines.frames import LLMStarted, Sentence
     from pipelines.speech import Sentences
 
@@ -159,20 +159,22 @@ def test_sentences_split_first_clause_then_whole_sentences() -> None:
     frames: list[Frame] = [LLMStarted("r"), *(TextDelta("r", d) for d in deltas), LLMDone("r", "".join(deltas))]
     out = asyncio.run(Pipeline([Sentences()]).run_all(frames))
     said = [f.text for f in out if isinstance(f, Sentence)]
-    assert said == ["Paris is the capital of France,", "a big country.", "It has 2.1 million people!", "Bye"]
+    assert said == ["Paris is the capital", "of France, a big country.", "It has 2.1 million people!", "Bye"]
     assert [f.index for f in out if isinstance(f, Sentence)] == [0, 1, 2, 3]
     assert sum(isinstance(f, TextDelta) for f in out) == 4 and isinstance(out[-1], LLMDone)
 
 
-def test_a_long_first_sentence_is_cut_after_six_complete_words() -> None:
+def test_a_long_first_sentence_is_cut_after_four_complete_words() -> None:
     from pipelines.sentences import SentenceSplitter
 
     splitter = SentenceSplitter()
     said = []
-    for delta in ["The sky on", " a clear", " day", " is", " a deep shade of blue.", " It is", " blue to us all day."]:
+    for delta in ["The sky", " on a clear", " day is blue.", " It is", " blue to us all day."]:
         said += splitter.feed(delta)
-    assert said == ["The sky on a clear day", "is a deep shade of blue."]  # "day" waited for the space
+    assert said == ["The sky on a clear", "day is blue."]  # "clear" waited for the space; not cut after "a"
     assert splitter.flush() == "It is blue to us all day."  # later sentences are never cut
+    splitter = SentenceSplitter()
+    assert splitter.feed("Sure! Here it is") == ["Sure!"]  # a sentence shorter than the cap
 
 
 def test_heard_text_keeps_whole_sentences_then_a_proportional_part() -> None:
