@@ -65,7 +65,9 @@ def add_offline_args(ap: argparse.ArgumentParser) -> None:
 
 def vllm_env(threads: int, bind: str | None, kv_gib: float) -> dict[str, str]:
     env = dict(os.environ)
-    for k in ("OMP_NUM_THREADS", "PYTHONPATH", "VIRTUAL_ENV"):
+    # The peer runs with its own OpenMP settings, not the ones `mmserve` defaulted for itself.
+    ours = env.pop("MMSERVE_OMP_DEFAULTS", "")
+    for k in ("OMP_NUM_THREADS", "PYTHONPATH", "VIRTUAL_ENV", *filter(None, ours.split(","))):
         env.pop(k, None)
     env["VLLM_CPU_OMP_THREADS_BIND"] = bind if bind is not None else (f"0-{threads - 1}" if threads > 1 else "0")
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_gib)))

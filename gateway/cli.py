@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"}
+
+
 def openmp_defaults() -> None:
     """Default libgomp to short active waits, before torch loads it (the user's settings win).
 
@@ -164,15 +167,17 @@ def openmp_defaults() -> None:
     wake-up (a batch-2 linear 100 -> 150-220 us, an engine decode step ~1.45x slower off the main
     thread). Active waits with a finite spin count keep the fast hand-off on every thread, and
     idle teams still go to sleep soon after their last region."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "active")
-        os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+    if "torch" in sys.modules:
+        return
+    added = [k for k in OPENMP_DEFAULTS if k not in os.environ]
+    os.environ.update({k: OPENMP_DEFAULTS[k] for k in added})
+    if added:  # benchmarks start peers (vLLM) without them: see bench.offline.vllm_env
+        os.environ["MMSERVE_OMP_DEFAULTS"] = ",".join(added)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["serve"], ["worker"]):  # not for bench: peers it launches keep their defaults
-        openmp_defaults()
+    openmp_defaults()
     if argv[:2] == ["bench", "embed"]:  # the embeddings benchmark has its own parser
         from bench.embed import main as bench_embed
 

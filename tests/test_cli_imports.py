@@ -35,8 +35,11 @@ OPENMP = """
 import json, os, sys
 import gateway.cli
 gateway.cli.openmp_defaults()
+from bench.offline import vllm_env
+peer = vllm_env(2, None, 1.0)
 import torch  # libgomp reads the environment when it loads, after the defaults are in place
-print(json.dumps({k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}))
+keys = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+print(json.dumps({"ours": {k: os.environ.get(k) for k in keys}, "peer": {k: peer.get(k) for k in keys}}))
 """
 
 
@@ -52,5 +55,7 @@ def test_serving_processes_default_openmp_to_short_active_waits_unless_the_user_
         )
         assert proc.returncode == 0, proc.stderr
         outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    assert outs[0] == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"}
-    assert outs[1]["OMP_WAIT_POLICY"] == "passive"  # the user's choice wins
+    assert outs[0]["ours"] == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"}
+    assert outs[0]["peer"] == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}  # a benchmarked peer keeps its own
+    assert outs[1]["ours"]["OMP_WAIT_POLICY"] == "passive"  # the user's choice wins, for the peer too
+    assert outs[1]["peer"] == {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": None}
