@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import shlex
 import sys
+
+# ``mmserve bench NAME ...``: the module whose ``main(argv)`` parses the rest of the line.
+OWN_PARSERS = {
+    name: f"bench.{name}"
+    for name in ("diffusion", "embed", "tts", "jobs", "cp", "cluster", "asr", "voice", "step", "threads")
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("asr", help="speech-to-text throughput: engine vs transformers pipeline (see asr --help)")
     sub.add_parser("voice", help="voice-to-voice latency on /v1/realtime, 1 and 4 sessions (see voice --help)")
     sub.add_parser("step", help="engine step time A/B: prepacked vs plain oneDNN weights (see step --help)")
+    sub.add_parser("threads", help="engine decode step time on the main thread vs a worker thread (see threads --help)")
     both = sub.add_parser("all", help="offline, then online --launch mmserve,vllm (same workload flags)")
     add_offline_args(both)
     add_online_args(both, with_workload=False)
@@ -37,42 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "diffusion":  # diffusion benchmark (bench/diffusion.py) parses its own flags
-        from bench.diffusion import main as diffusion_main
-
-        return int(diffusion_main(argv[1:]) or 0)
-    if argv and argv[0] == "embed":  # embeddings benchmark (bench/embed.py) parses its own flags
-        from bench.embed import main as embed_main
-
-        return int(embed_main(argv[1:]) or 0)
-    if argv and argv[0] == "tts":  # TTS benchmark (bench/tts.py) parses its own flags
-        from bench.tts import main as tts_main
-
-        return int(tts_main(argv[1:]) or 0)
-    if argv and argv[0] == "jobs":  # job-queue benchmark (bench/jobs.py) parses its own flags
-        from bench.jobs import main as jobs_main
-
-        return int(jobs_main(argv[1:]) or 0)
-    if argv and argv[0] == "cp":  # context-parallelism benchmark (bench/cp.py) parses its own flags
-        from bench.cp import main as cp_main
-
-        return int(cp_main(argv[1:]) or 0)
-    if argv and argv[0] == "cluster":  # celery cluster benchmark (bench/cluster.py) parses its own flags
-        from bench.cluster import main as cluster_main
-
-        return int(cluster_main(argv[1:]) or 0)
-    if argv and argv[0] == "asr":  # speech-to-text benchmark (bench/asr.py) parses its own flags
-        from bench.asr import main as asr_main
-
-        return int(asr_main(argv[1:]) or 0)
-    if argv and argv[0] == "voice":  # realtime voice benchmark (bench/voice.py) parses its own flags
-        from bench.voice import main as voice_main
-
-        return int(voice_main(argv[1:]) or 0)
-    if argv and argv[0] == "step":  # engine step A/B (bench/step.py) parses its own flags
-        from bench.step import main as step_main
-
-        return int(step_main(argv[1:]) or 0)
+    if argv and argv[0] in OWN_PARSERS:  # benchmarks that parse their own flags
+        return int(importlib.import_module(OWN_PARSERS[argv[0]]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     args.command_line = "mmserve bench " + shlex.join(argv)
     if args.cmd == "offline":
