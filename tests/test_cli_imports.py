@@ -55,7 +55,7 @@ def test_serving_processes_default_openmp_to_short_active_waits_unless_the_user_
         )
         assert proc.returncode == 0, proc.stderr
         outs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    assert outs[0]["ours"] == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "100000"}
+    assert outs[0]["ours"] == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
     assert outs[0]["peer"] == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}  # a benchmarked peer keeps its own
     assert outs[1]["ours"]["OMP_WAIT_POLICY"] == "passive"  # the user's choice wins, for the peer too
     assert outs[1]["peer"] == {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": None}
