@@ -21,31 +21,62 @@ VARIANTS = ("unpacked", "packed")
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmserve bench step", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batch", type=int, default=6, help="concurrent sequences")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=10, help="decode steps per engine per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_batch_args(ap, batch=6, prompt_len=128, steps=10, rounds=5, threads=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     run_step_ab(args)
     return 0
 
 
-def _engines(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.workload import resolve_model_dir
-    from engine import fast_decoder
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_loader import load_model
+def add_batch_args(
+    ap: argparse.ArgumentParser, batch: int, prompt_len: int, steps: int, rounds: int, threads: int
+) -> None:
+    """The flags of a decode-batch timing (here and ``bench.threads``)."""
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batch", type=int, default=batch, help="concurrent sequences")
+    ap.add_argument("--prompt-len", type=int, default=prompt_len)
+    ap.add_argument("--steps", type=int, default=steps, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--threads", type=int, default=threads, help="torch threads")
 
-    config = EngineConfig(
+
+def engine_config(args: argparse.Namespace) -> Any:
+    """An ``EngineConfig`` that holds ``args.batch`` sequences of ``args.prompt_len`` tokens."""
+    from bench.workload import resolve_model_dir
+    from engine.config import EngineConfig
+
+    return EngineConfig(
         model=str(resolve_model_dir(args.model)),
         num_threads=args.threads,
         max_num_seqs=max(64, args.batch),
         max_num_batched_tokens=max(2048, args.prompt_len),
         kv_cache_memory_bytes=512 << 20,
     )
+
+
+def fill_batch(engine: Any, args: argparse.Namespace, decode_steps: int) -> None:
+    """Add ``args.batch`` random prompts (seeded) that outlive ``decode_steps`` decode steps."""
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    vocab = engine.adapter.vocab_size
+    sp = SamplingParams(temperature=0, max_tokens=decode_steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)], sp)
+
+
+def prefill(engine: Any) -> None:
+    """Step until every added prompt is computed."""
+    sched = engine.scheduler
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running) or sched.waiting:
+        engine.step()
+
+
+def _engines(args: argparse.Namespace) -> dict[str, Any]:
+    from engine import fast_decoder
+    from engine.llm_engine import LLMEngine
+    from engine.model_loader import load_model
+
+    config = engine_config(args)
     loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
     if not fast_decoder.supports(loaded.model):
         raise SystemExit(f"{args.model}: not a Llama-family model, no lean forward to compare")
@@ -56,22 +87,13 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    from engine.sampling_params import SamplingParams
-
     engines = _engines(args)
-    rng = random.Random(0)
-    vocab = next(iter(engines.values())).adapter.vocab_size
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    # Long enough that no sequence finishes during the timed steps.
-    sp = SamplingParams(temperature=0, max_tokens=args.rounds * args.steps + 8, ignore_eos=True)
-    prefill: dict[str, float] = {}
+    prefill_s: dict[str, float] = {}
     for name, eng in engines.items():  # alternating per engine: prefill is one step per batch
-        for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, sp)
+        fill_batch(eng, args, args.rounds * args.steps)  # no sequence finishes during the timed steps
         t0 = time.perf_counter()
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
-            eng.step()
-        prefill[name] = time.perf_counter() - t0
+        prefill(eng)
+        prefill_s[name] = time.perf_counter() - t0
     decode: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, eng in engines.items():
@@ -86,8 +108,8 @@ def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         med = statistics.median(decode[name])
         spread = f"{min(decode[name]) * 1e3:.1f}-{max(decode[name]) * 1e3:.1f}"
         print(
-            f"  {name:9s} prefill {prefill[name]:6.2f} s   decode median {med * 1e3:7.1f} ms/step "
+            f"  {name:9s} prefill {prefill_s[name]:6.2f} s   decode median {med * 1e3:7.1f} ms/step "
             f"(rounds {spread})   speed-up vs {VARIANTS[0]} {base / med:.2f}x"
         )
-        out[name] = {"prefill_s": prefill[name], "decode_step_s": med}
+        out[name] = {"prefill_s": prefill_s[name], "decode_step_s": med}
     return out

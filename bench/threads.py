@@ -13,47 +13,29 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import random
 import statistics
 import threading
 import time
 from collections.abc import Callable
 
+from bench.step import add_batch_args, engine_config, fill_batch, prefill
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmserve bench threads", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batch", type=int, default=2, help="sequences decoding together")
-    ap.add_argument("--prompt-len", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=15, help="decode steps per round")
-    ap.add_argument("--rounds", type=int, default=6, help="rounds per thread, alternating")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_batch_args(ap, batch=2, prompt_len=300, steps=15, rounds=6, threads=2)
     args = ap.parse_args(argv)
     run(args)
     return 0
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    from bench.workload import resolve_model_dir
-    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
-    config = EngineConfig(
-        model=str(resolve_model_dir(args.model)),
-        num_threads=args.threads,
-        max_num_seqs=max(64, args.batch),
-        max_num_batched_tokens=max(2048, args.prompt_len),
-        kv_cache_memory_bytes=512 << 20,
-    )
-    engine = LLMEngine(config)
-    rng = random.Random(0)
-    steps_needed = args.rounds * 2 * args.steps + 8  # every sequence outlives the run
-    params = SamplingParams(max_tokens=steps_needed, ignore_eos=True, temperature=0)
-    for i in range(args.batch):
-        engine.add_request(f"t{i}", [rng.randrange(100, 20_000) for _ in range(args.prompt_len)], params)
-    prefill_steps = -(-args.batch * args.prompt_len // config.max_num_batched_tokens)
-    for _ in range(prefill_steps + 5):  # prefill, then a few decode steps to warm up
+    engine = LLMEngine(engine_config(args))
+    fill_batch(engine, args, args.rounds * 2 * args.steps + 5)  # every sequence outlives the run
+    prefill(engine)
+    for _ in range(5):  # a few decode steps to warm up
         engine.step()
 
     def timed() -> list[float]:
