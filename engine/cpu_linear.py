@@ -56,13 +56,19 @@ class PrepackedLinear(nn.Module):
         return onednn_linear(x, self.packed, self.bias)
 
 
+def prepackable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` can live prepacked for oneDNN (fp32, on the CPU, oneDNN present)."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and onednn_available()
+
+
 def use_prepacked_linears(model: nn.Module) -> int:
-    """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a ``PrepackedLinear`` (for
-    models that only run inference and do not tie linear weights). Returns how many."""
+    """Replace every plain ``nn.Linear`` of ``model`` whose weight is ``prepackable`` by a
+    ``PrepackedLinear`` (for models that only run inference and do not tie linear weights).
+    Returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if type(child) is nn.Linear and prepackable(child.weight):
                 setattr(module, name, PrepackedLinear(child))
                 count += 1
     return count

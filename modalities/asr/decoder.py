@@ -22,7 +22,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.cpu_linear import onednn_available, onednn_linear, prepack_onednn_weight
+from engine.cpu_linear import PrepackedLinear, prepackable
 from engine.model_adapter import ModelAdapter
 
 
@@ -67,9 +67,10 @@ class WhisperDecoderAdapter(ModelAdapter):
         self.final_ln = dec.layer_norm
         self.lm_head = model.get_output_embeddings().weight
         # The 51k-row output head is most of a decode step; plain F.linear (MKL) reads it at a
-        # fraction of memory speed at M=1, oneDNN with the weight prepacked once ~5x faster.
-        fp32_cpu = self.lm_head.dtype == torch.float32 and self.lm_head.device.type == "cpu"
-        self._head = prepack_onednn_weight(self.lm_head) if fp32_cpu and onednn_available() else None
+        # fraction of memory speed at M=1, oneDNN with the weight prepacked once ~5x faster. The
+        # plain weight stays: the token embedding is tied to it.
+        head = model.get_output_embeddings()
+        self._head = PrepackedLinear(head) if prepackable(self.lm_head) else None
         suppress = list(getattr(model.generation_config, "suppress_tokens", None) or [])
         self.suppress = torch.tensor(suppress, dtype=torch.long)
         self.layers: list[_Layer] = []
@@ -187,7 +188,7 @@ class WhisperDecoderAdapter(ModelAdapter):
         return self._logits(h[[s - 1 for s in starts[1:]]])
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head) if self._head is None else onednn_linear(h, self._head)
+        return F.linear(h, self.lm_head) if self._head is None else self._head(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._logits(hidden)

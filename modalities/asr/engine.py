@@ -75,11 +75,10 @@ class AsrEngine:
         self.max_file_mb = self.config.max_file_mb
         self.max_audio_s = self.config.max_audio_s
         model = whisper.model
-        if self.config.prepack_encoder and _cpu_fp32(model):
-            from engine.cpu_linear import onednn_available, use_prepacked_linears
+        if self.config.prepack_encoder:
+            from engine.cpu_linear import use_prepacked_linears
 
-            if onednn_available():
-                use_prepacked_linears(model.model.encoder)
+            use_prepacked_linears(model.model.encoder)  # the fp32 CPU linears, where oneDNN is present
         self.adapter = WhisperDecoderAdapter(model)
         max_len = model.config.max_target_positions
         ecfg = EngineConfig(
@@ -381,8 +380,3 @@ def _no_speech_token(tokenizer: Any, no_timestamps: int) -> int:
         if isinstance(tid, int) and tid != tokenizer.unk_token_id:
             return tid
     return no_timestamps - 1  # where both vocabularies put it
-
-
-def _cpu_fp32(model: Any) -> bool:
-    p = next(model.parameters())
-    return p.device.type == "cpu" and str(p.dtype) == "torch.float32"
