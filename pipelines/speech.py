@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modalities.audio import ASR_RATE, Resampler
+from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation
 from pipelines.frames import (
     AudioFrame,
@@ -41,7 +42,6 @@ from pipelines.frames import (
     UserAudio,
 )
 from pipelines.processor import Processor
-from pipelines.sentences import SentenceSplitter
 from pipelines.services import Services
 from pipelines.speculation import Buffered, LLMSpeculation, SpeechPrefetch
 from pipelines.vad import BufferFull, VADConfig, VADSegmenter

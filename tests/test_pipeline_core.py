@@ -165,7 +165,7 @@ def test_sentences_split_a_short_first_piece_then_whole_sentences() -> None:
 
 
 def test_a_long_first_sentence_is_cut_after_four_complete_words() -> None:
-    from pipelines.sentences import SentenceSplitter
+    from modalities.tts.text import SentenceSplitter
 
     splitter = SentenceSplitter()
     said = []
