@@ -84,35 +84,60 @@ def plan_windows(
 
 
 _WORD = re.compile(r"[^\w']+")
+_TAIL_WORDS = 12  # how far from the end of the earlier window's text the shared words are looked for
+_MIN_MATCH = 2  # shared words needed to trust the match
 
 
 def _norm(word: str) -> str:
     return _WORD.sub("", word.lower())
 
 
-def stitch(prev: str, nxt: str, tail_words: int = 12, min_match: int = 2) -> tuple[str, str]:
-    """Resolve the overlap between two consecutive overlapping window texts: returns ``(prev',
-    nxt')`` where the words both transcribed appear once (kept from ``nxt``, which heard them
-    whole) and anything ``prev`` said after them (a word cut at the window end) is dropped. With
-    no common words, both are returned unchanged."""
-    a, b = prev.split(), nxt.split()
+def _overlap_cut(a: list[str], b: list[str], tail_words: int, min_match: int) -> tuple[int, int] | None:
+    """Where two overlapping windows' words meet: ``(words of a kept, words of b dropped)``, or
+    None when they share no run of ``min_match`` words near a's end and b's start."""
     if not a or not b:
-        return prev, nxt
+        return None
     ta = len(a) - min(tail_words, len(a))
     na = [_norm(w) for w in a[ta:]]
     nb = [_norm(w) for w in b[: min(tail_words, len(b))]]
     match = max(difflib.SequenceMatcher(None, na, nb, autojunk=False).get_matching_blocks(), key=lambda m: m.size)
     if match.size < min_match or not any(na[match.a : match.a + match.size]):
+        return None
+    return ta + match.a, match.b
+
+
+def stitch(prev: str, nxt: str, tail_words: int = _TAIL_WORDS, min_match: int = _MIN_MATCH) -> tuple[str, str]:
+    """Resolve the overlap between two consecutive overlapping window texts: returns ``(prev',
+    nxt')`` where the words both transcribed appear once (kept from ``nxt``, which heard them
+    whole) and anything ``prev`` said after them (a word cut at the window end) is dropped. With
+    no common words, both are returned unchanged."""
+    a, b = prev.split(), nxt.split()
+    cut = _overlap_cut(a, b, tail_words, min_match)
+    if cut is None:
         return prev, nxt
-    return " ".join(a[: ta + match.a]), " ".join(b[match.b :])
+    return " ".join(a[: cut[0]]), " ".join(b[cut[1] :])
+
+
+def stitched_spans(windows: list[Window], texts: list[str]) -> list[tuple[int, int]]:
+    """Per window, the ``[first, last)`` range of its words (``text.split()``) that the transcript
+    keeps once the overlap between consecutive split windows is removed (as ``stitch`` does)."""
+    words = [t.split() for t in texts]
+    spans = [(0, len(w)) for w in words]
+    for i in range(1, len(windows)):
+        if windows[i].overlaps_prev:
+            lo, hi = spans[i - 1]
+            cut = _overlap_cut(words[i - 1][lo:hi], words[i], _TAIL_WORDS, _MIN_MATCH)
+            if cut is not None:
+                spans[i - 1], spans[i] = (lo, lo + cut[0]), (cut[1], len(words[i]))
+    return spans
 
 
 def stitched_texts(windows: list[Window], texts: list[str]) -> list[str]:
     """Per-window texts with the overlap between consecutive split windows removed."""
-    out = [t.strip() for t in texts]
-    for i in range(1, len(windows)):
-        if windows[i].overlaps_prev:
-            out[i - 1], out[i] = stitch(out[i - 1], out[i])
+    out = []
+    for text, (lo, hi) in zip(texts, stitched_spans(windows, texts), strict=True):
+        words = text.split()
+        out.append(text.strip() if (lo, hi) == (0, len(words)) else " ".join(words[lo:hi]))
     return out
 
 
