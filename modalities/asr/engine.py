@@ -7,7 +7,9 @@ continuous batching of all clips' decodes) → texts stitched into one transcrip
 
 Each window is checked as ``whisper.transcribe`` does (``modalities.asr.quality``): a repetitive
 or unlikely decode is retried at higher temperatures (seeded from the request's ``seed``, so a
-request is reproducible), and a window the model hears as silence yields no text.
+request is reproducible), and a window the model hears as silence yields no text. Word timestamps,
+when asked for, come from one extra decoder pass per window over its kept tokens
+(``modalities.asr.alignment``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from modalities.asr.alignment import WordAligner, transcript_words
 from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
 from modalities.asr.model import WhisperModel, load_whisper
 from modalities.asr.quality import WindowResult, avg_logprob, compression_ratio, fallback_temperatures, passes_so_far
-from modalities.asr.types import Segment, Transcript, TranscriptDelta, TranscriptionRequest
+from modalities.asr.types import Segment, Transcript, TranscriptDelta, TranscriptionRequest, Word
 
 logger = logging.getLogger("mmserve.asr")
 
@@ -104,6 +107,7 @@ class AsrEngine:
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
         self._enc_queue: asyncio.Queue[tuple[_EncoderJob, asyncio.Future[Any]]] | None = None
         self._enc_task: asyncio.Task[None] | None = None
+        self._aligner: WordAligner | None = None  # built on the first request for word timestamps
         self.audio_seconds = 0.0
         self.num_windows = 0
         self.num_encoder_batches = 0
@@ -249,11 +253,12 @@ class AsrEngine:
         return [t for t in tokens if t != self._eos]
 
     async def decode_window(
-        self, audio: np.ndarray, prompt_ids: list[int], temperature: float = 0.0, seed: int = 0
+        self, audio: np.ndarray, prompt_ids: list[int], temperature: float = 0.0, seed: int = 0, words: bool = False
     ) -> AsyncIterator[tuple[str, WindowResult | None]]:
         """Decode one ≤30 s window with Whisper's temperature fallback: yields ``(live text,
         None)`` while a decode's running figures pass the checks, then ``(text, result)`` with the
-        kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``."""
+        kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``.
+        ``words``: the result also carries the kept decode's words, aligned (on a worker thread)."""
         enc, no_speech = await self._encode(audio, prompt_ids)
         temps = fallback_temperatures(temperature)
         for attempt, t in enumerate(temps):
@@ -271,7 +276,14 @@ class AsrEngine:
             if not res.needs_fallback or attempt == len(temps) - 1:
                 break
             self.num_fallback_decodes += 1
+        if words and not res.silent:
+            res.words = await asyncio.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
         yield ("" if res.silent else res.text), res
+
+    def _align(self, enc: Any, prompt_ids: list[int], tokens: list[int], num_samples: int) -> list[Word]:
+        if self._aligner is None:
+            self._aligner = WordAligner(self.whisper.model, self.whisper.tokenizer)
+        return self._aligner.words(enc, prompt_ids, tokens, num_samples)
 
     def _windows(self, audio: np.ndarray, vad: bool | None) -> list[Window]:
         duration = len(audio) / RATE
@@ -299,7 +311,9 @@ class AsrEngine:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 # Each window its own seeds, reproducible whatever else is decoding.
-                async for text, res in self.decode_window(clip, prompt_ids, req.temperature, seed + 1000 * i):
+                async for text, res in self.decode_window(
+                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps
+                ):
                     await queue.put((i, text, res))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer
                 await queue.put(exc)
@@ -331,7 +345,8 @@ class AsrEngine:
         text = " ".join(s.text for s in segments)
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
-        yield TranscriptDelta("", Transcript(text, segments, req.language or "en", len(audio) / RATE))
+        words = transcript_words(windows, texts, results) if req.word_timestamps else None  # type: ignore[arg-type]
+        yield TranscriptDelta("", Transcript(text, segments, req.language or "en", len(audio) / RATE, words))
 
     async def run(self, req: TranscriptionRequest) -> Transcript:
         final: Transcript | None = None

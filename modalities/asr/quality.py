@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from modalities.asr.types import Word
+
 COMPRESSION_RATIO_THRESHOLD = 2.4
 LOGPROB_THRESHOLD = -1.0
 NO_SPEECH_THRESHOLD = 0.6
@@ -46,6 +48,7 @@ class WindowResult:
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+    words: list[Word] | None = None  # window-relative, when word timestamps were asked for
 
     @property
     def silent(self) -> bool:

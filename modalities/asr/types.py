@@ -24,18 +24,31 @@ class Segment:
 
 
 @dataclass
+class Word:
+    """One word of the transcript (punctuation attached as in the text), times in seconds."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass
 class Transcript:
+    """``words``: set (possibly empty) when the request asked for word timestamps, else None."""
+
     text: str
     segments: list[Segment]
     language: str
     duration: float
+    words: list[Word] | None = None
 
 
 @dataclass
 class TranscriptionRequest:
     """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
     ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
-    fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0)."""
+    fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
+    ``word_timestamps``: also align every word (one extra decoder pass per window)."""
 
     audio: np.ndarray
     language: str | None = None
@@ -43,6 +56,7 @@ class TranscriptionRequest:
     temperature: float = 0.0
     vad: bool | None = None
     seed: int | None = None
+    word_timestamps: bool = False
 
 
 @dataclass
