@@ -1,6 +1,7 @@
 """``/v1/audio/transcriptions`` on a real uvicorn server, called with the official ``openai``
 client (and httpx for raw error bodies): every response format, verbose_json segments with
-Whisper's fields, ``timestamp_granularities[]``, the seeded temperature fallback, SSE streaming,
+Whisper's fields, ``timestamp_granularities[]`` (word timestamps in OpenAI's shape), the seeded
+temperature fallback, SSE streaming,
 wav/flac/mp3/ogg uploads, and the errors (unreadable audio 400, oversized 413, unknown model 404,
 bad fields 400).
 """
@@ -84,6 +85,38 @@ def test_response_formats(server: tuple[str, AsrEngine], client: openai.OpenAI, 
     assert vtt.startswith("WEBVTT\n\n00:00:00.") and verbose.segments[0].text in vtt
 
 
+def test_word_granularity_in_openai_shape(
+    server: tuple[str, AsrEngine], client: openai.OpenAI, two_sentences: np.ndarray
+) -> None:
+    wav = encode_audio(two_sentences, RATE, "wav")
+
+    def create(granularities: list[str]) -> openai.types.audio.TranscriptionVerbose:
+        return client.audio.transcriptions.create(
+            model="whisper-1",
+            file=("w.wav", wav),
+            response_format="verbose_json",
+            timestamp_granularities=granularities,
+        )
+
+    words_only = create(["word"])
+    assert words_only.words and words_only.segments is None  # OpenAI leaves segments out then
+    assert [w.word for w in words_only.words] == words_only.text.split()
+    assert all(a.start <= a.end <= b.start for a, b in zip(words_only.words, words_only.words[1:], strict=False))
+    assert 0.0 <= words_only.words[0].start and words_only.words[-1].end <= words_only.duration
+    both = create(["word", "segment"])
+    assert both.words == words_only.words and both.segments
+    assert both.words[0].start >= both.segments[0].start and both.words[-1].end <= both.segments[-1].end
+    assert create(["segment"]).words is None and create([]).words is None
+    raw = httpx.post(
+        server[0] + "/v1/audio/transcriptions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        files={"file": ("w.wav", io.BytesIO(wav))},
+        data={"timestamp_granularities[]": "word", "response_format": "verbose_json"},
+        timeout=60,
+    ).json()
+    assert "segments" not in raw and all(set(w) == {"word", "start", "end"} for w in raw["words"])
+
+
 def test_segment_granularity_and_seeded_fallback(client: openai.OpenAI) -> None:
     def create(audio: bytes, **kw: object) -> openai.types.audio.TranscriptionVerbose:
         return client.audio.transcriptions.create(
@@ -141,7 +174,8 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
         ({"language": "fr"}, "language"),
         ({"stream": "true", "response_format": "srt"}, "stream"),
         ({"seed": "-1"}, "seed"),
-        ({"timestamp_granularities[]": "word", "response_format": "verbose_json"}, "timestamp_granularities[]"),
+        ({"timestamp_granularities[]": "word"}, "timestamp_granularities[]"),  # needs verbose_json
+        ({"timestamp_granularities[]": "word", "stream": "true"}, "timestamp_granularities[]"),
         ({"timestamp_granularities[]": "phrase", "response_format": "verbose_json"}, "timestamp_granularities[]"),
         ({"timestamp_granularities[]": "segment"}, "timestamp_granularities[]"),  # needs verbose_json
     ]
@@ -155,10 +189,10 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
         url,
         headers=auth,
         files={"file": ("a.wav", io.BytesIO(wav))},
-        data={"timestamp_granularities[]": ["segment", "word"], "response_format": "verbose_json"},
+        data={"timestamp_granularities[]": ["segment", "word"], "response_format": "json"},
         timeout=60,
     )
-    assert word.status_code == 400 and "'word' is not supported" in word.json()["error"]["message"]
+    assert word.status_code == 400 and "requires response_format=verbose_json" in word.json()["error"]["message"]
     r = httpx.post(url, headers=auth, data={"model": "whisper-1"}, timeout=60)  # no file
     assert 400 <= r.status_code < 500 and "error" in r.json()
     r = httpx.post(url, files={"file": ("a.wav", io.BytesIO(wav))}, timeout=60)  # no key

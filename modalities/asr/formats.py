@@ -30,16 +30,21 @@ def to_vtt(t: Transcript) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def to_verbose(t: Transcript) -> dict[str, Any]:
+def to_verbose(t: Transcript, segments: bool = True) -> dict[str, Any]:
     """OpenAI's ``verbose_json``: Whisper's segment fields, with the per-window figures the
     engine measured (the kept decode's temperature, mean token logprob, compression ratio and
-    the no-speech probability)."""
-    return {
+    the no-speech probability); ``words`` when the transcript has word timestamps. ``segments``
+    False leaves them out (OpenAI's answer to ``timestamp_granularities=["word"]``)."""
+    body: dict[str, Any] = {
         "task": "transcribe",
         "language": {"en": "english"}.get(t.language, t.language),
         "duration": round(t.duration, 3),
         "text": t.text,
-        "segments": [
+    }
+    if t.words is not None:
+        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in t.words]
+    if segments:
+        body["segments"] = [
             {
                 "id": s.id,
                 "seek": int(s.start * 100),  # in 10 ms mel frames, as Whisper counts
@@ -53,6 +58,6 @@ def to_verbose(t: Transcript) -> dict[str, Any]:
                 "no_speech_prob": s.no_speech_prob,
             }
             for s in t.segments
-        ],
-        "usage": {"type": "duration", "seconds": round(t.duration)},
-    }
+        ]
+    body["usage"] = {"type": "duration", "seconds": round(t.duration)}
+    return body
