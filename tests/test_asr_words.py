@@ -9,7 +9,9 @@
   first phrase's last word ends near its start;
 - long audio (overlapping split windows, VAD-packed windows): the words joined are the transcript,
   times are absolute (each sentence's first word at its known start), monotonic, inside their
-  segment; words the overlap stitching drops from the text are dropped from the words too.
+  segment; words the overlap stitching drops from the text are dropped from the words too;
+- under ``--dispatch celery`` (a real ``mmserve worker --modality asr`` over Redis) the request's
+  flag and the words cross the wire: the same words as the local engine's.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ import asyncio
 import functools
 import json
 import re
+import time
+import uuid
 from collections.abc import Iterator
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
+import openai
 import pytest
+import redis
 import torch
 
 from modalities.asr.alignment import WordAligner, dtw_row_starts, median_filter, transcript_words, word_token_spans
@@ -33,6 +41,9 @@ from modalities.asr.model import load_whisper
 from modalities.asr.quality import WindowResult
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording
 from modalities.asr.types import Transcript, Word
+from modalities.audio import encode_audio
+from tests.helpers import serve_app
+from workers.local_cluster import start_worker, wait_for_heartbeats
 
 RATE = 16_000
 FRAME = 0.02
@@ -194,3 +205,41 @@ def test_transcript_words_follow_the_stitching() -> None:
     ]
     got = [(w.word, w.start, w.end) for w in transcript_words(windows, texts, results)]
     assert got == [("a", 0.5, 1.0), ("b", 1.0, 3.2), ("c", 3.2, 3.3), ("d", 3.3, 3.9), ("e", 3.9, 4.5), ("f", 7.5, 8.0)]
+
+
+def test_word_timestamps_over_celery(engine: AsrEngine, tmp_path: Path) -> None:
+    from gateway.app import build_app
+    from gateway.cli import build_parser
+
+    url, prefix = "redis://127.0.0.1:6379/15", f"t-asrw-{uuid.uuid4().hex[:8]}"
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    except redis.exceptions.ConnectionError:
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    audio, _ = long_recording("piper", gap_s=1.0, sentences=[4, 7])
+    local = asyncio.run(engine.run(TranscriptionRequest(audio, word_timestamps=True)))
+    worker = start_worker("asr", url, prefix, [], worker_id=f"{prefix}-asr", log_dir=tmp_path)
+    try:
+        wait_for_heartbeats(url, prefix, [worker])
+        args = build_parser().parse_args(
+            ["serve", "--only", "asr", "--dispatch", "celery", "--redis-url", url, "--prefix", prefix]
+        )
+        with serve_app(build_app(args)) as base:
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{base}/ready").status_code != 200:
+                assert time.monotonic() < deadline, httpx.get(f"{base}/ready").text
+                time.sleep(0.2)
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            got = client.audio.transcriptions.create(
+                model="whisper-1",
+                file=("c.wav", encode_audio(audio, RATE, "wav")),
+                response_format="verbose_json",
+                timestamp_granularities=["word", "segment"],
+            )
+    finally:
+        worker.kill()
+        r = redis.Redis.from_url(url)
+        for key in r.scan_iter(match=f"{prefix}*", count=1000):
+            r.delete(key)
+    assert local.words and got.words and got.segments
+    assert [(w.word, w.start, w.end) for w in got.words] == [(w.word, w.start, w.end) for w in local.words]
