@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 
 import httpx
+import jiwer
 import numpy as np
 import openai
 import pytest
@@ -60,7 +61,11 @@ def test_formats_transcribe(client: openai.OpenAI, fmt: str) -> None:
     clip = corpus("piper")[0]
     data = encode_audio(clip, RATE, fmt)
     result = client.audio.transcriptions.create(model="whisper-1", file=(f"clip.{fmt}", data))
-    assert _words(result.text) == _words(SENTENCES[0])
+    ref, hyp = _words(SENTENCES[0]), _words(result.text)
+    if fmt in ("wav", "flac"):
+        assert hyp == ref
+    else:  # a lossy codec may cost tiny.en one word (Piper renditions vary: its synthesis is not seeded)
+        assert jiwer.wer(" ".join(ref), " ".join(hyp)) <= 1 / len(ref), result.text
 
 
 def test_response_formats(server: tuple[str, AsrEngine], client: openai.OpenAI, two_sentences: np.ndarray) -> None:
