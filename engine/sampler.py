@@ -43,21 +43,46 @@ def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> N
     _apply_penalties(row, seq, p)
 
 
+def _top_p_(probs: torch.Tensor, top_p: float) -> None:
+    """Zero, in place, every token outside the smallest most-probable set whose mass reaches
+    ``top_p`` (a token is kept when the mass of the tokens ranked above it is <= ``top_p``).
+    The kept set is a prefix of the ranking: look at the top 64 first and widen only when they
+    do not cover ``top_p`` (sorting all 49k probabilities cost ~3 ms a row on 2 cores)."""
+    k = 64
+    while True:
+        k = min(k, probs.numel())
+        vals, ids = probs.topk(k)
+        covered = vals.cumsum(0)
+        if covered[-1] > top_p or k == probs.numel():
+            break
+        k *= 8
+    keep = int((covered - vals <= top_p).sum())
+    probs.zero_()
+    probs[ids[:keep]] = vals[:keep]
+
+
+def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Per row: temperature, then top-k / top-p / min-p filtering; returns probabilities [S, V].
+    Batched where rows share the work (scaling, softmax), per row where they do not; each row's
+    numbers never depend on the other rows."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    scaled = logits / temps[:, None]
+    vocab = scaled.shape[-1]
+    for row, p in zip(scaled, params, strict=True):
+        if 0 < p.top_k < vocab:
+            row.masked_fill_(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    for row, p in zip(probs, params, strict=True):
+        if p.top_p < 1.0:
+            _top_p_(row, p.top_p)
+        if p.min_p > 0.0:
+            row.masked_fill_(row < p.min_p * row.max(), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
 def _truncate(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p filtering; returns probabilities."""
-    logits = row / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) > p.top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    """One row's filtered probabilities (see ``_truncated_probs``)."""
+    return _truncated_probs(row[None], [p])[0]
 
 
 class Sampler:
@@ -78,9 +103,11 @@ class Sampler:
 
         greedy = [s.params.greedy for s in seqs]
         tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(seqs)
-        for i, seq in enumerate(seqs):
-            if not greedy[i]:
-                tokens[i] = self._sample(logits[i], seq)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        if rows:
+            picked = self._sample(logits[rows] if len(rows) < len(seqs) else logits, [seqs[i] for i in rows])
+            for i, tok in zip(rows, picked, strict=True):
+                tokens[i] = tok
 
         results: list[tuple[int, TokenLogprob | None]] = []
         for i, seq in enumerate(seqs):
@@ -108,10 +135,18 @@ class Sampler:
         )
 
     @staticmethod
-    def _sample(row: torch.Tensor, seq: Sequence) -> int:
-        probs = _truncate(row, seq.params)
-        if seq.params.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator(device=row.device).manual_seed(seq.params.seed + seq.index)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator)
-        return int((probs / noise).argmax())
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row, drawn from its filtered distribution by inverting its CDF at a
+        uniform number from the sequence's own generator (seeded requests) or the global one:
+        one draw per row, so a seeded row is reproducible whatever shares the batch."""
+        probs = _truncated_probs(logits, [s.params for s in seqs])
+        u = torch.empty(len(seqs), dtype=probs.dtype)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed + seq.index)
+            u[i] = torch.rand((), generator=seq.generator, dtype=torch.float64).item()
+        cdf = probs.cumsum(-1)
+        # 1 - u lies in (0, 1]: the first index whose CDF reaches it has a nonzero probability.
+        target = ((1.0 - u) * cdf[:, -1]).to(probs.device)
+        picked = torch.searchsorted(cdf, target[:, None]).squeeze(1)
+        return picked.clamp_(max=probs.shape[-1] - 1).tolist()

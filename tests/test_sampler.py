@@ -240,6 +240,28 @@ def test_truncate_min_p_top_k_temperature() -> None:
     torch.testing.assert_close(_filtered(top_k=2, top_p=0.6), torch.tensor([0.0, 1.0, 0.0, 0.0]))
 
 
+def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
+    """4000 unseeded rows sampled in one batch: each token's share is its filtered probability
+    (top_p 0.85 keeps 1, 3, 2 of PROBS) within 4 standard errors, and filtered-out tokens never
+    come up; big flat rows (top-p widening past the first 64 candidates) stay inside their set."""
+    n = 4000
+    sampler = Sampler(eos_token_ids=set())
+    seqs = [_seq([0], [1], temperature=1.0, top_p=0.85) for _ in range(n)]
+    tokens = torch.tensor([t for t, _ in sampler(PROBS.log().repeat(n, 1), seqs)])
+    expected = torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95
+    share = torch.bincount(tokens, minlength=4).float() / n
+    assert share[0] == 0
+    assert ((share - expected).abs() <= 4 * (expected * (1 - expected) / n).sqrt()).all(), share
+    flat = torch.linspace(0, 1, 5000)  # top_p 0.5 keeps the highest ~1464 logits, far past 64
+    keep = _filtered_probs_support(flat.log_softmax(0), top_p=0.5)
+    picked = [t for t, _ in sampler(flat.repeat(200, 1), [_seq([0], [1], temperature=1.0, top_p=0.5)] * 200)]
+    assert all(keep[t] for t in picked) and len(set(picked)) > 100
+
+
+def _filtered_probs_support(logits: torch.Tensor, **params) -> torch.Tensor:
+    return _truncate(logits, SamplingParams(**params)) > 0
+
+
 # -- (f) logprobs --------------------------------------------------------------------------------------
 def test_logprobs_match_transformers(loaded) -> None:
     engine = _engine(loaded)
