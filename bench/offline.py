@@ -21,12 +21,12 @@ from typing import Any
 
 from bench.report import print_table, save_result, versions_of
 from bench.workload import (
-    WorkloadSpec,
     load_workload,
     make_workload,
     resolve_model_dir,
     save_workload,
     usable_token_ids,
+    workload_spec,
 )
 
 ENGINES = ("mmserve", "hf-static", "hf-cb", "vllm")
@@ -42,6 +42,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-output-len", type=int, default=32)
     ap.add_argument("--max-output-len", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's nucleus (with --temperature > 0)")
     ap.add_argument("--out-dir", type=Path, default=Path("bench_results"))
 
 
@@ -116,7 +118,7 @@ def greedy_check(results: dict[str, dict[str, Any]]) -> list[str]:
     """Compare each engine's first outputs to HF's unpadded batch-of-1 greedy reference."""
     ref = results.get("hf-static", {}).get("reference_token_ids")
     if not ref:
-        return ["greedy check: skipped (needs hf-static)"]
+        return ["greedy check: skipped (needs hf-static and a greedy workload)"]
     lines = []
     for name in ("mmserve", "vllm", "hf-static", "hf-cb"):
         got = results.get(name, {}).get("output_token_ids")
@@ -172,9 +174,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise SystemExit(f"unknown engine(s) {bad}; choose from {ENGINES}")
     model = resolve_model_dir(args.model).resolve()
-    spec = WorkloadSpec(
-        args.num_requests, args.min_prompt_len, args.max_prompt_len, args.min_output_len, args.max_output_len, args.seed
-    )
+    spec = workload_spec(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = args.out_dir / f"offline-{stamp}"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from bench.report import percentiles, print_table, save_result, versions_of
-from bench.workload import BenchRequest, WorkloadSpec, make_workload, resolve_model_dir, usable_token_ids
+from bench.workload import BenchRequest, make_workload, resolve_model_dir, usable_token_ids, workload_spec
 
 
 @dataclass
@@ -70,7 +70,8 @@ async def _one_request(
         "model": model,
         "prompt": prompt,
         "max_tokens": req.max_tokens,
-        "temperature": 0.0,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,  # vLLM and mmserve extension
@@ -264,9 +265,7 @@ def run_online_cli(args: argparse.Namespace) -> dict[str, Any]:
     if not names:
         names = ["server"]
     model_dir = resolve_model_dir(args.model).resolve()
-    spec = WorkloadSpec(
-        args.num_requests, args.min_prompt_len, args.max_prompt_len, args.min_output_len, args.max_output_len, args.seed
-    )
+    spec = workload_spec(args)
     reqs = make_workload(spec, usable_token_ids(model_dir))
     prompts: list[list[int] | str] = [r.prompt_token_ids for r in reqs]
     if args.prompt_mode == "text":

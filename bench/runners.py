@@ -49,7 +49,7 @@ def run_mmserve(model: str, reqs: list[BenchRequest], args: argparse.Namespace) 
     load_s = time.perf_counter() - t0
 
     def params(r: BenchRequest) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, ignore_eos=True)
 
     warm = _warmup_requests(1000)
     eng.generate([w.prompt_token_ids for w in warm], [params(w) for w in warm])
@@ -81,6 +81,11 @@ def _load_hf(model: str, attn: str | None = None) -> Any:
     return m
 
 
+def _hf_sampling(r: BenchRequest) -> dict[str, Any]:
+    """``generate()`` keyword arguments for the workload's sampling (none when greedy)."""
+    return {"do_sample": True, "temperature": r.temperature, "top_p": r.top_p} if r.temperature > 0 else {}
+
+
 def _hf_static_batch(m: Any, batch: list[BenchRequest]) -> tuple[list[list[int]], int]:
     import torch
 
@@ -94,7 +99,9 @@ def _hf_static_batch(m: Any, batch: list[BenchRequest]) -> tuple[list[list[int]]
         mask[i, width - n :] = 1
     new = max(r.max_tokens for r in batch)
     with torch.inference_mode():
-        out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new)
+        out = m.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **_hf_sampling(batch[0])
+        )
     gen = out[:, width:].tolist()
     return [g[: r.max_tokens] for g, r in zip(gen, batch, strict=False)], new * len(batch)
 
@@ -119,7 +126,7 @@ def run_hf_static(model: str, reqs: list[BenchRequest], args: argparse.Namespace
     # Untimed reference for the greedy sanity check: batch of 1, no padding at all.
     ref = []
     with torch.inference_mode():
-        for r in reqs[:SAMPLE_REQUESTS]:
+        for r in reqs[:SAMPLE_REQUESTS] if reqs[0].temperature == 0 else []:
             k = min(SANITY_TOKENS, r.max_tokens)
             out = m.generate(input_ids=torch.tensor([r.prompt_token_ids]), max_new_tokens=k, min_new_tokens=k)
             ref.append(out[0, len(r.prompt_token_ids) :].tolist())
@@ -144,6 +151,8 @@ def run_hf_cb(model: str, reqs: list[BenchRequest], args: argparse.Namespace) ->
     load_s = time.perf_counter() - t0
     gen_cfg = m.generation_config
     gen_cfg.eos_token_id = -1  # continuous batching uses -1 for "no EOS"
+    for key, value in _hf_sampling(reqs[0]).items():
+        setattr(gen_cfg, key, value)
     cb_cfg = ContinuousBatchingConfig(max_batch_tokens=args.max_num_batched_tokens)
     hints = WorkloadHints(
         max_prompt_length=max(len(r.prompt_token_ids) for r in reqs),

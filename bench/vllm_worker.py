@@ -50,13 +50,13 @@ def main() -> int:
         )
         result["load_s"] = time.perf_counter() - t0
 
-        def params(k: int) -> SamplingParams:
-            return SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+        def params(k: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingParams:
+            return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=k, ignore_eos=True)
 
         warm = [TokensPrompt(prompt_token_ids=list(range(100, 100 + n))) for n in (32, 48)]
         llm.generate(warm, [params(8)] * len(warm), use_tqdm=False)
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in reqs]
-        sps = [params(r["max_tokens"]) for r in reqs]
+        sps = [params(r["max_tokens"], r.get("temperature", 0.0), r.get("top_p", 1.0)) for r in reqs]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sps, use_tqdm=True)
         result["wall_s"] = time.perf_counter() - t0

@@ -7,6 +7,7 @@ engine sees an accidental EOS/BOS/chat marker in the prompt; outputs always run 
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import asdict, dataclass
@@ -17,6 +18,8 @@ from pathlib import Path
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 @dataclass
@@ -27,6 +30,8 @@ class WorkloadSpec:
     min_output_len: int = 32
     max_output_len: int = 256
     seed: int = 0
+    temperature: float = 0.0  # every request's; 0 is greedy (sampled outputs keep their lengths: EOS is ignored)
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not (1 <= self.min_prompt_len <= self.max_prompt_len):
@@ -35,6 +40,16 @@ class WorkloadSpec:
             raise ValueError("need 1 <= min_output_len <= max_output_len")
         if self.num_requests < 1:
             raise ValueError("num_requests must be positive")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need temperature >= 0 and 0 < top_p <= 1")
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The ``WorkloadSpec`` that ``bench.offline.add_workload_args``' flags describe."""
+    return WorkloadSpec(
+        args.num_requests, args.min_prompt_len, args.max_prompt_len, args.min_output_len, args.max_output_len,
+        args.seed, args.temperature, args.top_p,
+    )  # fmt: skip
 
 
 def usable_token_ids(model_dir: str | Path) -> list[int]:
@@ -54,7 +69,7 @@ def make_workload(spec: WorkloadSpec, vocab: list[int]) -> list[BenchRequest]:
     for _ in range(spec.num_requests):
         plen = rng.randint(spec.min_prompt_len, spec.max_prompt_len)
         olen = rng.randint(spec.min_output_len, spec.max_output_len)
-        reqs.append(BenchRequest([rng.choice(vocab) for _ in range(plen)], olen))
+        reqs.append(BenchRequest([rng.choice(vocab) for _ in range(plen)], olen, spec.temperature, spec.top_p))
     return reqs
 
 
