@@ -19,8 +19,10 @@ import openai
 import pytest
 
 from modalities.asr.engine import AsrConfig, AsrEngine
+from modalities.asr.formats import openai_word, to_verbose
 from modalities.asr.model import load_whisper
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording
+from modalities.asr.types import Transcript, Word
 from modalities.audio import encode_audio
 from tests.helpers import serve_app
 
@@ -105,7 +107,8 @@ def test_word_granularity_in_openai_shape(
 
     words_only = create(["word"])
     assert words_only.words and words_only.segments is None  # OpenAI leaves segments out then
-    assert [w.word for w in words_only.words] == words_only.text.split()
+    assert words_only.text.endswith(".")  # the text keeps its punctuation, the words do not
+    assert [w.word for w in words_only.words] == re.sub(r"[^\w' ]", " ", words_only.text).split()
     assert all(a.start <= a.end <= b.start for a, b in zip(words_only.words, words_only.words[1:], strict=False))
     assert 0.0 <= words_only.words[0].start and words_only.words[-1].end <= words_only.duration
     both = create(["word", "segment"])
@@ -120,6 +123,36 @@ def test_word_granularity_in_openai_shape(
         timeout=60,
     ).json()
     assert "segments" not in raw and all(set(w) == {"word", "start", "end"} for w in raw["words"])
+
+
+def test_words_drop_punctuation_as_openai_does() -> None:
+    """OpenAI's ``words[].word`` carries no punctuation: its API reference (Create transcription,
+    word timestamps example) answers ``"text": "... and playing beach volleyball."`` with a last
+    word ``{"word": "volleyball"}``; a recorded whisper-1 answer (remotion-dev/remotion,
+    packages/openai-whisper/src/test/output.ts) has ``"What's up, everybody? This is..."`` as
+    ``What's``, ``up``, ``everybody``, ``This``; remotion-dev/remotion#4675 got ``500`` for
+    ``$500``. Apostrophes and hyphens inside a word stay; a word of punctuation alone is dropped,
+    and the engine's ``Transcript.words`` keep the text's form."""
+    cases = {
+        "dog.": "dog",
+        "Hello,": "Hello",
+        '"Quoted!"': "Quoted",
+        "don't": "don't",
+        "well-known,": "well-known",
+        "¿Qué?": "Qué",
+        "$500": "500",
+        "(maybe)...": "maybe",
+        "...": "",
+        "-": "",
+        "♪": "",
+    }
+    assert {w: openai_word(w) for w in cases} == cases
+    words = [Word("Hello,", 0.0, 0.4), Word("-", 0.4, 0.5), Word("world.", 0.5, 0.9)]
+    t = Transcript("Hello, - world.", [], "en", 1.0, words)
+    body = to_verbose(t, ["word"])
+    assert body["words"] == [{"word": "Hello", "start": 0.0, "end": 0.4}, {"word": "world", "start": 0.5, "end": 0.9}]
+    assert body["text"] == "Hello, - world." and "segments" not in body
+    assert [w.word for w in words] == t.text.split()  # untouched
 
 
 def test_segment_granularity_and_seeded_fallback(client: openai.OpenAI) -> None:

@@ -6,8 +6,9 @@ window failing Whisper's checks is decoded again at +0.2 steps up to 1), ``seed`
 extension: seeds those sampled decodes, default 0, so a request is reproducible),
 ``response_format`` (json, text, verbose_json, srt, vtt), ``timestamp_granularities[]``
 (``segment`` and/or ``word``, with verbose_json only, as OpenAI: ``word`` adds a top-level
-``words`` list of ``{word, start, end}``, aligned from Whisper's cross-attention; ``word`` alone
-leaves ``segments`` out, as OpenAI does), ``stream`` (SSE: ``transcript.text.delta``
+``words`` list of ``{word, start, end}``, aligned from Whisper's cross-attention, each word
+without the punctuation around it as OpenAI's; ``word`` alone leaves ``segments`` out, as OpenAI
+does), ``stream`` (SSE: ``transcript.text.delta``
 events as text decodes, then ``transcript.text.done``, whose text is the final one; json/text
 only, so never with word timestamps). Unreadable audio is a 400, a file over the ASR upload
 limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
@@ -28,7 +29,7 @@ from gateway.metrics import engine_modality
 from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
-from modalities.asr.formats import RESPONSE_FORMATS, to_srt, to_verbose, to_vtt
+from modalities.asr.formats import RESPONSE_FORMATS, granularity_error, to_srt, to_verbose, to_vtt
 from modalities.audio import ASR_RATE, AudioDecodeError, decode_audio
 
 router = APIRouter(tags=["audio"])
@@ -78,7 +79,8 @@ async def create_transcription(
     if stream and response_format not in ("json", "text"):
         raise APIError(400, "stream=true supports response_format json or text", param="stream")
     granularities = timestamp_granularities or []
-    _check_granularities(granularities, response_format)
+    if error := granularity_error(granularities, response_format):
+        raise APIError(400, error, param="timestamp_granularities[]")
     words = "word" in granularities
     if seed is not None and not 0 <= seed < 1 << 32:
         raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
@@ -127,18 +129,8 @@ async def create_transcription(
     if response_format == "vtt":
         return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
     if response_format == "verbose_json":
-        return JSONResponse(to_verbose(transcript, segments="segment" in granularities or not words))
+        return JSONResponse(to_verbose(transcript, granularities))
     return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
-
-
-def _check_granularities(granularities: list[str], response_format: str) -> None:
-    """``segment`` and ``word``, with verbose_json as OpenAI requires."""
-    param = "timestamp_granularities[]"
-    for g in granularities:
-        if g not in ("segment", "word"):
-            raise APIError(400, f"timestamp_granularities must be 'segment' or 'word' (got {g!r})", param=param)
-    if granularities and response_format != "verbose_json":
-        raise APIError(400, "timestamp_granularities requires response_format=verbose_json", param=param)
 
 
 async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:

@@ -2,11 +2,51 @@
 
 from __future__ import annotations
 
+import unicodedata
+from collections.abc import Sequence
 from typing import Any
 
 from modalities.asr.engine import Transcript
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+TIMESTAMP_GRANULARITIES = ("segment", "word")
+
+
+def granularity_error(granularities: Sequence[str], response_format: str) -> str | None:
+    """Why ``timestamp_granularities`` is refused, None when accepted: each ``segment`` or
+    ``word``, and only with ``verbose_json``, as OpenAI requires (the endpoint and the job kind)."""
+    for g in granularities:
+        if g not in TIMESTAMP_GRANULARITIES:
+            return f"timestamp_granularities must be 'segment' or 'word' (got {g!r})"
+    if granularities and response_format != "verbose_json":
+        return "timestamp_granularities requires response_format=verbose_json"
+    return None
+
+
+def _edge(c: str) -> bool:
+    return unicodedata.category(c)[0] in "PS"  # punctuation, and symbols such as $ % ♪
+
+
+def openai_word(word: str) -> str:
+    """``word`` as OpenAI's ``words[].word`` has it: without what Whisper attached at either end
+    (``"dog."`` -> ``dog``, ``"$500"`` -> ``500``), inner apostrophes and hyphens kept
+    (``don't``, ``well-known``); "" for a word of punctuation alone. OpenAI's hosted whisper-1
+    answers ``"text": "... beach volleyball."`` with ``{"word": "volleyball"}`` (its API reference)
+    and ``"$500"`` with ``500`` (remotion-dev/remotion#4675)."""
+    start, end = 0, len(word)
+    while start < end and _edge(word[start]):
+        start += 1
+    while end > start and _edge(word[end - 1]):
+        end -= 1
+    return word[start:end]
+
+
+def openai_words(t: Transcript) -> list[dict[str, Any]] | None:
+    """``verbose_json``'s ``words`` (None when the transcript has no word timestamps): the
+    engine's words in OpenAI's shape (``openai_word``), words of punctuation alone left out."""
+    if t.words is None:
+        return None
+    return [{"word": text, "start": w.start, "end": w.end} for w in t.words if (text := openai_word(w.word))]
 
 
 def _clock(seconds: float, sep: str) -> str:
@@ -30,20 +70,22 @@ def to_vtt(t: Transcript) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def to_verbose(t: Transcript, segments: bool = True) -> dict[str, Any]:
+def to_verbose(t: Transcript, granularities: Sequence[str] = ()) -> dict[str, Any]:
     """OpenAI's ``verbose_json``: Whisper's segment fields, with the per-window figures the
     engine measured (the kept decode's temperature, mean token logprob, compression ratio and
-    the no-speech probability); ``words`` when the transcript has word timestamps. ``segments``
-    False leaves them out (OpenAI's answer to ``timestamp_granularities=["word"]``)."""
+    the no-speech probability); ``words`` (``openai_words``) when the transcript has word
+    timestamps. ``granularities`` with ``word`` but not ``segment`` leaves the segments out, as
+    OpenAI does."""
     body: dict[str, Any] = {
         "task": "transcribe",
         "language": {"en": "english"}.get(t.language, t.language),
         "duration": round(t.duration, 3),
         "text": t.text,
     }
-    if t.words is not None:
-        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in t.words]
-    if segments:
+    words = openai_words(t)
+    if words is not None:
+        body["words"] = words
+    if "segment" in granularities or "word" not in granularities:
         body["segments"] = [
             {
                 "id": s.id,

@@ -25,7 +25,8 @@ class Segment:
 
 @dataclass
 class Word:
-    """One word of the transcript (punctuation attached as in the text), times in seconds."""
+    """One word of the transcript (punctuation attached as in the text: ``text.split()``; the
+    OpenAI responses drop it, see ``formats.openai_word``), times in seconds."""
 
     word: str
     start: float
