@@ -1,5 +1,6 @@
 """``audio.transcription`` jobs under the local runner over real HTTP: an audio file uploaded with
-``/v1/files`` becomes a transcript file in the result store; bad params are a 400 at submit."""
+``/v1/files`` becomes a transcript file in the result store, with OpenAI's ``words`` when
+``timestamp_granularities`` has ``word``; bad params are a 400 at submit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from modalities.asr.speech_corpus import SENTENCES, long_recording
@@ -43,8 +45,7 @@ def _wait(base: str, job_id: str) -> dict[str, Any]:
     raise AssertionError(f"job {job_id} did not finish: {job}")
 
 
-def test_uploaded_audio_becomes_a_transcript_file(base: str) -> None:
-    audio, bounds = long_recording("piper", gap_s=1.0, sentences=[2, 4, 8])
+def _upload(base: str, audio: np.ndarray) -> str:
     up = httpx.post(
         f"{base}/v1/files",
         files={"file": ("talk.flac", encode_audio(audio, 16_000, "flac"))},
@@ -52,20 +53,47 @@ def test_uploaded_audio_becomes_a_transcript_file(base: str) -> None:
         timeout=30,
     )
     assert up.status_code == 200, up.text
-    resp = httpx.post(
-        f"{base}/v1/jobs",
-        json={"kind": "audio.transcription", "params": {"file_id": up.json()["id"], "response_format": "srt"}},
-        timeout=30,
-    )
+    return str(up.json()["id"])
+
+
+def _transcribe(base: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The succeeded job's result."""
+    resp = httpx.post(f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
     assert resp.status_code == 202, resp.text
     job = _wait(base, resp.json()["id"])
     assert job["status"] == "succeeded", job
-    result = job["result"]
+    return dict(job["result"])
+
+
+def test_uploaded_audio_becomes_a_transcript_file(base: str) -> None:
+    audio, bounds = long_recording("piper", gap_s=1.0, sentences=[2, 4, 8])
+    result = _transcribe(base, {"file_id": _upload(base, audio), "response_format": "srt"})
+    assert "words" not in result  # not asked for
     words = re.sub(r"[^\w' ]", " ", result["text"].lower()).split()
     assert words == re.sub(r"[^\w' ]", " ", " ".join(SENTENCES[i] for i in (2, 4, 8)).lower()).split()
     srt = httpx.get(f"{base}{result['url']}", timeout=30).text
     assert srt.startswith("1\n00:00:0") and result["text"].split()[0] in srt
     assert result["duration"] == pytest.approx(len(audio) / 16_000)
+
+
+def test_word_granularity_puts_words_in_the_transcript(base: str) -> None:
+    """``timestamp_granularities: ["word"]`` as on ``/v1/audio/transcriptions``: the verbose_json
+    transcript has OpenAI's ``words`` (no punctuation, times monotonic and inside the audio) and
+    no ``segments``; the result counts the words."""
+    audio, _ = long_recording("piper", gap_s=1.0, sentences=[0, 2, 10])
+    file_id = _upload(base, audio)
+    result = _transcribe(base, {"file_id": file_id, "timestamp_granularities": ["word"]})
+    body = httpx.get(f"{base}{result['url']}", timeout=30).json()
+    assert body["text"] == result["text"] and "segments" not in body
+    assert "." in body["text"] and "?" in body["text"]  # the text keeps its punctuation
+    words = body["words"]
+    assert result["words"] == len(words) and all(set(w) == {"word", "start", "end"} for w in words)
+    assert [w["word"] for w in words] == re.sub(r"[^\w' ]", " ", result["text"]).split()  # "dog." -> "dog"
+    assert all(a["start"] <= a["end"] <= b["start"] for a, b in zip(words, words[1:], strict=False))
+    assert 0.0 <= words[0]["start"] and words[-1]["end"] <= len(audio) / 16_000
+    both = _transcribe(base, {"file_id": file_id, "timestamp_granularities": ["segment", "word"]})
+    body = httpx.get(f"{base}{both['url']}", timeout=30).json()
+    assert body["words"] == words and body["segments"] and both["segments"] == len(body["segments"])
 
 
 def test_bad_params_are_400(base: str) -> None:
@@ -74,7 +102,21 @@ def test_bad_params_are_400(base: str) -> None:
         {"file_id": "x", "temperature": 3},
         {"file_id": "x", "response_format": "xml"},
         {"file_id": "x", "seed": -1},
+        {"file_id": "x", "timestamp_granularities": "word"},  # a list, as the JSON body has it
     )
     for params in bad:
         r = httpx.post(f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
         assert r.status_code == 400, (params, r.text)
+    # The endpoint's granularity rules, with the endpoint's messages.
+    granularities = (
+        ({"timestamp_granularities": ["phrase"]}, "must be 'segment' or 'word' (got 'phrase')"),
+        ({"timestamp_granularities": ["word"], "response_format": "srt"}, "requires response_format=verbose_json"),
+        ({"timestamp_granularities": ["segment"], "response_format": "json"}, "requires response_format=verbose_json"),
+    )
+    for params, message in granularities:
+        r = httpx.post(
+            f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": {"file_id": "x", **params}}, timeout=30
+        )
+        assert r.status_code == 400, (params, r.text)
+        error = r.json()["error"]
+        assert error["message"].startswith("params.timestamp_granularities: ") and message in error["message"]

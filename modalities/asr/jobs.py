@@ -2,11 +2,12 @@
 transcript file.
 
 ``params``: ``file_id`` (an audio file uploaded through ``POST /v1/files``), and optionally
-``model``, ``language``, ``prompt``, ``temperature``, ``seed``, ``response_format`` (as the online
-route).
+``model``, ``language``, ``prompt``, ``temperature``, ``seed``, ``response_format`` (default
+verbose_json) and ``timestamp_granularities`` (``segment`` and/or ``word``, verbose_json only), as
+the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript.
 The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
-text, duration and segment count. Cancelling the job closes the transcription stream, which
-aborts its decodes in the engine.
+text, duration and segment count (and the word count when words were asked for). Cancelling the
+job closes the transcription stream, which aborts its decodes in the engine.
 """
 
 from __future__ import annotations
@@ -35,15 +36,20 @@ class TranscriptionJob(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, lt=1 << 32)
     response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "verbose_json"
+    timestamp_granularities: list[str] = Field(default_factory=list)
 
 
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     """400 before queueing: bad fields (the model is resolved where the job runs)."""
+    from modalities.asr.formats import granularity_error
+
     try:
         job = TranscriptionJob(**params)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ValueError(f"params.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+    if error := granularity_error(job.timestamp_granularities, job.response_format):
+        raise ValueError(f"params.timestamp_granularities: {error}")
     return job.model_dump()
 
 
@@ -57,11 +63,11 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
     return "audio_seconds", file_bytes / BYTES_PER_AUDIO_SECOND
 
 
-def render(transcript: Any, fmt: str) -> bytes:
+def render(transcript: Any, fmt: str, granularities: list[str] | None = None) -> bytes:
     from modalities.asr.formats import to_srt, to_verbose, to_vtt
 
     if fmt == "verbose_json":
-        return json.dumps(to_verbose(transcript)).encode()
+        return json.dumps(to_verbose(transcript, granularities or ())).encode()
     if fmt == "json":
         return json.dumps({"text": transcript.text}).encode()
     return {"text": transcript.text + "\n", "srt": to_srt(transcript), "vtt": to_vtt(transcript)}[fmt].encode()
@@ -70,6 +76,7 @@ def render(transcript: Any, fmt: str) -> bytes:
 async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     from modalities.asr.api import pick_asr_engine
     from modalities.asr.engine import TranscriptionRequest
+    from modalities.asr.formats import openai_words
     from modalities.audio import decode_audio
     from workers.jobs.store import parse_file_id
 
@@ -77,7 +84,8 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     name, engine = pick_asr_engine(ctx.engines, ctx.aliases, job.model)
     data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(job.file_id))
     audio = (await asyncio.to_thread(decode_audio, data)).samples
-    req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature, seed=job.seed)
+    words = "word" in job.timestamp_granularities
+    req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature, seed=job.seed, word_timestamps=words)
     transcript = None
     ctx.progress(0, 1)
     async with aclosing(engine.stream(req)) as deltas:
@@ -91,17 +99,20 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
         ctx.store.put,
         ctx.job_id,
         f"transcript.{ext}",
-        render(transcript, job.response_format),
+        render(transcript, job.response_format, job.timestamp_granularities),
         _TYPES[ext],
     )
     ctx.progress(1, 1)
-    return {
+    result: dict[str, Any] = {
         "url": url,
         "model": name,
         "text": transcript.text,
         "duration": transcript.duration,
         "segments": len(transcript.segments),
     }
+    if words:  # the words themselves are in the transcript file, as the segments are
+        result["words"] = len(openai_words(transcript) or [])
+    return result
 
 
 def register() -> None:
