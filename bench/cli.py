@@ -10,7 +10,7 @@ import sys
 # ``mmserve bench NAME ...``: the module whose ``main(argv)`` parses the rest of the line.
 OWN_PARSERS = {
     name: f"bench.{name}"
-    for name in ("diffusion", "embed", "tts", "jobs", "cp", "cluster", "asr", "voice", "step", "threads")
+    for name in ("diffusion", "embed", "tts", "jobs", "cp", "cluster", "asr", "voice", "step", "threads", "attention")
 }
 
 

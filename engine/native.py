@@ -2,8 +2,8 @@
 
 No torch headers and no build step at install time: the shared library is built on first use
 (well under a second) into the mmserve cache, keyed by the source hash. Where there is no C
-compiler or the CPU lacks AVX2/FMA, ``paged_decode_kernel()`` returns None and callers fall
-back to the portable PyTorch path.
+compiler or the CPU lacks the kernel's ISA (AVX2/FMA for decode, AVX-512F for prefill), the
+``*_kernel()`` getters return None and callers fall back to the portable PyTorch path.
 """
 
 from __future__ import annotations
@@ -21,44 +21,55 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-_SRC = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]  # fast-math: vector expf
+_CSRC = Path(__file__).parent / "csrc"
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+_DECODE_FLAGS = ["-mavx2", "-mfma", "-ffast-math"]  # fast-math: vector expf
+_PREFILL_FLAGS = ["-mavx512f", "-mavx512dq", "-mfma"]  # its own exp: no fast-math
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_has(*features: str) -> bool:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    return all(f in flags for f in features)
 
 
-def _build(src: Path) -> Path:
+def _build(src: Path, flags: list[str]) -> Path:
     from engine.model_loader import cache_root
 
     root = cache_root()
-    digest = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    flags = [*_FLAGS, *flags]
+    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     lib = root / "native" / f"{src.stem}-{digest}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # atomic: build, then rename
             out = Path(tmp) / lib.name
-            subprocess.run(["cc", *_FLAGS, "-o", str(out), str(src), "-lm"], check=True, capture_output=True)
+            subprocess.run(["cc", *flags, "-o", str(out), str(src), "-lm"], check=True, capture_output=True)
             out.replace(lib)
     return lib
+
+
+def _load(name: str, flags: list[str], features: tuple[str, ...]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Function ``<name>_f32`` of ``csrc/<name>.c``, or None when it cannot run here."""
+    if os.environ.get("MMSERVE_NO_NATIVE") or not _cpu_has(*features) or shutil.which("cc") is None:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(str(_build(_CSRC / f"{name}.c", flags))), f"{name}_f32")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        logger.warning("native %s unavailable (%s); using the PyTorch path", name, exc)
+        return None
+    fn.restype = None
+    return fn
 
 
 @functools.cache
 def paged_decode_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C paged-decode function, or None when it cannot run here."""
-    if os.environ.get("MMSERVE_NO_NATIVE") or not _cpu_has_avx2_fma() or shutil.which("cc") is None:
+    fn = _load("paged_decode", _DECODE_FLAGS, ("avx2", "fma"))
+    if fn is None:
         return None
-    try:
-        fn = ctypes.CDLL(str(_build(_SRC))).paged_decode_f32
-    except (OSError, subprocess.CalledProcessError) as exc:
-        logger.warning("native paged attention unavailable (%s); using the PyTorch path", exc)
-        return None
-    fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
     return fn
 
@@ -94,6 +105,43 @@ def paged_decode(
         block_size,
         scale,
         window or 0,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+@functools.cache
+def prefill_attn_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C causal prefill-attention function (AVX-512F), or None when it cannot run here."""
+    fn = _load("prefill_attn", _PREFILL_FLAGS, ("avx512f", "avx512dq", "fma"))
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Causal attention of one prefill chunk: q [n, H, D] are the last n of ``seq_len`` positions,
+    keys/values [seq_len, Hkv, D]; fp32, each row's [heads, D] contiguous, D % 16 == 0, D <= 256."""
+    fn = prefill_attn_kernel()
+    assert fn is not None
+    n, h, d = q.shape
+    out = torch.empty_like(q)
+    fn(
+        out.data_ptr(),
+        q.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        n,
+        seq_len,
+        h,
+        keys.shape[1],
+        d,
+        q.stride(0),
+        keys.stride(0),
+        values.stride(0),
+        out.stride(0),
+        scale,
         torch.get_num_threads(),
     )
     return out
