@@ -213,7 +213,9 @@ class TorchPagedAttention(AttentionBackend):
 
 class NativeCPUPagedAttention(TorchPagedAttention):
     """CPU backend: decode attention by a C kernel that reads K/V in place from the paged cache
-    (see ``engine/csrc/paged_decode.c``); prefill chunks as in the PyTorch backend."""
+    (see ``engine/csrc/paged_decode.c``); prefill chunks by an AVX-512 causal flash-attention
+    kernel (``engine/csrc/prefill_attn.c``, 2-3.5x SDPA here) where it can run, else as in the
+    PyTorch backend."""
 
     name = "native"
 
@@ -240,6 +242,19 @@ class NativeCPUPagedAttention(TorchPagedAttention):
 
         tables, lens = plan
         return paged_decode(q.contiguous(), kc, vc, tables, lens, self.block_size, scale, window)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_len: int, scale: float, window: int | None
+    ) -> torch.Tensor:
+        from engine.native import prefill_attn, prefill_attn_kernel
+
+        d = q.shape[-1]
+        if window is not None or q.dtype != torch.float32 or d % 16 or d > 256 or prefill_attn_kernel() is None:
+            return TorchPagedAttention._prefill(q, keys, values, seq_len, scale, window)
+        # The kernel takes any row stride but needs each row's [heads, D] contiguous.
+        q, keys, values = (t if t.stride()[1:] == (d, 1) else t.contiguous() for t in (q, keys, values))
+        return prefill_attn(q, keys, values, seq_len, scale)
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import ATTENTION_BACKENDS, AttentionMetadata, NativeCPUPagedAttention, select_backend
+from engine.attention import (
+    ATTENTION_BACKENDS,
+    AttentionMetadata,
+    NativeCPUPagedAttention,
+    TorchPagedAttention,
+    select_backend,
+)
+from engine.native import prefill_attn_kernel
 
 BS = 4
 
@@ -121,3 +128,25 @@ def test_native_decode_long_contexts(threads: int, window: int | None) -> None:
                 torch.testing.assert_close(got[i], ref, atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.skipif(prefill_attn_kernel() is None, reason="no native prefill kernel here (needs AVX-512F)")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 128), (6, 2, 32)])
+@pytest.mark.parametrize(("n", "length"), [(2, 2), (37, 37), (64, 64), (300, 300), (5, 40), (100, 357), (1, 9)])
+def test_native_prefill_matches_sdpa(threads: int, heads: int, kv_heads: int, d: int, n: int, length: int) -> None:
+    """The C prefill kernel (used where it can run; else the same SDPA path) equals SDPA: whole
+    chunks and chunks over cached context, row counts off the 16-row blocks, GQA groups 1 and 3."""
+    gen = torch.Generator().manual_seed(n * length + d)
+    q = torch.randn(n, heads, d, generator=gen)
+    # Keys/values as the forward slices them out of a fused [T, Hkv * 2, D] tensor: strided rows.
+    kv = torch.randn(length, 2 * kv_heads, d, generator=gen)
+    keys, values = kv[:, :kv_heads], kv[:, kv_heads:]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = NativeCPUPagedAttention._prefill(q, keys, values, length, d**-0.5, None)
+    finally:
+        torch.set_num_threads(old)
+    expected = TorchPagedAttention._prefill(q, keys, values, length, d**-0.5, None)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -104,3 +104,13 @@ def test_portable_torch_backend_matches_transformers(tiny_model_dir) -> None:
     expected = _reference(model_dir, prompts, max_new)
     got, _ = _run(model_dir, prompts, max_new, attention_backend="torch", max_num_batched_tokens=32, num_kv_blocks=64)
     assert got == expected
+
+
+def test_smollm2_long_prompts_match_transformers(smollm2_dir) -> None:
+    """Prompts of 300+ tokens: whole prefills and chunks over cached context (n < L) through the
+    prefill attention kernel, 16-row blocks with a partial last one."""
+    prompts = _prompts(49152, seed=6, lengths=[523, 307])
+    max_new = [12, 10, 8, 9]
+    expected = _reference(smollm2_dir, prompts, max_new)
+    got, _ = _run(smollm2_dir, prompts, max_new, max_num_batched_tokens=400, num_kv_blocks=96, block_size=16)
+    assert got == expected
