@@ -13,7 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+# (n, L): whole prefills, a chunk over cached context, and few rows over long contexts (where
+# NativeCPUPagedAttention keeps SDPA: n < 12 and L > 64 n).
 CASES = ((64, 64), (128, 128), (256, 256), (512, 512), (1024, 1024), (2048, 2048), (300, 900))
+CASES += ((4, 300), (8, 2000), (16, 2000))
 
 
 def _best_ms(fn: Callable[[], object], budget_s: float) -> float:

@@ -249,8 +249,12 @@ class NativeCPUPagedAttention(TorchPagedAttention):
     ) -> torch.Tensor:
         from engine.native import prefill_attn, prefill_attn_kernel
 
-        d = q.shape[-1]
-        if window is not None or q.dtype != torch.float32 or d % 16 or d > 256 or prefill_attn_kernel() is None:
+        n, d = q.shape[0], q.shape[-1]
+        # A few rows over a long context (n < 12 and L > 64 n) fill too little of the kernel's
+        # 32-row blocks and heads-only tasks: SDPA is as fast or faster there (bench attention).
+        few_rows = n < 12 and seq_len > 64 * n
+        fits = window is None and q.dtype == torch.float32 and d % 16 == 0 and d <= 256 and not few_rows
+        if not fits or prefill_attn_kernel() is None:
             return TorchPagedAttention._prefill(q, keys, values, seq_len, scale, window)
         # The kernel takes any row stride but needs each row's [heads, D] contiguous.
         q, keys, values = (t if t.stride()[1:] == (d, 1) else t.contiguous() for t in (q, keys, values))

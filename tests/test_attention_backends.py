@@ -13,7 +13,7 @@ from engine.attention import (
     TorchPagedAttention,
     select_backend,
 )
-from engine.native import prefill_attn_kernel
+from engine.native import prefill_attn, prefill_attn_kernel
 
 BS = 4
 
@@ -133,10 +133,12 @@ def test_native_decode_long_contexts(threads: int, window: int | None) -> None:
 @pytest.mark.skipif(prefill_attn_kernel() is None, reason="no native prefill kernel here (needs AVX-512F)")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 128), (6, 2, 32)])
-@pytest.mark.parametrize(("n", "length"), [(2, 2), (37, 37), (64, 64), (300, 300), (5, 40), (100, 357), (1, 9)])
+@pytest.mark.parametrize(
+    ("n", "length"), [(2, 2), (37, 37), (64, 64), (300, 300), (5, 40), (100, 357), (1, 9), (3, 500)]
+)
 def test_native_prefill_matches_sdpa(threads: int, heads: int, kv_heads: int, d: int, n: int, length: int) -> None:
-    """The C prefill kernel (used where it can run; else the same SDPA path) equals SDPA: whole
-    chunks and chunks over cached context, row counts off the 16-row blocks, GQA groups 1 and 3."""
+    """The C prefill kernel equals SDPA: whole chunks and chunks over cached context, row counts
+    off its 16-row groups, GQA groups 1 and 3, strided key/value rows."""
     gen = torch.Generator().manual_seed(n * length + d)
     q = torch.randn(n, heads, d, generator=gen)
     # Keys/values as the forward slices them out of a fused [T, Hkv * 2, D] tensor: strided rows.
@@ -145,7 +147,7 @@ def test_native_prefill_matches_sdpa(threads: int, heads: int, kv_heads: int, d:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = NativeCPUPagedAttention._prefill(q, keys, values, length, d**-0.5, None)
+        got = prefill_attn(q, keys, values, length, d**-0.5)
     finally:
         torch.set_num_threads(old)
     expected = TorchPagedAttention._prefill(q, keys, values, length, d**-0.5, None)
