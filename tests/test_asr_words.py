@@ -44,6 +44,7 @@ from modalities.asr.alignment import (
     word_token_spans,
 )
 from modalities.asr.engine import AsrEngine, TranscriptionRequest
+from modalities.asr.formats import openai_words
 from modalities.asr.longform import Window
 from modalities.asr.model import load_whisper
 from modalities.asr.quality import WindowResult
@@ -261,4 +262,6 @@ def test_word_timestamps_over_celery(engine: AsrEngine, tmp_path: Path) -> None:
         for key in r.scan_iter(match=f"{prefix}*", count=1000):
             r.delete(key)
     assert local.words and got.words and got.segments
-    assert [(w.word, w.start, w.end) for w in got.words] == [(w.word, w.start, w.end) for w in local.words]
+    assert [(w.word, w.start, w.end) for w in got.words] == [
+        (w["word"], w["start"], w["end"]) for w in openai_words(local)
+    ]
