@@ -80,11 +80,6 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return probs / probs.sum(-1, keepdim=True)
 
 
-def _truncate(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row's filtered probabilities (see ``_truncated_probs``)."""
-    return _truncated_probs(row[None], [p])[0]
-
-
 class Sampler:
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
-from engine.sampler import Sampler, _process_row, _truncate
+from engine.sampler import Sampler, _process_row, _truncated_probs
 from engine.sampling_params import SamplingParams
 from engine.sequence import PromptInputs, Sequence
 
@@ -214,8 +214,10 @@ def test_penalties_change_the_sampler_choice() -> None:
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted order: 1, 3, 2, 0
 
 
-def _filtered(**params) -> torch.Tensor:
-    return _truncate(PROBS.log(), SamplingParams(**params))
+def _filtered(logits: torch.Tensor | None = None, **params) -> torch.Tensor:
+    """One row's filtered probabilities (of PROBS by default) under ``SamplingParams(**params)``."""
+    row = PROBS.log() if logits is None else logits
+    return _truncated_probs(row[None], [SamplingParams(**params)])[0]
 
 
 def test_truncate_top_p() -> None:
@@ -253,13 +255,9 @@ def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
     assert share[0] == 0
     assert ((share - expected).abs() <= 4 * (expected * (1 - expected) / n).sqrt()).all(), share
     flat = torch.linspace(0, 1, 5000)  # top_p 0.5 keeps the highest ~1464 logits, far past 64
-    keep = _filtered_probs_support(flat.log_softmax(0), top_p=0.5)
+    keep = _filtered(flat, top_p=0.5) > 0
     picked = [t for t, _ in sampler(flat.repeat(200, 1), [_seq([0], [1], temperature=1.0, top_p=0.5)] * 200)]
     assert all(keep[t] for t in picked) and len(set(picked)) > 100
-
-
-def _filtered_probs_support(logits: torch.Tensor, **params) -> torch.Tensor:
-    return _truncate(logits, SamplingParams(**params)) > 0
 
 
 # -- (f) logprobs --------------------------------------------------------------------------------------
