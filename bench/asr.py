@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import subprocess
 import time
 from typing import Any
 
 import numpy as np
+
+from modalities.asr.speech_corpus import word_error_rate
 
 RATE = 16_000
 
@@ -43,15 +44,6 @@ def make_clips(n: int, per_clip: int) -> tuple[list[np.ndarray], list[str]]:
         clips.append(np.concatenate(parts))
         refs.append(" ".join(SENTENCES[k] for k in idx))
     return clips, refs
-
-
-def _wer(refs: list[str], hyps: list[str]) -> float:
-    import jiwer
-
-    def norm(s: str) -> str:
-        return re.sub(r"\s+", " ", re.sub(r"[^\w' ]", " ", s.lower())).strip()
-
-    return float(jiwer.wer([norm(r) for r in refs], [norm(h) for h in hyps]))
 
 
 def run_mmserve(args: argparse.Namespace, clips: list[np.ndarray]) -> tuple[float, list[str], Any]:
@@ -150,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "mmserve": {
             "s": ours_s,
             "audio_s_per_s": audio_s / ours_s,
-            "wer": _wer(refs, ours_text),
+            "wer": word_error_rate(refs, ours_text),
             "fallback_decodes": engine.num_fallback_decodes,
         },
     }
@@ -164,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         for bs in args.baseline_batch_size:
             base_s, base_text = run_transformers(path, clips, bs)
             same = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
-            r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": _wer(refs, base_text)}
+            r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": word_error_rate(refs, base_text)}
             result["transformers"][f"batch_size={bs}"] = {**r, "speedup": base_s / ours_s, "same_text": same}
             print(
                 f"  transformers pipeline {base_s:7.2f} s  {audio_s / base_s:7.1f} audio-s/s  WER {r['wer']:.3f} "
@@ -176,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
         base_s, base_text = run_generate(load_whisper(args.model), clips, bs)
         same = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
-        r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": _wer(refs, base_text)}
+        r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": word_error_rate(refs, base_text)}
         result.setdefault("generate", {})[f"batch_size={bs}"] = {**r, "speedup": base_s / ours_s, "same_text": same}
         print(
             f"  transformers generate {base_s:7.2f} s  {audio_s / base_s:7.1f} audio-s/s  WER {r['wer']:.3f} "

@@ -140,14 +140,11 @@ def test_stretched_real_speech_keeps_pitch_voice_and_words(speed: float) -> None
     overlap-add without the similarity search cancels phases: measured 0.86x the RMS and half
     the voiced frames), and Whisper tiny.en still hears every sentence."""
     import asyncio
-    import re
-
-    import jiwer
 
     from modalities.asr.engine import AsrEngine, TranscriptionRequest
     from modalities.asr.model import load_whisper
     from modalities.asr.speech_corpus import RATE as ASR_RATE
-    from modalities.asr.speech_corpus import SENTENCES, corpus
+    from modalities.asr.speech_corpus import SENTENCES, corpus, word_error_rate
 
     gap = np.zeros(ASR_RATE // 4, dtype=np.float32)
     audio = np.concatenate([x for clip in corpus("piper")[:4] for x in (clip, gap)])
@@ -159,9 +156,6 @@ def test_stretched_real_speech_keeps_pitch_voice_and_words(speed: float) -> None
     assert voiced_out > 0.75 * voiced_in, (voiced_in, voiced_out)
     assert np.sqrt((stretched**2).mean()) > 0.95 * np.sqrt((audio**2).mean())
 
-    def norm(text: str) -> str:
-        return re.sub(r"\s+", " ", re.sub(r"[^\w' ]", " ", text.lower())).strip()
-
     async def transcribe() -> str:
         engine = AsrEngine(load_whisper("tiny.en"))
         try:
@@ -169,5 +163,5 @@ def test_stretched_real_speech_keeps_pitch_voice_and_words(speed: float) -> None
         finally:
             await engine.shutdown()
 
-    wer = jiwer.wer(norm(" ".join(SENTENCES[:4])), norm(asyncio.run(transcribe())))
+    wer = word_error_rate([" ".join(SENTENCES[:4])], [asyncio.run(transcribe())])
     assert wer <= 0.1, wer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,6 +42,19 @@ SENTENCES = [
     "Thank you very much for your help yesterday.",
     "The cat is sleeping on the warm kitchen floor.",
 ]
+
+
+def normalize_text(text: str) -> str:
+    """Lower case, punctuation but apostrophes dropped, single spaces: what WER compares."""
+    return re.sub(r"\s+", " ", re.sub(r"[^\w' ]", " ", text.lower())).strip()
+
+
+def word_error_rate(refs: list[str], hyps: list[str]) -> float:
+    """Corpus word error rate of ``hyps`` against ``refs`` (jiwer, a test/bench dependency), both
+    through ``normalize_text``."""
+    import jiwer
+
+    return float(jiwer.wer([normalize_text(r) for r in refs], [normalize_text(h) for h in hyps]))
 
 
 def corpus_dir() -> Path:
