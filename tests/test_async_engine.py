@@ -278,7 +278,10 @@ async def test_call_between_steps_runs_on_the_engine_thread_between_steps(loaded
         assert await engine.call_between_steps(probe) == 1
         with pytest.raises(RuntimeError, match="codec broke"):
             await engine.call_between_steps(fail)
-        await gen.__anext__()  # the loop goes on after a failed call
+        # The loop goes on after a failed call: wait for a token generated after the first probe
+        # (an output already queued before it would let the next probe share its command batch).
+        while len((await gen.__anext__()).outputs[0].token_ids) <= seen[0][1]:
+            pass
         assert await engine.call_between_steps(probe) == 2
         await gen.aclose()
         assert [name for name, _ in seen] == ["mmserve-engine"] * 2
