@@ -23,6 +23,7 @@ from transformers.activations import ACT2FN
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cpu_linear import onednn_available, onednn_linear, prepack_onednn_weight
 from engine.model_adapter import ModelAdapter
+from engine.sampler import VocabSubset
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
 
@@ -81,7 +82,9 @@ class FastDecoderLM(ModelAdapter):
         onednn = use_onednn and onednn_available() and lm_head.dtype == torch.float32
         self.linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
         pack = prepack_onednn_weight if onednn and prepack else _same
+        self._pack = pack
         self.lm_head = pack(lm_head)
+        self._subset_heads: dict[tuple[int, ...], torch.Tensor] = {}  # the lm_head's rows per subset
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -140,6 +143,16 @@ class FastDecoderLM(ModelAdapter):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden, self.lm_head)
+
+    def compute_logits_for(self, hidden: torch.Tensor, subset: VocabSubset) -> torch.Tensor:
+        # The subset's rows of the output head, gathered (and packed) once per subset.
+        head = self._subset_heads.get(subset.ids)
+        if head is None:
+            if len(self._subset_heads) >= 8:
+                self._subset_heads.pop(next(iter(self._subset_heads)))
+            weight = self.model.get_output_embeddings().weight
+            head = self._subset_heads[subset.ids] = self._pack(weight[subset.index.to(weight.device)].contiguous())
+        return self.linear(hidden, head)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.sampler import VocabSubset
 
 PAGED_ATTN_NAME = "mmserve_paged"
 
@@ -23,7 +24,8 @@ class ModelAdapter(ABC, nn.Module):
     """Contract: ``forward(embeds [T, hidden], positions [T], meta, backend) -> hidden [T, hidden]``
     for a flat batch of tokens from many sequences; attention layers must go through
     ``backend.forward`` with ``meta`` so each token only sees its own sequence's KV.
-    ``compute_logits`` maps selected hidden rows to vocabulary logits."""
+    ``compute_logits`` maps selected hidden rows to vocabulary logits, ``compute_logits_for`` to
+    the logits of a subset of the vocabulary."""
 
     num_layers: int
     num_kv_heads: int
@@ -41,6 +43,11 @@ class ModelAdapter(ABC, nn.Module):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits_for(self, hidden: torch.Tensor, subset: VocabSubset) -> torch.Tensor:
+        """Logits of the tokens ``subset.ids`` only, in that order: ``compute_logits(hidden)``'s
+        columns ``subset.index``. Override to compute just those columns."""
+        return self.compute_logits(hidden)[:, subset.index.to(hidden.device)]
 
 
 def _paged_attention(

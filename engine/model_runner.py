@@ -72,11 +72,15 @@ class ModelRunner:
         hidden = self.model(embeds, torch.tensor(positions, dtype=torch.long, device=dev), meta, self.backend)
         if not sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        return {
-            seq.seq_id: SampledToken(tok, lp)
-            for seq, (tok, lp) in zip(sample_seqs, self.sampler(logits, sample_seqs), strict=True)
-        }
+        hidden = hidden[torch.tensor(sample_rows, device=dev)]
+        sampled: dict[int, SampledToken] = {}
+        for rows, subset in self.sampler.plan(sample_seqs):
+            h = hidden if len(rows) == len(sample_seqs) else hidden[torch.tensor(rows, device=dev)]
+            logits = self.model.compute_logits(h) if subset is None else self.model.compute_logits_for(h, subset)
+            seqs = [sample_seqs[i] for i in rows]
+            for seq, (tok, lp) in zip(seqs, self.sampler(logits, seqs, subset), strict=True):
+                sampled[seq.seq_id] = SampledToken(tok, lp)
+        return sampled
 
     def _insert_embeds(self, embeds: torch.Tensor, items: list[ScheduledSeq]) -> None:
         """Overwrite token embeddings with precomputed ones (image/audio features) where the

@@ -6,11 +6,30 @@ whatever else shares its batch.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+
+
+@dataclass(frozen=True, eq=False)
+class VocabSubset:
+    """The only token ids some rows may sample (their ``allowed_token_ids``), sorted: logits of
+    just these columns are all such a row needs (an AR TTS row: ~500 codec ids of a 49k vocab)."""
+
+    ids: tuple[int, ...]
+    index: torch.Tensor  # ``ids`` as a LongTensor
+
+
+@functools.lru_cache(maxsize=32)
+def vocab_subset(ids: tuple[int, ...]) -> VocabSubset:
+    """One shared ``VocabSubset`` per id set (built once, not per step)."""
+    ordered = tuple(sorted(set(ids)))
+    return VocabSubset(ordered, torch.tensor(ordered, dtype=torch.long))
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> None:
@@ -27,7 +46,7 @@ def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> N
     """In-place logits processing for one sequence: bias, min_tokens, begin suppression, penalties."""
     p = seq.params
     if p.allowed_token_ids is not None:
-        keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        keep = vocab_subset(tuple(p.allowed_token_ids)).index.to(row.device)
         kept = row[keep]
         row.fill_(float("-inf"))
         row[keep] = kept
@@ -84,9 +103,29 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]) -> None:
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """``logits[i]`` belongs to ``seqs[i]``; returns (token id, logprob or None) per row."""
+    def plan(self, seqs: list[Sequence]) -> list[tuple[list[int], VocabSubset | None]]:
+        """Rows grouped by the logits they need: every row whose only constraint beyond
+        temperature/top-k/top-p/min-p is ``allowed_token_ids`` needs just those columns (grouped
+        by id set); the others need the whole vocabulary (``None``). A row's group depends on its
+        own request only, so its numbers do not depend on what shares the batch."""
+        groups: dict[VocabSubset | None, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            subset = None
+            if p.allowed_token_ids is not None and p.logprobs is None and not self._needs_processing(seq, False):
+                subset = vocab_subset(tuple(p.allowed_token_ids))
+            groups.setdefault(subset, []).append(i)
+        return [(rows, subset) for subset, rows in groups.items()]
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], subset: VocabSubset | None = None
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """``logits[i]`` belongs to ``seqs[i]``; returns (token id, logprob or None) per row.
+        With ``subset`` (rows from ``plan``), column ``j`` of ``logits`` is token ``subset.ids[j]``."""
         logits = logits.float()
+        if subset is not None:
+            picked = self._pick(logits, seqs)
+            return [(subset.ids[j], None) for j in picked]
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
         needs_processing = [self._needs_processing(s) for s in seqs]
@@ -95,14 +134,7 @@ class Sampler:
             for i, seq in enumerate(seqs):
                 if needs_processing[i]:
                     _process_row(logits[i], seq, self.eos_token_ids)
-
-        greedy = [s.params.greedy for s in seqs]
-        tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(seqs)
-        rows = [i for i, g in enumerate(greedy) if not g]
-        if rows:
-            picked = self._sample(logits[rows] if len(rows) < len(seqs) else logits, [seqs[i] for i in rows])
-            for i, tok in zip(rows, picked, strict=True):
-                tokens[i] = tok
+        tokens = self._pick(logits, seqs)
 
         results: list[tuple[int, TokenLogprob | None]] = []
         for i, seq in enumerate(seqs):
@@ -117,10 +149,22 @@ class Sampler:
             results.append((tokens[i], lp))
         return results
 
-    def _needs_processing(self, seq: Sequence) -> bool:
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """The column each row picks: argmax for greedy rows, a draw for the others."""
+        greedy = [s.params.greedy for s in seqs]
+        tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(seqs)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        if rows:
+            picked = self._sample(logits[rows] if len(rows) < len(seqs) else logits, [seqs[i] for i in rows])
+            for i, tok in zip(rows, picked, strict=True):
+                tokens[i] = tok
+        return tokens
+
+    def _needs_processing(self, seq: Sequence, allowed: bool = True) -> bool:
+        """Whether the row's logits need ``_process_row`` (``allowed``: counting ``allowed_token_ids``)."""
         p = seq.params
         return bool(
-            p.allowed_token_ids is not None
+            (allowed and p.allowed_token_ids is not None)
             or p.logit_bias
             or p.repetition_penalty != 1.0
             or p.presence_penalty

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
-from engine.sampler import Sampler, _process_row, _truncated_probs
+from engine.sampler import Sampler, _process_row, _truncated_probs, vocab_subset
 from engine.sampling_params import SamplingParams
 from engine.sequence import PromptInputs, Sequence
 
@@ -86,6 +86,44 @@ def test_top_k_one_equals_greedy(loaded) -> None:
     for seed in (None, 7):
         params = SamplingParams(temperature=1.3, top_k=1, seed=seed, max_tokens=12, ignore_eos=True)
         assert _tokens(engine, PROMPT, params) == greedy
+
+
+# -- (b2) allowed_token_ids: logits of the allowed columns only -----------------------------------
+ALLOWED = [901, 5, 17, 300, 301, 999, 17]  # unsorted, with a repeat
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])  # the fast decoder's own head; the generic one
+def test_subset_logits_equal_the_full_logits_columns(tiny_model_dir, arch: str) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir(arch)), max_model_len=64, num_kv_blocks=8))
+    model = engine.runner.model
+    subset = vocab_subset(tuple(ALLOWED))
+    assert subset.ids == tuple(sorted(set(ALLOWED)))
+    hidden = torch.randn(3, model.hidden_size, generator=torch.Generator().manual_seed(0))
+    full = model.compute_logits(hidden)
+    torch.testing.assert_close(model.compute_logits_for(hidden, subset), full[:, subset.index], atol=1e-5, rtol=1e-5)
+
+
+def test_allowed_token_ids_rows_sample_only_allowed_ids_whatever_shares_the_batch(loaded) -> None:
+    engine = _engine(loaded)
+    seeded = SamplingParams(temperature=1.5, seed=5, max_tokens=12, ignore_eos=True, allowed_token_ids=ALLOWED)
+    greedy = _greedy(12, allowed_token_ids=ALLOWED)
+    alone = [_tokens(engine, PROMPT, p) for p in (seeded, greedy)]
+    assert all(set(t) <= set(ALLOWED) for t in alone) and alone[0] != alone[1]
+    # Mixed with full-vocabulary rows (the sampler groups rows by the logits they need).
+    outs = engine.generate([OTHER_PROMPTS[1], PROMPT, PROMPT], [_sampled(seed=1), seeded, greedy])
+    assert [o.outputs[0].token_ids for o in outs[1:]] == alone
+    # The greedy subset row is the argmax of the full logits restricted to the allowed ids.
+    masked = Sampler(eos_token_ids=set())
+    logits = torch.randn(4, engine.runner.model.vocab_size, generator=torch.Generator().manual_seed(1))
+    seqs = [_seq([0], [], temperature=0.0, allowed_token_ids=ALLOWED) for _ in range(4)]
+    expected = [ALLOWED[int(i)] for i in logits[:, ALLOWED].argmax(-1)]
+    assert [t for t, _ in masked(logits, seqs)] == expected  # the full-vocabulary path
+    subset = vocab_subset(tuple(ALLOWED))
+    assert [t for t, _ in masked(logits[:, subset.index], seqs, subset)] == expected
+    # Rows asking for logprobs (over the whole vocabulary) still only pick allowed ids.
+    with_logprobs = SamplingParams(**{**vars(seeded), "logprobs": 2})
+    out = engine.generate([PROMPT], with_logprobs)[0].outputs[0]
+    assert set(out.token_ids) <= set(ALLOWED) and len(out.logprobs) == 12
 
 
 # -- (c) logit_bias --------------------------------------------------------------------------------
