@@ -33,6 +33,11 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return newer
 
 
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -207,13 +212,18 @@ class AsyncEngine:
                         cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None  # drop the last request's prompt (it may hold a large encoder output)
+                # One wake-up per event loop per step: the streams a step advanced resume in the
+                # same loop iteration (so what they submit next, e.g. codec windows, batches).
+                delivery: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue
-                    stream.put(out)
+                    delivery.setdefault(stream.loop, []).append((stream, out))
                     if out.finished:
                         del self._streams[out.request_id]
+                for loop, items in delivery.items():
+                    loop.call_soon_threadsafe(_deliver, items)
         except BaseException as exc:  # noqa: BLE001 - fail every waiter instead of hanging them
             logger.exception("engine loop crashed")
             self._dead = exc

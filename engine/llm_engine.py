@@ -171,7 +171,8 @@ class LLMEngine:
                     self.scheduler.finish(seq, FinishReason.STOP, stop_str)
             progressed[seq.request_id] = state
         for request_id, state in progressed.items():
-            outputs.append(state.make_output())
+            if state.output_due:
+                outputs.append(state.make_output())
             if state.finished:
                 del self.requests[request_id]
         return outputs

@@ -43,6 +43,15 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    @property
+    def output_due(self) -> bool:
+        """Whether to report now: a sample finished, or has ``stream_interval`` unreported tokens."""
+        interval = self.seqs[0].params.stream_interval
+        return any(
+            (s.is_finished and not st.done) or s.num_output_tokens - st.sent_tokens >= interval
+            for s, st in zip(self.seqs, self.texts, strict=True)
+        )
+
     def add_token(self, seq: Sequence, logprob: TokenLogprob | None) -> str | None:
         """Account one new token of ``seq``; return a matched stop string, if any."""
         if self.first_token_time is None:

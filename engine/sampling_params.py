@@ -38,6 +38,9 @@ class SamplingParams:
     detokenize: bool = True
     # Tokens banned for the first generated token only (Whisper's begin_suppress_tokens).
     begin_suppress_token_ids: list[int] = field(default_factory=list)
+    # Report progress every this many new tokens (and at the end), like vLLM's stream_interval:
+    # a consumer that acts on groups of tokens (AR TTS: codec frames) is woken once per group.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +72,7 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
+            (self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -298,3 +298,20 @@ async def test_detokenize_false_gives_the_same_tokens_without_text(loaded) -> No
     assert ids_only[-1].outputs[0].token_ids == with_text[-1].outputs[0].token_ids
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+async def test_stream_interval_reports_every_k_tokens_and_the_end(loaded) -> None:
+    params = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    (ref,) = _llm(loaded).generate([PROMPTS[1]], SamplingParams(**params))
+    async with _async_engine(loaded) as engine:
+        outs, text = await _collect(engine, PROMPTS[1], SamplingParams(**params, stream_interval=4))
+    assert [len(o.outputs[0].delta_token_ids) for o in outs] == [4, 4, 2]  # the rest with the end
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == ref.outputs[0].token_ids
+    assert text == ref.outputs[0].text and outs[-1].finished
+    # A stop string ends the request between reports: the end is reported at once.
+    stop = ref.outputs[0].text[-3:]
+    async with _async_engine(loaded) as engine:
+        outs, _ = await _collect(engine, PROMPTS[1], SamplingParams(**params, stream_interval=100, stop=[stop]))
+    assert len(outs) == 1 and outs[0].finished and outs[0].outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="stream_interval"):
+        SamplingParams(stream_interval=0)
