@@ -152,7 +152,7 @@ def test_windows_of_many_streams_decode_as_one_padded_batch(model_dir: Path) -> 
         np.testing.assert_allclose(got, decode_windows(ar.codec, [w])[0], atol=1e-5)
 
 
-def test_codec_batcher_decodes_windows_submitted_together_in_one_call(model_dir: Path) -> None:
+def test_codec_batcher_takes_every_window_waiting_when_its_decode_starts(model_dir: Path) -> None:
     ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=16)
     rng = np.random.default_rng(2)
     windows = [
@@ -161,15 +161,23 @@ def test_codec_batcher_decodes_windows_submitted_together_in_one_call(model_dir:
     ]
     runs: list[int] = []
 
-    async def run(fn):  # stands in for AsyncEngine.call_between_steps
-        runs.append(1)
-        return fn()
-
-    batcher = CodecBatcher(ar.codec, run)
-
     async def go() -> list[np.ndarray]:
-        return await asyncio.gather(*(batcher.decode(w) for w in windows))
+        step_done = asyncio.Event()
 
+        async def run(fn):  # stands in for AsyncEngine.call_between_steps: runs after the step
+            runs.append(1)
+            await step_done.wait()
+            return fn()
+
+        batcher.__init__(ar.codec, run)
+        first = asyncio.ensure_future(batcher.decode(windows[0]))
+        await asyncio.sleep(0.01)  # the other streams wake in later loop iterations
+        rest = [asyncio.ensure_future(batcher.decode(w)) for w in windows[1:]]
+        await asyncio.sleep(0.01)
+        step_done.set()
+        return list(await asyncio.gather(first, *rest))
+
+    batcher = CodecBatcher.__new__(CodecBatcher)
     got = asyncio.run(go())
     assert runs == [1] and (batcher.batches, batcher.windows) == (1, 3)
     for w, audio in zip(windows, got, strict=True):
@@ -262,9 +270,22 @@ def test_concurrent_streams_share_codec_batches_and_equal_their_audio_alone(
 
     expected = asyncio.run(alone())
     before = (ar.codec_batcher.batches, ar.codec_batcher.windows)
-    got = asyncio.run(together())
+    shapes: set[tuple[int, ...]] = set()
+    decode = ar.codec.decode
+
+    def recording(audio_codes: torch.Tensor):  # noqa: ANN202 - the codec's own output type
+        shapes.add(tuple(audio_codes.shape))
+        return decode(audio_codes=audio_codes)
+
+    ar.codec.decode = recording
+    try:
+        got = asyncio.run(together())
+    finally:
+        del ar.codec.decode
     batches, windows = ar.codec_batcher.batches - before[0], ar.codec_batcher.windows - before[1]
-    assert batches < windows  # windows of different requests went through the codec together
+    # Requests that start in one step come due in one step: their windows share every decode.
+    assert windows == len(reqs) * batches and max(s[0] for s in shapes) == len(reqs)
+    assert shapes <= set(ar.codec_shapes(len(reqs)))  # the shapes the engine sets up at start
     for a, b in zip(got, expected, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-5)

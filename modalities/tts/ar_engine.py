@@ -8,12 +8,14 @@ piece stops at ``<|audio_end|>`` or ``max_frames``. Codec tokens are turned into
 model's transformers codec (DAC) as they arrive (``modalities.tts.codec_stream``): a window every
 ``decode_every`` frames (the first after ``first_every``) with the decoder's receptive field as
 context, so the streamed audio equals one decode of all frames; the windows of all concurrent
-requests are decoded in batches on one codec thread.
+requests are decoded in batches between engine steps. The engine reports a request's progress
+only at the frame counts where a window may come due (``stream_interval``), not per token.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -83,13 +85,21 @@ class ARTTSEngine:
         decode_every: int = 8,
         name: str | None = None,
         first_every: int | None = None,
+        warm_up_batch: int = 8,
     ) -> None:
         self.engine = engine
         self.codec = codec
         self.layout = layout
         self.max_frames = max_frames
         self.decode_every = decode_every
-        self.first_every = first_every or decode_every
+        # By default the first window is cut so that it, and so every later one, comes due at a
+        # multiple of decode_every frames: the engine then reports progress once per window.
+        ctx = layout.context_frames
+        aligned = -ctx % decode_every
+        self.first_every = first_every or (aligned if 2 * aligned >= decode_every else aligned + decode_every)
+        self.stream_interval = layout.num_codebooks * math.gcd(ctx + self.first_every, decode_every)
+        self.warm_up_batch = warm_up_batch  # codec shapes set up at start (see codec_shapes)
+        self._warm = False
         # The codec decode runs between the engine's steps, batched across requests: on a few
         # cores, a decode running beside the step slowed both (two thread teams on the same cores).
         self.codec_batcher = CodecBatcher(codec, getattr(engine, "call_between_steps", None))
@@ -121,6 +131,24 @@ class ARTTSEngine:
 
     async def start(self) -> None:
         await self.engine.start()
+        if self.warm_up_batch and not self._warm:
+            self._warm = True
+            await self.codec_batcher.warm_up(self.codec_shapes(self.warm_up_batch))
+
+    def codec_shapes(self, max_batch: int) -> list[tuple[int, int, int]]:
+        """The codec input shapes streaming produces up to ``max_batch`` concurrent windows: the
+        first and the steady window (batched, padded to the widest), and every width a piece's
+        last window (decoded alone) can have."""
+        q, ctx = self.layout.num_codebooks, self.layout.context_frames
+        widths, emitted, frames = [], 0, ctx + self.first_every
+        while True:  # windows until one starts past frame 0: all later ones have its width
+            start = max(0, emitted - ctx)
+            widths.append(frames - start)
+            if start > 0:
+                break
+            emitted, frames = frames - ctx, frames + self.decode_every
+        batched = [(b, q, w) for b in range(2, max_batch + 1) for w in widths]
+        return [(1, q, w) for w in range(1, max(widths) + 1)] + batched
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
@@ -146,6 +174,7 @@ class ARTTSEngine:
             stop_token_ids=[self.layout.audio_end_id],
             ignore_eos=True,  # the text EOS is not a codec token; only <|audio_end|> ends audio
             detokenize=False,  # codec tokens have no text: skip the per-token decode
+            stream_interval=self.stream_interval,  # woken when a window may be due, not per token
         )
 
     async def _piece(self, text: str, voice: str) -> AsyncIterator[np.ndarray]:

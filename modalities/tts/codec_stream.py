@@ -3,13 +3,14 @@
 ``StreamingCodecDecoder`` keeps one stream's frames and says which window of them is due for
 decoding (every ``decode_every`` frames, with ``context_frames`` of context on both sides: the
 decoder's measured receptive field), so the streamed audio equals one decode of all frames.
-``CodecBatcher`` decodes the due windows of every stream of an engine: windows due at the same
-time run as one batch (one call instead of one per stream), between the engine's steps.
+``CodecBatcher`` decodes the due windows of every stream of an engine: windows waiting when a
+decode starts run as one batch (one call instead of one per stream), between the engine's steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,8 +111,9 @@ Runner = Callable[[Callable[[], list[np.ndarray]]], Awaitable[list[np.ndarray]]]
 
 
 class CodecBatcher:
-    """Decodes ``CodecWindow``s for any number of streams: the windows submitted in one event-loop
-    iteration (the streams one engine step woke) go to ``run`` as one ``decode_windows`` call.
+    """Decodes ``CodecWindow``s for any number of streams in batches: a decode call takes every
+    window submitted (on its event loop) by the time it starts, so the windows of all the streams
+    one engine step woke go together even when the loop wakes them over several iterations.
     ``run`` is where the decode executes: ``AsyncEngine.call_between_steps`` makes it take turns
     with the engine's step on the engine thread (no second team of torch threads fighting the
     step for the cores); the default is a worker thread (``asyncio.to_thread``)."""
@@ -119,37 +121,59 @@ class CodecBatcher:
     def __init__(self, codec: Any, run: Runner | None = None) -> None:
         self.codec = codec
         self._run: Runner = run or asyncio.to_thread
-        self._pending: dict[asyncio.AbstractEventLoop, list[_Job]] = {}  # per loop: flushed by it
+        self._lock = threading.Lock()  # the queues are taken on the thread that decodes
+        self._queued: dict[asyncio.AbstractEventLoop, list[_Job]] = {}  # per loop: resolved by it
         self._tasks: set[asyncio.Task[None]] = set()
         self.batches = 0  # decode calls made
         self.windows = 0  # windows decoded
 
+    async def warm_up(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Decode zero codes of each ``(batch, codebooks, frames)`` shape once. The conv backend
+        sets up each new input shape on first use (oneDNN here: 25-70 ms, 3-8x the decode
+        itself), a cost that otherwise lands on the first requests to produce that shape."""
+        import torch
+
+        def run() -> None:
+            with torch.no_grad():
+                for shape in shapes:
+                    self.codec.decode(audio_codes=torch.zeros(shape, dtype=torch.long))
+
+        await self._run(run)
+
     async def decode(self, window: CodecWindow) -> np.ndarray:
         """The kept samples of ``window`` (see ``decode_windows``)."""
         loop = asyncio.get_running_loop()
-        pending = self._pending.setdefault(loop, [])
-        if not pending:
-            loop.call_soon(self._flush, loop)  # after the other streams woken in this iteration
         job = _Job(window, loop.create_future())
-        pending.append(job)
+        with self._lock:
+            queued = self._queued.setdefault(loop, [])
+            queued.append(job)
+            idle = len(queued) == 1  # else a decode call is already due to take this window
+        if idle:
+            task = loop.create_task(self._decode(loop))
+            self._tasks.add(task)  # a reference, so the task is not collected mid-way
+            task.add_done_callback(self._tasks.discard)
         return await job.future
 
-    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        task = loop.create_task(self._decode(self._pending.pop(loop)))
-        self._tasks.add(task)  # a reference, so the task is not collected mid-way
-        task.add_done_callback(self._tasks.discard)
+    def _take(self, loop: asyncio.AbstractEventLoop) -> list[_Job]:
+        with self._lock:
+            return self._queued.pop(loop, [])
 
-    async def _decode(self, jobs: list[_Job]) -> None:
-        jobs = [j for j in jobs if not j.future.done()]  # cancelled streams
-        if not jobs:
-            return
-        windows = [j.window for j in jobs]
+    async def _decode(self, loop: asyncio.AbstractEventLoop) -> None:
+        def take_and_decode() -> tuple[list[_Job], list[Any]]:
+            jobs = [j for j in self._take(loop) if not j.future.cancelled()]
+            try:
+                return jobs, decode_windows(self.codec, [j.window for j in jobs]) if jobs else []
+            except Exception as exc:  # noqa: BLE001 - every waiter gets the error
+                return jobs, [exc] * len(jobs)
+
         try:
-            results: list[Any] = await self._run(lambda: decode_windows(self.codec, windows))
-        except Exception as exc:  # noqa: BLE001 - every waiter gets the error
+            jobs, results = await self._run(take_and_decode)
+        except Exception as exc:  # noqa: BLE001 - the call never ran (a dead engine): fail its waiters
+            jobs = self._take(loop)
             results = [exc] * len(jobs)
-        self.batches += 1
-        self.windows += len(jobs)
+        if jobs:
+            self.batches += 1
+            self.windows += len(jobs)
         for job, result in zip(jobs, results, strict=True):
             if job.future.done():
                 continue
