@@ -18,6 +18,7 @@ model) on real synthetic speech (Piper and eSpeak NG voices):
 from __future__ import annotations
 
 import asyncio
+import difflib
 import functools
 import gc
 from collections.abc import Iterator
@@ -111,7 +112,10 @@ async def test_long_span_is_split_with_overlap_and_stitched(engine: AsrEngine) -
     assert transcript.segments[1].start < transcript.segments[0].end  # the windows overlap
     ref, hyp = normalize_text(" ".join(SENTENCES)).split(), normalize_text(transcript.text).split()
     assert _wer(SENTENCES, transcript.text) <= 0.05, transcript.text
-    assert abs(len(hyp) - len(ref)) <= 2  # nothing lost or doubled at the cut
+    # Nothing lost or doubled at the cut: no run of words missing or repeated (tiny.en's own
+    # slips, "sea shells" -> "seashells", change the count by one word at a time).
+    edits = difflib.SequenceMatcher(a=ref, b=hyp, autojunk=False).get_opcodes()
+    assert max(abs((i2 - i1) - (j2 - j1)) for _, i1, i2, j1, j2 in edits) <= 1, edits
 
 
 async def test_stream_deltas_build_the_final_text(engine: AsrEngine) -> None:

@@ -156,12 +156,13 @@ def test_stretched_real_speech_keeps_pitch_voice_and_words(speed: float) -> None
     assert voiced_out > 0.75 * voiced_in, (voiced_in, voiced_out)
     assert np.sqrt((stretched**2).mean()) > 0.95 * np.sqrt((audio**2).mean())
 
-    async def transcribe() -> str:
+    async def transcribe() -> list[str]:
         engine = AsrEngine(load_whisper("tiny.en"))
         try:
-            return (await engine.run(TranscriptionRequest(stretched, vad=False))).text
+            return [(await engine.run(TranscriptionRequest(a, vad=False))).text for a in (audio, stretched)]
         finally:
             await engine.shutdown()
 
-    wer = word_error_rate([" ".join(SENTENCES[:4])], [asyncio.run(transcribe())])
-    assert wer <= 0.1, wer
+    # Against tiny.en's own errors on the unstretched clips (2 of 35 words here): at most 3 more.
+    base, wer = (word_error_rate([" ".join(SENTENCES[:4])], [t]) for t in asyncio.run(transcribe()))
+    assert wer <= base + 0.1, (base, wer)
