@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from modalities.asr.convert import convert_whisper_ct2, read_ct2_model
-from modalities.asr.longform import Window, plan_windows, stitch
+from modalities.asr.longform import Window, plan_windows, stitched_texts
 from modalities.asr.model import _packaged_sources, load_whisper
 
 
@@ -75,8 +75,11 @@ def test_plan_windows_packs_and_splits() -> None:
 
 
 def test_stitch_removes_the_overlap_once() -> None:
+    def stitch(prev: str, nxt: str) -> list[str]:  # two windows, the second starting inside the first
+        return stitched_texts([Window(0.0, 30.0), Window(28.0, 40.0, overlaps_prev=True)], [prev, nxt])
+
     prev = "the children played in the park until it got da"
     nxt = "until it got dark. Can you tell me"
-    assert stitch(prev, nxt) == ("the children played in the park", "until it got dark. Can you tell me")
-    assert stitch("hello there", "general kenobi") == ("hello there", "general kenobi")  # nothing shared
-    assert stitch("", "words") == ("", "words")
+    assert stitch(prev, nxt) == ["the children played in the park", "until it got dark. Can you tell me"]
+    assert stitch("hello there", "general kenobi") == ["hello there", "general kenobi"]  # nothing shared
+    assert stitch("", "words") == ["", "words"]

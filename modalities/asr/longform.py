@@ -5,7 +5,7 @@
 end, so timestamps map back by an offset). A single span longer than a window is cut into
 windows that overlap by ``overlap_s``, each cut placed at the quietest 20 ms inside the last
 ``search_s`` seconds, so a cut rarely lands inside a word and any word it does split is heard
-whole by the next window. ``stitch`` drops the words the overlap made both windows transcribe,
+whole by the next window. ``stitched_spans`` drops the words the overlap made both windows transcribe,
 by aligning the end of one text with the start of the next.
 """
 
@@ -94,7 +94,9 @@ def _norm(word: str) -> str:
 
 def _overlap_cut(a: list[str], b: list[str], tail_words: int, min_match: int) -> tuple[int, int] | None:
     """Where two overlapping windows' words meet: ``(words of a kept, words of b dropped)``, or
-    None when they share no run of ``min_match`` words near a's end and b's start."""
+    None when they share no run of ``min_match`` words near a's end and b's start. The words both
+    transcribed are kept from ``b``, which heard them whole; anything ``a`` said after them (a
+    word cut at the window's end) is dropped."""
     if not a or not b:
         return None
     ta = len(a) - min(tail_words, len(a))
@@ -106,21 +108,9 @@ def _overlap_cut(a: list[str], b: list[str], tail_words: int, min_match: int) ->
     return ta + match.a, match.b
 
 
-def stitch(prev: str, nxt: str, tail_words: int = _TAIL_WORDS, min_match: int = _MIN_MATCH) -> tuple[str, str]:
-    """Resolve the overlap between two consecutive overlapping window texts: returns ``(prev',
-    nxt')`` where the words both transcribed appear once (kept from ``nxt``, which heard them
-    whole) and anything ``prev`` said after them (a word cut at the window end) is dropped. With
-    no common words, both are returned unchanged."""
-    a, b = prev.split(), nxt.split()
-    cut = _overlap_cut(a, b, tail_words, min_match)
-    if cut is None:
-        return prev, nxt
-    return " ".join(a[: cut[0]]), " ".join(b[cut[1] :])
-
-
 def stitched_spans(windows: list[Window], texts: list[str]) -> list[tuple[int, int]]:
     """Per window, the ``[first, last)`` range of its words (``text.split()``) that the transcript
-    keeps once the overlap between consecutive split windows is removed (as ``stitch`` does)."""
+    keeps once the overlap between consecutive split windows is removed (``_overlap_cut``)."""
     words = [t.split() for t in texts]
     spans = [(0, len(w)) for w in words]
     for i in range(1, len(windows)):
