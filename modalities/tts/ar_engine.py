@@ -136,17 +136,19 @@ class ARTTSEngine:
             await self.codec_batcher.warm_up(self.codec_shapes(self.warm_up_batch))
 
     def codec_shapes(self, max_batch: int) -> list[tuple[int, int, int]]:
-        """The codec input shapes streaming produces up to ``max_batch`` concurrent windows: the
-        first and the steady window (batched, padded to the widest), and every width a piece's
-        last window (decoded alone) can have."""
-        q, ctx = self.layout.num_codebooks, self.layout.context_frames
-        widths, emitted, frames = [], 0, ctx + self.first_every
-        while True:  # windows until one starts past frame 0: all later ones have its width
-            start = max(0, emitted - ctx)
-            widths.append(frames - start)
-            if start > 0:
-                break
-            emitted, frames = frames - ctx, frames + self.decode_every
+        """The codec input shapes streaming produces up to ``max_batch`` concurrent windows: every
+        bounded window width (batched, padded to the widest), read off a ``StreamingCodecDecoder``
+        fed blank frames, and every width a piece's last window (decoded alone) can have."""
+        q = self.layout.num_codebooks
+        decoder = StreamingCodecDecoder(self.codec, self.layout.context_frames, self.decode_every, self.first_every)
+        frame = np.zeros((q, 1), dtype=np.int64)
+        widths: list[int] = []
+        while True:  # windows until one starts past frame 0: every later one has its width
+            window = decoder.take(frame)
+            if window is not None:
+                widths.append(window.codes.shape[1])
+                if widths[-1] < decoder.frames.shape[1]:
+                    break
         batched = [(b, q, w) for b in range(2, max_batch + 1) for w in widths]
         return [(1, q, w) for w in range(1, max(widths) + 1)] + batched
 

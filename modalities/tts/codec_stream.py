@@ -107,7 +107,7 @@ class _Job:
     future: asyncio.Future[np.ndarray]
 
 
-Runner = Callable[[Callable[[], list[np.ndarray]]], Awaitable[list[np.ndarray]]]
+Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a function somewhere, returns its result
 
 
 class CodecBatcher:
