@@ -23,7 +23,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto", "torch" (portable) or "native" (CPU C kernel)
     model_impl: str = "auto"  # "auto": lean Llama-family path where it applies; "hf": transformers modules
     cpu_linear: str = "auto"  # "auto"/"onednn": oneDNN matmuls for fp32 on CPU; "torch": plain F.linear
-    quantization: str | None = None  # e.g. "int8" (weight-only, module swap)
+    # None: the weights as loaded (fp32); "int8": weight-only module swap; "gguf": a .gguf model's
+    # own Q4_1/Q8_0 blocks for decode-sized batches (engine.gguf_blocks); "auto": "gguf" where
+    # that applies (a .gguf model, fp32 on CPU, the lean Llama path), else None.
+    quantization: str | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
     seed: int = 0
 
@@ -38,3 +41,5 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.quantization not in (None, "int8", "gguf", "auto"):
+            raise ValueError(f"quantization must be None, 'int8', 'gguf' or 'auto', got {self.quantization!r}")

@@ -8,6 +8,9 @@ was a third of a step on 2 CPU cores. Other architectures use ``HFCausalLM``.
 With oneDNN, weights are prepacked once into oneDNN's blocked layout: given a plain weight,
 oneDNN reorders it on every call, which doubled the weight traffic of a memory-bound decode
 step (forward 1.35-1.5x faster packed, see docs/BENCHMARKS.md).
+
+Given ``blocks`` (``engine.gguf_blocks.match_blocks``: a GGUF file's own quantized weights, each
+proven equal to its fp32 weight), small batches read those instead (``native.blockq_linear``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from transformers.activations import ACT2FN
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cpu_linear import onednn_available, onednn_linear, prepack_onednn_weight
+from engine.gguf_blocks import BlockWeight, cat_blocks
 from engine.model_adapter import ModelAdapter
 from engine.sampler import VocabSubset
 
@@ -50,19 +54,25 @@ def _cat_bias(*mods: nn.Linear) -> torch.Tensor | None:
 @dataclass
 class _Layer:
     ln_in: torch.Tensor
-    w_qkv: torch.Tensor
+    w_qkv: torch.Tensor | BlockWeight
     b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
+    w_o: torch.Tensor | BlockWeight
     b_o: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     ln_post: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate_up: torch.Tensor | BlockWeight
+    w_down: torch.Tensor | BlockWeight
 
 
 class FastDecoderLM(ModelAdapter):
-    def __init__(self, model: nn.Module, use_onednn: bool = True, prepack: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        use_onednn: bool = True,
+        prepack: bool = True,
+        blocks: dict[str, BlockWeight] | None = None,
+    ) -> None:
         super().__init__()
         cfg = model.config
         base = model.base_model
@@ -80,28 +90,49 @@ class FastDecoderLM(ModelAdapter):
         self.final_norm = base.norm.weight
         lm_head = model.get_output_embeddings().weight
         onednn = use_onednn and onednn_available() and lm_head.dtype == torch.float32
-        self.linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
-        pack = prepack_onednn_weight if onednn and prepack else _same
+        self.dense_linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
+        dense = prepack_onednn_weight if onednn and prepack else _same
+        found = {id(b.dense): b for b in (blocks or {}).values()}
+        if found:
+            from engine.native import blockq_linear_kernel
+
+            found = found if blockq_linear_kernel() is not None else {}
+
+        def pack(*weights: torch.Tensor) -> torch.Tensor | BlockWeight:
+            """The fused weight, prepacked; with its blocks where every part has them."""
+            w = dense(torch.cat(weights) if len(weights) > 1 else weights[0])
+            return cat_blocks([found.get(id(p)) for p in weights], w) if found else w
+
         self._pack = pack
         self.lm_head = pack(lm_head)
-        self._subset_heads: dict[tuple[int, ...], torch.Tensor] = {}  # the lm_head's rows per subset
+        # The lm_head's rows per subset.
+        self._subset_heads: dict[tuple[int, ...], torch.Tensor | BlockWeight] = {}
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append(
                 _Layer(
                     ln_in=layer.input_layernorm.weight,
-                    w_qkv=pack(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                    w_qkv=pack(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                     b_qkv=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
                     w_o=pack(a.o_proj.weight),
                     b_o=a.o_proj.bias,
                     q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                     k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
                     ln_post=layer.post_attention_layernorm.weight,
-                    w_gate_up=pack(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                    w_gate_up=pack(m.gate_proj.weight, m.up_proj.weight),
                     w_down=pack(m.down_proj.weight),
                 )
             )
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, BlockWeight):
+            if x.shape[0] <= w.max_rows:
+                from engine.native import blockq_linear
+
+                return blockq_linear(x, w, b)
+            w = w.dense
+        return self.dense_linear(x, w, b)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm (fp32 statistics); torch's rms_norm gives the same bits in
@@ -151,7 +182,11 @@ class FastDecoderLM(ModelAdapter):
             if len(self._subset_heads) >= 8:
                 self._subset_heads.pop(next(iter(self._subset_heads)))
             weight = self.model.get_output_embeddings().weight
-            head = self._subset_heads[subset.ids] = self._pack(weight[subset.index.to(weight.device)].contiguous())
+            index = subset.index.to(weight.device)
+            head = self._pack(weight[index].contiguous())
+            if isinstance(self.lm_head, BlockWeight):  # the same rows' blocks: same numbers as the full head
+                head = self.lm_head.rows(index, head)
+            self._subset_heads[subset.ids] = head
         return self.linear(hidden, head)
 
 

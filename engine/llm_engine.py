@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 Prompt = str | list[int] | PromptInputs
 
 
+def _gguf_blocks(config: EngineConfig, loaded: LoadedModel, lean: bool) -> dict | None:
+    """The GGUF blocks of ``loaded``'s weights, or None where they cannot serve it."""
+    from engine.gguf_blocks import model_blocks
+    from engine.model_loader import gguf_origin
+
+    origin = gguf_origin(loaded.path)
+    if origin is None or not lean or config.device != "cpu" or config.dtype != "float32":
+        return None
+    return model_blocks(loaded.model, origin)
+
+
 def _eos_ids(loaded: LoadedModel) -> set[int]:
     ids: set[int] = set()
     gen = getattr(loaded.model, "generation_config", None) if loaded.model is not None else None
@@ -61,7 +72,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be at least max_model_len")
         if adapter is None:
-            adapter = self._make_adapter(config, loaded.model)
+            adapter = self._make_adapter(config, loaded)
         self.adapter = adapter
         self.eos_token_ids = _eos_ids(loaded)
         dtype = getattr(torch, config.dtype)
@@ -74,21 +85,35 @@ class LLMEngine:
         self.num_generation_tokens = 0
 
     @staticmethod
-    def _make_adapter(config: EngineConfig, model: torch.nn.Module) -> ModelAdapter:
+    def _make_adapter(config: EngineConfig, loaded: LoadedModel) -> ModelAdapter:
         """The lean Llama-family path where it applies, else transformers' own modules; then the
-        module swaps (quantization, oneDNN linears) the config asks for."""
+        module swaps (quantization, oneDNN linears) the config asks for. ``quantization="gguf"``
+        keeps a GGUF file's own quantized blocks for the lean path's small batches."""
+        model = loaded.model
         onednn = config.cpu_linear == "onednn" or (
             config.cpu_linear == "auto" and config.device == "cpu" and config.dtype == "float32" and onednn_available()
         )
-        if config.model_impl != "hf" and not config.quantization and fast_decoder.supports(model):
+        lean = config.model_impl != "hf" and fast_decoder.supports(model)
+        quant = config.quantization
+        if quant in ("gguf", "auto"):
+            blocks = _gguf_blocks(config, loaded, lean)
+            if blocks is not None:
+                return fast_decoder.FastDecoderLM(model, use_onednn=onednn, blocks=blocks)
+            if quant == "gguf":
+                raise ValueError(
+                    "quantization 'gguf' serves a .gguf model's own blocks: it needs a model loaded from a "
+                    ".gguf file, fp32 on CPU, on the lean Llama-family path"
+                )
+            quant = None
+        if lean and not quant:
             return fast_decoder.FastDecoderLM(model, use_onednn=onednn)
         if config.model_impl == "fast":
             raise ValueError(f"no fast path for model type {model.config.model_type!r} (or with quantization)")
         adapter = HFCausalLM(model)
-        if config.quantization:
+        if quant:
             from engine.quantization import quantize
 
-            quantize(adapter, config.quantization)
+            quantize(adapter, quant)
         if onednn:
             use_onednn_linears(adapter)
         return adapter

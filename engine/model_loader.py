@@ -125,6 +125,15 @@ def resolve_model_path(spec: str) -> Path:
     )
 
 
+def gguf_origin(path: Path) -> Path | None:
+    """The GGUF file that ``convert_gguf`` made directory ``path`` from, if it is still there."""
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return None
+    source = json.loads(meta.read_text()).get("source")
+    return Path(source) if source and Path(source).is_file() else None
+
+
 def served_name(path: Path) -> str:
     meta = path / META_FILE
     if meta.is_file():

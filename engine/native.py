@@ -17,8 +17,12 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.gguf_blocks import BlockWeight
 
 logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
@@ -145,3 +149,37 @@ def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_
         torch.get_num_threads(),
     )
     return out
+
+
+@functools.cache
+def blockq_linear_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C linear on GGUF Q4_1/Q8_0 blocks (AVX2+FMA), or None when it cannot run here."""
+    fn = _load("blockq_linear", _DECODE_FLAGS, ("avx2", "fma"))
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def blockq_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` read from ``w``'s blocks; x: [M, K] fp32 (any rows, made contiguous)."""
+    fn = blockq_linear_kernel()
+    assert fn is not None
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()  # held: the kernel reads its memory
+    n, k = w.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    fn(
+        y.data_ptr(),
+        x.data_ptr(),
+        w.q.data_ptr(),
+        w.d.data_ptr(),
+        None if w.m is None else w.m.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        x.numel() // k,
+        n,
+        k,
+        w.fmt,
+        torch.get_num_threads(),
+    )
+    return y

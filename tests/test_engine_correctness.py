@@ -97,6 +97,29 @@ def test_smollm2_matches_transformers(smollm2_dir) -> None:
     assert stats["after"]["prefix_cache_hits"] > 0
 
 
+def test_smollm2_on_its_gguf_blocks_matches_transformers(smollm2_dir) -> None:
+    """Decode steps read the GGUF file's own Q4_1/Q8_0 blocks (the fp32 weights transformers
+    runs, stored as the file has them); only the summation order differs."""
+    from engine.gguf_blocks import BlockWeight
+
+    prompts = _prompts(49152, seed=4, lengths=[150, 37, 80])
+    max_new = [20, 16, 12, 10, 14]
+    expected = _reference(smollm2_dir, prompts, max_new)
+    engine = LLMEngine(EngineConfig(model=str(smollm2_dir), quantization="gguf", num_kv_blocks=40))
+    layer = engine.adapter.layers[0]
+    assert all(isinstance(w, BlockWeight) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+    params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in max_new]
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == expected
+    # One at a time: every decode step is a one-row batch on the blocks.
+    assert [engine.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params, strict=True)] == expected
+    # Logits of a few columns (allowed_token_ids) read the same head blocks: the same numbers.
+    from engine.sampler import vocab_subset
+
+    hidden, subset = torch.randn(2, 576), vocab_subset((5, 77, 4000, 49151))
+    full = engine.adapter.compute_logits(hidden)
+    assert torch.equal(engine.adapter.compute_logits_for(hidden, subset), full[:, subset.index])
+
+
 def test_portable_torch_backend_matches_transformers(tiny_model_dir) -> None:
     model_dir = tiny_model_dir("qwen2")
     prompts = _prompts(49152, seed=5, lengths=[41, 7, 66])

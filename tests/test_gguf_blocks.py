@@ -1,0 +1,71 @@
+"""A GGUF file's own Q4_1/Q8_0 blocks: the kernel computes the dequantized weight's matmul, every
+served block is proven equal to its fp32 weight, and the engine on them still decodes exactly
+what transformers does on the fp32 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.gguf_blocks import BlockWeight, model_blocks
+from engine.llm_engine import LLMEngine
+from engine.model_loader import smollm2_gguf_path
+from engine.native import blockq_linear, blockq_linear_kernel
+
+needs_kernel = pytest.mark.skipif(blockq_linear_kernel() is None, reason="no AVX2/FMA or no C compiler")
+
+
+def _random_blocks(fmt: int, n: int, k: int, seed: int) -> BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    nb = k // 32
+    if fmt == 1:
+        q = torch.randint(0, 256, (n, nb, 16), generator=g, dtype=torch.uint8)
+        m = -torch.rand(n, nb, generator=g) * 0.05
+    else:
+        q = torch.randint(-127, 128, (n, nb, 32), generator=g, dtype=torch.int8).view(torch.uint8)
+        m = None
+    d = torch.rand(n, nb, generator=g) * 0.01
+    w = BlockWeight(fmt, q, d, m, torch.empty(0))
+    w.dense = w.dequantize()
+    return w
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [0, 1])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_kernel_equals_the_dequantized_matmul(fmt: int, rows: int) -> None:
+    w = _random_blocks(fmt, 200, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(200)
+    torch.testing.assert_close(blockq_linear(x, w, bias), x @ w.dense.T + bias, rtol=1e-5, atol=1e-5)
+    # A row's result does not depend on the rows batched with it.
+    alone = torch.cat([blockq_linear(x[i : i + 1], w) for i in range(rows)])
+    assert torch.equal(alone, blockq_linear(x, w))
+
+
+def test_blocks_are_the_exact_fp32_weights(smollm2_dir) -> None:
+    from engine.model_loader import load_model
+
+    model = load_model(str(smollm2_dir)).model
+    blocks = model_blocks(model, smollm2_gguf_path())
+    linears = [n for n, _ in model.named_parameters() if n.endswith("_proj.weight")]
+    assert sorted(blocks) == sorted([*linears, "lm_head.weight"])  # q/k rows found under llama.cpp's order
+    assert {b.fmt for n, b in blocks.items() if n != "lm_head.weight"} == {1} and blocks["lm_head.weight"].fmt == 0
+    name = "model.layers.3.self_attn.k_proj.weight"
+    assert torch.equal(blocks[name].dequantize(), model.get_parameter(name))
+    # One weight off by one ulp has no exact blocks: it stays fp32.
+    model.get_parameter(name).data[5, 7] = torch.nextafter(model.get_parameter(name)[5, 7], torch.tensor(1.0))
+    assert name not in model_blocks(model, smollm2_gguf_path())
+
+
+def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir) -> None:
+    from engine.fast_decoder import FastDecoderLM
+
+    model_dir = str(tiny_model_dir("llama"))
+    with pytest.raises(ValueError, match="gguf"):
+        LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=16, quantization="gguf"))
+    auto = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=16, quantization="auto")).adapter
+    assert isinstance(auto, FastDecoderLM) and not isinstance(auto.lm_head, BlockWeight)
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(model=model_dir, quantization="int3")
