@@ -51,6 +51,12 @@ def add_online_args(ap: argparse.ArgumentParser, with_workload: bool = True) -> 
         ap.add_argument("--kv-cache-gib", type=float, default=2.0)
         ap.add_argument("--vllm-venv", type=Path, default=None)
         ap.add_argument("--vllm-bind", default=None)
+        ap.add_argument(
+            "--quantization",
+            default="none",
+            choices=["none", "auto", "gguf"],
+            help="a launched mmserve's --quantization (default none: fp32, as vLLM runs it)",
+        )
     ap.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (or use --launch)")
     ap.add_argument("--launch", default=None, help="mmserve, vllm or mmserve,vllm: start each on a free port in turn")
     ap.add_argument("--served-model", default=None, help="model name for requests (default: first of /v1/models)")
@@ -233,7 +239,7 @@ def _run_one(
         threads = args.threads or os.cpu_count() or 1
         cmd, env = server_command(
             name, model_dir, free_port(), threads, args.max_num_seqs, args.max_num_batched_tokens,
-            args.kv_cache_gib, args.vllm_venv or DEFAULT_VLLM_VENV, args.vllm_bind,
+            args.kv_cache_gib, args.vllm_venv or DEFAULT_VLLM_VENV, args.vllm_bind, args.quantization,
         )  # fmt: skip
         server = launch(name, cmd, env, run_dir)
         base_url = server.base_url

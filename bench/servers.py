@@ -58,6 +58,7 @@ def server_command(
     kv_cache_gib: float,
     vllm_venv: Path = DEFAULT_VLLM_VENV,
     vllm_bind: str | None = None,
+    quantization: str = "none",
 ) -> tuple[list[str], dict[str, str]]:
     if name == "mmserve":
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -66,7 +67,7 @@ def server_command(
             sys.executable, "-m", "gateway.cli", "serve", "--llm", str(model), "--host", HOST, "--port", str(port),
             "--only", "llm", "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
             str(max_num_batched_tokens), "--kv-cache-gb", str(kv_cache_gib), "--dtype", "float32",
-            "--log-level", "warning",
+            "--quantization", quantization, "--log-level", "warning",
         ]  # fmt: skip
         return cmd, env
     if name == "vllm":

@@ -1,10 +1,11 @@
 """A/B of engine step time on one machine: ``mmserve bench step``.
 
-Builds two engines on the same loaded weights, one per variant of the lean Llama-family
-forward (``packed``: oneDNN weights prepacked once, the default; ``unpacked``: plain weights that
-oneDNN reorders on every call), feeds both the same batch, then times the prefill and the
-decode steps alternating between them, round by round. Same-run ratios stay meaningful on a
-machine shared with other jobs; absolute times do not.
+Builds one engine per ``--variants`` entry on the same loaded weights, one per variant of the
+lean Llama-family forward (``packed``: oneDNN weights prepacked once, the default; ``unpacked``:
+plain weights that oneDNN reorders on every call; ``gguf``: packed plus the GGUF file's own
+blocks for decode-sized batches, ``quantization="auto"``), feeds each the same batch, then
+times the prefill and the decode steps alternating between them, round by round. Same-run
+ratios stay meaningful on a machine shared with other jobs; absolute times do not.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ import statistics
 import time
 from typing import Any
 
-VARIANTS = ("unpacked", "packed")
+VARIANTS = ("unpacked", "packed", "gguf")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmserve bench step", description=__doc__.splitlines()[0])
     add_batch_args(ap, batch=6, prompt_len=128, steps=10, rounds=5, threads=os.cpu_count() or 1)
+    ap.add_argument("--variants", default="unpacked,packed", help=f"comma list of {', '.join(VARIANTS)}")
     args = ap.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or set(args.variants) - set(VARIANTS):
+        ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
     run_step_ab(args)
     return 0
 
@@ -73,17 +78,23 @@ def prefill(engine: Any) -> None:
 
 def _engines(args: argparse.Namespace) -> dict[str, Any]:
     from engine import fast_decoder
+    from engine.gguf_blocks import model_blocks
     from engine.llm_engine import LLMEngine
-    from engine.model_loader import load_model
+    from engine.model_loader import gguf_origin, load_model
 
     config = engine_config(args)
     loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
     if not fast_decoder.supports(loaded.model):
         raise SystemExit(f"{args.model}: not a Llama-family model, no lean forward to compare")
-    return {
-        name: LLMEngine(config, loaded, adapter=fast_decoder.FastDecoderLM(loaded.model, prepack=name == "packed"))
-        for name in VARIANTS
-    }
+    origin = gguf_origin(loaded.path)
+    if "gguf" in args.variants and origin is None:
+        raise SystemExit(f"{args.model}: not converted from a .gguf file, no blocks to compare")
+
+    def adapter(name: str) -> Any:
+        blocks = model_blocks(loaded.model, origin) if name == "gguf" else None  # type: ignore[arg-type]
+        return fast_decoder.FastDecoderLM(loaded.model, prepack=name != "unpacked", blocks=blocks)
+
+    return {name: LLMEngine(config, loaded, adapter=adapter(name)) for name in args.variants}
 
 
 def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -101,7 +112,8 @@ def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             for _ in range(args.steps):
                 eng.step()
             decode[name].append((time.perf_counter() - t0) / args.steps)
-    base = statistics.median(decode[VARIANTS[0]])
+    first = next(iter(engines))
+    base = statistics.median(decode[first])
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.threads} threads, {args.rounds}x{args.steps} steps")
     out = {}
     for name in engines:
@@ -109,7 +121,7 @@ def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         spread = f"{min(decode[name]) * 1e3:.1f}-{max(decode[name]) * 1e3:.1f}"
         print(
             f"  {name:9s} prefill {prefill_s[name]:6.2f} s   decode median {med * 1e3:7.1f} ms/step "
-            f"(rounds {spread})   speed-up vs {VARIANTS[0]} {base / med:.2f}x"
+            f"(rounds {spread})   speed-up vs {first} {base / med:.2f}x"
         )
         out[name] = {"prefill_s": prefill_s[name], "decode_step_s": med}
     return out

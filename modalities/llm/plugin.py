@@ -25,6 +25,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None)
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "gguf", "int8", "none"],
+        help="auto (default): a .gguf model's own Q4_1/Q8_0 blocks for decode steps on CPU, where that "
+        "applies; none: the dequantized fp32 weights only (what transformers computes)",
+    )
 
 
 def engine_config(args: Any, model: str) -> Any:
@@ -36,6 +43,9 @@ def engine_config(args: Any, model: str) -> Any:
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
+    quant = getattr(args, "quantization", None)
+    if quant is not None:
+        kwargs["quantization"] = None if quant == "none" else quant
     kv_gb = getattr(args, "kv_cache_gb", None)
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(float(kv_gb) * (1 << 30))
