@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.native import blockq_linear_kernel
 from engine.sampling_params import SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma", "mistral", "phi3"]
@@ -97,6 +98,7 @@ def test_smollm2_matches_transformers(smollm2_dir) -> None:
     assert stats["after"]["prefix_cache_hits"] > 0
 
 
+@pytest.mark.skipif(blockq_linear_kernel() is None, reason="no AVX2/FMA or no C compiler: no block kernel")
 def test_smollm2_on_its_gguf_blocks_matches_transformers(smollm2_dir) -> None:
     """Decode steps read the GGUF file's own Q4_1/Q8_0 blocks (the fp32 weights transformers
     runs, stored as the file has them); only the summation order differs."""
