@@ -113,6 +113,7 @@ def match_blocks(gguf: Path, weights: dict[str, torch.Tensor], heads: dict[str, 
                 found[name] = bw if hit is None else bw.rows(hit, w)
                 break
     missing = sorted(set(weights) - set(found))
+    logger.info("%d of %d weights served from %s's own blocks", len(found), len(weights), gguf.name)
     if missing:
         logger.info("%d weights have no exact GGUF blocks and stay fp32: %s", len(missing), missing[:4])
     return found
