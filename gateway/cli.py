@@ -22,7 +22,10 @@ def _comma_list(value: str) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import build_app  # the API engineer's module; imported only when serving
     from gateway.drain import run_server
+    from gateway.logs import configure_logging
 
+    # Before the engines load, so their start-up records (kernels, GGUF blocks) are kept too.
+    configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
     run_server(build_app(args), args)  # JSON logs, graceful drain on SIGTERM
     return 0
 
