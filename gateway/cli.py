@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -26,7 +27,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     # Before the engines load, so their start-up records (kernels, GGUF blocks) are kept too.
     configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
-    run_server(build_app(args), args)  # JSON logs, graceful drain on SIGTERM
+    try:
+        app = build_app(args)
+    except (ValueError, FileNotFoundError) as exc:  # a bad model or option: say which, no traceback
+        logging.getLogger("mmserve.gateway").debug("start-up failed", exc_info=True)
+        print(f"mmserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    run_server(app, args)  # JSON logs, graceful drain on SIGTERM
     return 0
 
 

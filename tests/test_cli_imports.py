@@ -59,3 +59,14 @@ def test_serving_processes_default_openmp_to_short_active_waits_unless_the_user_
     assert outs[0]["peer"] == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}  # a benchmarked peer keeps its own
     assert outs[1]["ours"]["OMP_WAIT_POLICY"] == "passive"  # the user's choice wins, for the peer too
     assert outs[1]["peer"] == {"OMP_WAIT_POLICY": "passive", "GOMP_SPINCOUNT": None}
+
+
+def test_serve_with_a_bad_model_says_why_and_exits_2(tmp_path: Path) -> None:
+    """A start-up error in the user's options is one line on stderr and exit status 2, not a traceback."""
+    root = Path(__file__).resolve().parents[1]
+    missing = tmp_path / "no-such-model"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--only", "llm", "--llm", str(missing), "--port", "0"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"mmserve serve: error: model '{missing}'" in proc.stderr
+    assert "Traceback" not in proc.stderr
