@@ -33,7 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("mmserve.gateway").debug("start-up failed", exc_info=True)
         print(f"mmserve serve: error: {exc}", file=sys.stderr)
         return 2
-    run_server(app, args)  # JSON logs, graceful drain on SIGTERM
+    run_server(app, args)  # graceful drain on SIGTERM
     return 0
 
 

@@ -95,11 +95,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(app: Any, args: Any) -> None:
-    """``mmserve serve``: uvicorn with structured logs (``--log-format``), no duplicate access
-    log (``RequestLogMiddleware`` writes one line per request) and the drain above."""
-    from gateway.logs import configure_logging
-
-    configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
+    """``mmserve serve``: uvicorn on the structured logs the caller configured (``--log-format``,
+    before the engines loaded), no duplicate access log (``RequestLogMiddleware`` writes one line
+    per request) and the drain above."""
     config = uvicorn.Config(
         app,
         host=args.host,
