@@ -125,20 +125,20 @@ def resolve_model_path(spec: str) -> Path:
     )
 
 
+def _source_meta(path: Path) -> dict:
+    """What ``convert_gguf`` recorded in directory ``path`` (empty for any other directory)."""
+    meta = Path(path) / META_FILE
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
 def gguf_origin(path: Path) -> Path | None:
     """The GGUF file that ``convert_gguf`` made directory ``path`` from, if it is still there."""
-    meta = Path(path) / META_FILE
-    if not meta.is_file():
-        return None
-    source = json.loads(meta.read_text()).get("source")
+    source = _source_meta(path).get("source")
     return Path(source) if source and Path(source).is_file() else None
 
 
 def served_name(path: Path) -> str:
-    meta = path / META_FILE
-    if meta.is_file():
-        return json.loads(meta.read_text()).get("served_name") or path.name
-    return path.name
+    return _source_meta(path).get("served_name") or path.name
 
 
 def load_model(
