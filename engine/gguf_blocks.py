@@ -66,6 +66,8 @@ def cat_blocks(parts: list[BlockWeight | None], dense: torch.Tensor) -> BlockWei
     if any(p is None for p in parts) or len({p.fmt for p in parts}) != 1:  # type: ignore[union-attr]
         return dense
     ps: list[BlockWeight] = parts  # type: ignore[assignment]
+    if len(ps) == 1:  # nothing to stack: share the blocks instead of copying them
+        return replace(ps[0], dense=dense)
     m = None if ps[0].m is None else torch.cat([p.m for p in ps])  # type: ignore[misc]
     return BlockWeight(ps[0].fmt, torch.cat([p.q for p in ps]), torch.cat([p.d for p in ps]), m, dense)
 
