@@ -81,6 +81,7 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
     from engine.gguf_blocks import model_blocks
     from engine.llm_engine import LLMEngine
     from engine.model_loader import gguf_origin, load_model
+    from engine.native import blockq_linear_kernel
 
     config = engine_config(args)
     loaded = load_model(config.model, config.dtype, config.device, config.max_model_len)
@@ -89,6 +90,8 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
     origin = gguf_origin(loaded.path)
     if "gguf" in args.variants and origin is None:
         raise SystemExit(f"{args.model}: not converted from a .gguf file, no blocks to compare")
+    if "gguf" in args.variants and blockq_linear_kernel() is None:
+        raise SystemExit("the GGUF block kernel cannot run here (needs AVX2/FMA and a C compiler)")
 
     def adapter(name: str) -> Any:
         blocks = model_blocks(loaded.model, origin) if name == "gguf" else None  # type: ignore[arg-type]

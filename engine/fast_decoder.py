@@ -10,7 +10,8 @@ oneDNN reorders it on every call, which doubled the weight traffic of a memory-b
 step (forward 1.35-1.5x faster packed, see docs/BENCHMARKS.md).
 
 Given ``blocks`` (``engine.gguf_blocks.match_blocks``: a GGUF file's own quantized weights, each
-proven equal to its fp32 weight), small batches read those instead (``native.blockq_linear``).
+proven equal to its fp32 weight), small batches read those instead (``native.blockq_linear``;
+the caller passes blocks only where ``native.blockq_linear_kernel()`` runs).
 """
 
 from __future__ import annotations
@@ -93,10 +94,6 @@ class FastDecoderLM(ModelAdapter):
         self.dense_linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
         dense = prepack_onednn_weight if onednn and prepack else _same
         found = {id(b.dense): b for b in (blocks or {}).values()}
-        if found:
-            from engine.native import blockq_linear_kernel
-
-            found = found if blockq_linear_kernel() is not None else {}
 
         def pack(*weights: torch.Tensor) -> torch.Tensor | BlockWeight:
             """The fused weight, prepacked; with its blocks where every part has them."""

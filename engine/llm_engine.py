@@ -29,14 +29,16 @@ Prompt = str | list[int] | PromptInputs
 
 
 def _gguf_blocks(config: EngineConfig, loaded: LoadedModel, lean: bool) -> dict | None:
-    """The GGUF blocks of ``loaded``'s weights, or None where they cannot serve it."""
+    """The GGUF blocks of ``loaded``'s weights, or None where they cannot serve it; none (an
+    empty dict: fp32 only) where the block kernel cannot run here, found before reading the file."""
     from engine.gguf_blocks import model_blocks
     from engine.model_loader import gguf_origin
+    from engine.native import blockq_linear_kernel
 
     origin = gguf_origin(loaded.path)
     if origin is None or not lean or config.device != "cpu" or config.dtype != "float32":
         return None
-    return model_blocks(loaded.model, origin)
+    return model_blocks(loaded.model, origin) if blockq_linear_kernel() is not None else {}
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:
