@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, Prompt
+from engine.openmp import release_thread_team
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -203,6 +204,8 @@ class AsyncEngine:
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
+                if block:  # idle: leave the OpenMP threads to the busy ones (engine.openmp)
+                    release_thread_team()
                 try:
                     cmd = self._commands.get(block=block, timeout=None if block else 0)
                     while True:

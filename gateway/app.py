@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from engine.openmp import release_thread_team
 from gateway.auth import KeyStore, auth_dependency, keystore_from_args
 from gateway.drain import InFlight, InFlightMiddleware
 from gateway.errors import install_error_handlers, model_not_found
@@ -150,6 +151,7 @@ def create_app(
                     await engine.start()
                 started.append(engine)
                 logger.info("engine %s started", name)
+            release_thread_team()  # loading's OpenMP team: the engines' threads compute from here
             app.state.ready = True
             yield
         finally:

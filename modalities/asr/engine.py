@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from engine import openmp
 from modalities.asr.alignment import WordAligner, transcript_words
 from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
 from modalities.asr.model import WhisperModel, load_whisper
@@ -173,7 +174,7 @@ class AsrEngine:
         if not live:
             return
         try:
-            outs = await asyncio.to_thread(self._run_encoder, [a for a, _ in live])
+            outs = await openmp.to_thread(self._run_encoder, [a for a, _ in live])
         except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
             for _, f in live:
                 if not f.done():
@@ -277,7 +278,7 @@ class AsrEngine:
                 break
             self.num_fallback_decodes += 1
         if words and not res.silent:
-            res.words = await asyncio.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
+            res.words = await openmp.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
         yield ("" if res.silent else res.text), res
 
     def _align(self, enc: Any, prompt_ids: list[int], tokens: list[int], num_samples: int) -> list[Word]:

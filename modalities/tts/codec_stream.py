@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from engine import openmp
+
 
 @dataclass(frozen=True)
 class CodecWindow:
@@ -116,11 +118,11 @@ class CodecBatcher:
     one engine step woke go together even when the loop wakes them over several iterations.
     ``run`` is where the decode executes: ``AsyncEngine.call_between_steps`` makes it take turns
     with the engine's step on the engine thread (no second team of torch threads fighting the
-    step for the cores); the default is a worker thread (``asyncio.to_thread``)."""
+    step for the cores); the default is a worker thread (``engine.openmp.to_thread``)."""
 
     def __init__(self, codec: Any, run: Runner | None = None) -> None:
         self.codec = codec
-        self._run: Runner = run or asyncio.to_thread
+        self._run: Runner = run or openmp.to_thread
         self._lock = threading.Lock()  # the queues are taken on the thread that decodes
         self._queued: dict[asyncio.AbstractEventLoop, list[_Job]] = {}  # per loop: resolved by it
         self._tasks: set[asyncio.Task[None]] = set()
