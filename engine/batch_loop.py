@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from engine.errors import EngineDeadError
+from engine.openmp import release_thread_team
 
 logger = logging.getLogger("mmserve.engine")
 
@@ -38,6 +39,8 @@ class BatchLoop:
     def _serve_batches(self) -> None:
         try:
             while True:
+                if not self._pending:  # idle (an unlocked peek: a hint only)
+                    release_thread_team()  # leave the OpenMP threads to the busy ones (engine.openmp)
                 with self._cond:
                     while not self._pending and not self._stopping:
                         self._cond.wait()
