@@ -9,6 +9,7 @@ Audio is mono float32 at 16 kHz.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,6 +80,11 @@ class VadParams:
     min_speech_ms: int = 150  # shorter bursts are noise
     min_silence_ms: int = 400  # this much non-speech ends a segment
     pad_ms: int = 150  # context kept before/after each segment
+    # Frames quieter than this (RMS, dB full scale) are never speech. webrtcvad keeps calling
+    # ~130 ms of near-silence after speech "speech" (its hangover); on clean audio (a headset,
+    # a browser's noise suppression) a floor ends the turn that much sooner. Where the noise is
+    # louder than the floor, it changes nothing. None: the classifier alone.
+    floor_dbfs: float | None = None
 
 
 @dataclass
@@ -116,9 +122,13 @@ class VadStream:
         n = self.classifier.frame_samples  # type: ignore[attr-defined]
         self._buf = np.concatenate([self._buf, np.asarray(samples, dtype=np.float32)])
         events: list[VadEvent] = []
+        floor = self.params.floor_dbfs
         while len(self._buf) >= n:
             frame, self._buf = self._buf[:n], self._buf[n:]
-            self._step(self.classifier(frame) >= self.params.threshold, events)
+            speech = self.classifier(frame) >= self.params.threshold  # always run: Silero has state
+            if speech and floor is not None:
+                speech = 10 * math.log10(float(np.mean(frame * frame)) + 1e-20) >= floor
+            self._step(speech, events)
         return events
 
     def _step(self, speech: bool, events: list[VadEvent]) -> None:

@@ -109,6 +109,7 @@ class RealtimeSession:
             self.vad_config.silence_duration_ms = int(td["silence_duration_ms"])
             self.vad_config.create_response = bool(td.get("create_response", True))
             self.vad_config.eager_ms = int(td.get("speculative_silence_ms", VADConfig.eager_ms))
+            self.vad_config.floor_dbfs = float(td.get("silence_floor_dbfs", VADConfig.floor_dbfs))
         self.llm_options.temperature = c.temperature
         self.llm_options.max_tokens = (
             256 if c.max_response_output_tokens == "inf" else int(c.max_response_output_tokens)

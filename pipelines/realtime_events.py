@@ -115,7 +115,8 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
         "threshold": (0.0, 1.0),
         "prefix_padding_ms": (0, 5000),
         "silence_duration_ms": (0, 10000),
-        "speculative_silence_ms": (0, 10000),  # mmserve's extension, echoed only once set
+        "speculative_silence_ms": (0, 10000),  # mmserve's extensions, echoed only once set
+        "silence_floor_dbfs": (-120, 0),
     }
     for key, (lo, hi) in limits.items():
         if key in td:

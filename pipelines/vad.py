@@ -28,6 +28,7 @@ class VADConfig:
     # sentence's TTS), unseen by the client until silence_duration_ms commits the turn (0: off).
     eager_ms: int = 150
     backend: Literal["webrtc", "silero"] = "webrtc"
+    floor_dbfs: float = -50.0  # quieter frames are not speech (modalities.vad.VadParams)
 
 
 # OpenAI's input audio buffer limit: 15 MiB of pcm16 at 24 kHz (~328 s), here in 16 kHz samples.
@@ -75,7 +76,7 @@ class VADSegmenter:
         for stream, silence in ((self.stream, c.silence_duration_ms), (self.eager, c.eager_ms)):
             p = stream.params  # type: ignore[union-attr]
             p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
-            p.min_silence_ms, p.pad_ms = silence, c.prefix_padding_ms
+            p.min_silence_ms, p.pad_ms, p.floor_dbfs = silence, c.prefix_padding_ms, c.floor_dbfs
         return self.stream
 
     def _pauses(self, samples: np.ndarray) -> list[VADEvent]:

@@ -390,10 +390,12 @@ async def _voice_turn(url: str, pcm: bytes, max_tokens: int = 24) -> Client:
         c = Client(ws)
         await c.until("session.created")
         td = {"type": "server_vad", "silence_duration_ms": 2000, "speculative_silence_ms": 150}
+        td["silence_floor_dbfs"] = -50
         session = {"temperature": 0, "max_response_output_tokens": max_tokens, "turn_detection": td}
         await c.send("session.update", session=session)
         updated = await c.until("session.updated")
         assert updated["session"]["turn_detection"]["speculative_silence_ms"] == 150
+        assert updated["session"]["turn_detection"]["silence_floor_dbfs"] == -50
         feeder = asyncio.create_task(c.stream(pcm, pace=1.0))
         if max_tokens > 24:
             await c.until("response.audio.delta")

@@ -63,3 +63,23 @@ def test_stream_events_match_offline(recording: tuple[np.ndarray, list[tuple[flo
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="unknown VAD backend"):
         make_classifier("nope")
+
+
+def _stops(audio: np.ndarray, floor: float | None) -> list[float]:
+    stream = VadStream(WebRtcClassifier(), VadParams(min_silence_ms=150, pad_ms=0, floor_dbfs=floor))
+    return [ev.time for ev in stream.push(audio) if ev.kind == "speech_stopped"]
+
+
+def test_level_floor_cuts_the_hangover_on_clean_audio_only(
+    recording: tuple[np.ndarray, list[tuple[float, float]]],
+) -> None:
+    """webrtcvad calls ~0.1 s of silence after speech "speech"; frames under the floor are not.
+    Under noise louder than the floor, the floor changes nothing."""
+    audio, bounds = recording
+    plain, floored = _stops(audio, None), _stops(audio, -50.0)
+    assert len(plain) == len(floored) == len(bounds)
+    for p, f, (a, b) in zip(plain, floored, bounds, strict=True):
+        end = _speech_bounds(audio, a, b)[1]
+        assert end - 0.03 <= f <= p - 0.06, (end, f, p)  # still after the speech, sooner than without
+    noise = np.random.default_rng(0).normal(0, 10 ** (-40 / 20), audio.size).astype(np.float32)  # -40 dBFS
+    assert _stops(audio + noise, -50.0) == _stops(audio + noise, None)
