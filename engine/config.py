@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def check_device(device: str) -> None:
+    """Raise ``ValueError`` unless ``device`` is a CPU or a CUDA GPU this machine has."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda[:N]") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: use cpu or cuda[:N]")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine (or torch build) has {torch.cuda.device_count()} CUDA GPUs")
+
+
 @dataclass
 class EngineConfig:
     model: str  # local HF directory, a .gguf file, or a name resolved by engine.model_loader
@@ -41,5 +55,6 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        check_device(self.device)
         if self.quantization not in (None, "int8", "gguf", "auto"):
             raise ValueError(f"quantization must be None, 'int8', 'gguf' or 'auto', got {self.quantization!r}")

@@ -182,10 +182,12 @@ class Sampler:
         u = torch.empty(len(seqs), dtype=probs.dtype)
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(device=probs.device).manual_seed(seq.params.seed + seq.index)
+                # On the CPU whatever the device: the uniform is drawn there, so a seed gives the
+                # same draws on every device.
+                seq.generator = torch.Generator().manual_seed(seq.params.seed + seq.index)
             u[i] = torch.rand((), generator=seq.generator, dtype=torch.float64).item()
         cdf = probs.cumsum(-1)
         # 1 - u lies in (0, 1]: the first index whose CDF reaches it has a nonzero probability.
-        target = ((1.0 - u) * cdf[:, -1]).to(probs.device)
+        target = (1.0 - u).to(probs.device) * cdf[:, -1]
         picked = torch.searchsorted(cdf, target[:, None]).squeeze(1)
         return picked.clamp_(max=probs.shape[-1] - 1).tolist()

@@ -98,6 +98,23 @@ def test_bad_spec_raises(tmp_path: Path) -> None:
         load_model(DEFAULT_LLM, dtype="int3")
 
 
+def test_bad_device_is_a_clear_error() -> None:
+    """``--device`` / ``--asr-device``: a clear ValueError (one line at ``serve`` start), not
+    torch's RuntimeError from deep inside loading."""
+    from engine.config import EngineConfig
+    from modalities.asr.model import load_whisper
+
+    with pytest.raises(ValueError, match="unknown device"):
+        EngineConfig(model="x", device="gpu0")
+    with pytest.raises(ValueError, match="not supported"):
+        EngineConfig(model="x", device="meta")
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU, on any machine
+    with pytest.raises(ValueError, match="CUDA GPUs"):
+        EngineConfig(model="x", device=missing)
+    with pytest.raises(ValueError, match="CUDA GPUs"):
+        load_whisper(None, device=missing)
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
 
