@@ -105,7 +105,7 @@ def token_boundaries(weights: torch.Tensor, num_frames: int, filter_width: int) 
     w = weights[..., :num_frames].float()
     std, mean = torch.std_mean(w, dim=-2, keepdim=True, unbiased=False)
     w = median_filter((w - mean) / std.clamp_min(1e-8), filter_width)
-    matrix = w.mean(dim=0).double().numpy()
+    matrix = w.mean(dim=0).double().cpu().numpy()
     return dtw_row_starts(-matrix) * FRAME_S
 
 
@@ -196,7 +196,7 @@ class WordAligner:
         queries that predict each token, then end-of-text."""
         import torch
 
-        ids = torch.tensor([[*prompt_ids, *tokens]])
+        ids = torch.tensor([[*prompt_ids, *tokens]], device=enc.device)
         with torch.inference_mode():
             out = self.decoder(
                 input_ids=ids,

@@ -72,12 +72,12 @@ class WhisperDecoderAdapter(ModelAdapter):
         head = model.get_output_embeddings()
         self._head = PrepackedLinear(head) if prepackable(self.lm_head) else None
         suppress = list(getattr(model.generation_config, "suppress_tokens", None) or [])
-        self.suppress = torch.tensor(suppress, dtype=torch.long)
+        self.suppress = torch.tensor(suppress, dtype=torch.long, device=self.lm_head.device)
         self.layers: list[_Layer] = []
         kv_w, kv_b = [], []
         for ly in dec.layers:
             a, c = ly.self_attn, ly.encoder_attn
-            zeros = torch.zeros(a.k_proj.out_features, dtype=a.q_proj.weight.dtype)
+            zeros = a.q_proj.bias.new_zeros(a.k_proj.out_features)
             self.layers.append(
                 _Layer(
                     ln1=ly.self_attn_layer_norm,
@@ -173,8 +173,9 @@ class WhisperDecoderAdapter(ModelAdapter):
         the engine never samples from. One pass for all, so the 51k-row output projection is
         read once, not once per window."""
         starts = [0, *itertools.accumulate(len(p) for p in prompts)]
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+        dev = self.lm_head.device
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(len(p), device=dev) for p in prompts])
 
         def self_attn(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             out = torch.empty_like(q)

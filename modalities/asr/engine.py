@@ -56,6 +56,7 @@ class AsrConfig:
     # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
     # same results up to fp32 summation order. The swap modifies the given model in place.
     prepack_encoder: bool = True
+    device: str = "cpu"  # "cuda" runs the encoder and the engine's decoder on the GPU
 
 
 class AsrEngine:
@@ -95,6 +96,7 @@ class AsrEngine:
             enable_prefix_caching=False,
             attention_backend=self.config.attention_backend,
             num_threads=self.config.num_threads,
+            device=str(model.device),
         )
         loaded = LoadedModel(model, whisper.tokenizer, whisper.path, whisper.name, max_len)
         self.engine = AsyncEngine(LLMEngine(ecfg, loaded, adapter=self.adapter))
@@ -116,7 +118,7 @@ class AsrEngine:
 
     @classmethod
     def from_config(cls, config: AsrConfig) -> AsrEngine:
-        return cls(load_whisper(config.model), config)
+        return cls(load_whisper(config.model, device=config.device), config)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -193,7 +195,7 @@ class AsrEngine:
         sot = self._tok["<|startoftranscript|>"]
         with torch.inference_mode():
             hidden = self.whisper.model.model.encoder(
-                input_features=feats.to(self.whisper.model.dtype)
+                input_features=feats.to(self.whisper.model.device, self.whisper.model.dtype)
             ).last_hidden_state
             outs = [hidden[i].clone() for i in range(len(jobs))]
             # Cross-attention K/V (cached) and Whisper's no-speech probability, read at the

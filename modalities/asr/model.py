@@ -104,6 +104,9 @@ def load_whisper(spec: str | None = None, device: str = "cpu") -> WhisperModel:
     import torch
     from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
+    from engine.config import check_device
+
+    check_device(device)
     path = resolve_asr_path(spec)
     model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     model.to(device).eval().requires_grad_(False)

@@ -35,6 +35,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--asr-vad", default="webrtc", choices=["webrtc", "silero"], help="VAD for long audio")
     g.add_argument("--asr-max-num-seqs", type=int, default=64, help="decoder sequences batched together")
+    g.add_argument("--asr-device", default="cpu", help="where Whisper runs: cpu (default) or cuda")
     g.add_argument(
         "--asr-max-file-mb", type=float, default=DEFAULT_MAX_FILE_MB, help="largest accepted upload (413 above)"
     )
@@ -52,6 +53,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         model=spec,
         vad_backend=getattr(args, "asr_vad", "webrtc"),
         max_num_seqs=getattr(args, "asr_max_num_seqs", 64),
+        device=getattr(args, "asr_device", "cpu"),
         max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
         max_audio_s=getattr(args, "asr_max_audio_s", 3600.0),
     )

@@ -115,9 +115,10 @@ class ARTTSEngine:
         model_dir: str | Path,
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 32,
+        device: str = "cpu",
         **kwargs: Any,
     ) -> ARTTSEngine:
-        """Load the LM with the engine's model loader and the codec from ``DIR/codec``."""
+        """Load the LM with the engine's model loader and the codec from ``DIR/codec``, both on ``device``."""
         from transformers import AutoModel
 
         from engine.async_engine import AsyncEngine
@@ -125,8 +126,8 @@ class ARTTSEngine:
 
         path = Path(model_dir).expanduser()
         layout = ARTTSLayout.load(path)
-        config = EngineConfig(model=str(path), num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
-        codec = AutoModel.from_pretrained(path / layout.codec_dir, local_files_only=True).eval()
+        config = EngineConfig(model=str(path), num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, device=device)
+        codec = AutoModel.from_pretrained(path / layout.codec_dir, local_files_only=True).to(device).eval()
         return cls(AsyncEngine.from_config(config), codec, layout, **kwargs)
 
     async def start(self) -> None:

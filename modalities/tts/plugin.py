@@ -48,6 +48,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tts-ar", default=None, help="an autoregressive TTS model directory (see make-tiny tts-ar)")
     g.add_argument("--tts-ar-kv-blocks", type=int, default=None, help="KV blocks for the AR TTS engine")
     g.add_argument("--tts-ar-max-num-seqs", type=int, default=32)
+    g.add_argument("--tts-ar-device", default="cpu", help="where the AR TTS model and its codec run: cpu or cuda")
 
 
 def build(args: Any, explicit: bool = False) -> Built:
@@ -80,6 +81,7 @@ def build(args: Any, explicit: bool = False) -> Built:
             ar_dir,
             num_kv_blocks=getattr(args, "tts_ar_kv_blocks", None),
             max_num_seqs=getattr(args, "tts_ar_max_num_seqs", 32),
+            device=getattr(args, "tts_ar_device", "cpu"),
         )
         built.engines[ar.model_name] = ar
         logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))
