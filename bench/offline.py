@@ -55,6 +55,9 @@ def add_offline_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument(
+        "--device", default="cpu", help="where mmserve and transformers run (cpu or cuda; vLLM: its build's)"
+    )
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     ap.add_argument(
         "--vllm-bind",
@@ -85,7 +88,7 @@ def _engine_cmd(engine: str, model: Path, workload: Path, out: Path, args: argpa
     return [
         sys.executable, "-m", "bench.runners", engine, *common, *sched,
         "--threads", str(args.threads), "--kv-cache-gib", str(args.kv_cache_gib),
-        "--hf-batch-size", str(args.hf_batch_size),
+        "--hf-batch-size", str(args.hf_batch_size), "--device", args.device,
     ]  # fmt: skip
 
 

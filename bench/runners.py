@@ -44,6 +44,7 @@ def run_mmserve(model: str, reqs: list[BenchRequest], args: argparse.Namespace) 
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         num_threads=args.threads,
+        device=args.device,
     )
     eng = LLMEngine(cfg)
     load_s = time.perf_counter() - t0
@@ -62,14 +63,14 @@ def run_mmserve(model: str, reqs: list[BenchRequest], args: argparse.Namespace) 
 
 
 # -- transformers: static batching -----------------------------------------------------------
-def _load_hf(model: str, attn: str | None = None) -> Any:
+def _load_hf(model: str, device: str, attn: str | None = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     kw: dict[str, Any] = {"dtype": torch.float32}
     if attn:
         kw["attn_implementation"] = attn
-    m = AutoModelForCausalLM.from_pretrained(model, **kw).eval()
+    m = AutoModelForCausalLM.from_pretrained(model, **kw).to(device).eval()
     # ignore EOS: with no eos id, generate() always runs to max_new_tokens (no logits are altered)
     m.generation_config.eos_token_id = None
     m.generation_config.do_sample = False
@@ -100,7 +101,11 @@ def _hf_static_batch(m: Any, batch: list[BenchRequest]) -> tuple[list[list[int]]
     new = max(r.max_tokens for r in batch)
     with torch.inference_mode():
         out = m.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **_hf_sampling(batch[0])
+            input_ids=ids.to(m.device),
+            attention_mask=mask.to(m.device),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            **_hf_sampling(batch[0]),
         )
     gen = out[:, width:].tolist()
     return [g[: r.max_tokens] for g, r in zip(gen, batch, strict=False)], new * len(batch)
@@ -111,7 +116,7 @@ def run_hf_static(model: str, reqs: list[BenchRequest], args: argparse.Namespace
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    m = _load_hf(model)
+    m = _load_hf(model, args.device)
     load_s = time.perf_counter() - t0
     _hf_static_batch(m, _warmup_requests(1000))
     bs = args.hf_batch_size
@@ -128,7 +133,8 @@ def run_hf_static(model: str, reqs: list[BenchRequest], args: argparse.Namespace
     with torch.inference_mode():
         for r in reqs[:SAMPLE_REQUESTS] if reqs[0].temperature == 0 else []:
             k = min(SANITY_TOKENS, r.max_tokens)
-            out = m.generate(input_ids=torch.tensor([r.prompt_token_ids]), max_new_tokens=k, min_new_tokens=k)
+            ids = torch.tensor([r.prompt_token_ids], device=m.device)
+            out = m.generate(input_ids=ids, max_new_tokens=k, min_new_tokens=k)
             ref.append(out[0, len(r.prompt_token_ids) :].tolist())
     return {
         "load_s": load_s,
@@ -147,7 +153,7 @@ def run_hf_cb(model: str, reqs: list[BenchRequest], args: argparse.Namespace) ->
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     t0 = time.perf_counter()
-    m = _load_hf(model, attn=args.hf_cb_attn)
+    m = _load_hf(model, args.device, attn=args.hf_cb_attn)
     load_s = time.perf_counter() - t0
     gen_cfg = m.generation_config
     gen_cfg.eos_token_id = -1  # continuous batching uses -1 for "no EOS"
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--hf-cb-attn", default=None, help="default: let continuous batching pick (paged|sdpa)")
     args = ap.parse_args(argv)
     _setup_threads(args.threads)
