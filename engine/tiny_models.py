@@ -1,7 +1,8 @@
 """Tiny random causal LMs of several families, deterministic per seed, for fast exact tests.
 
 Every model uses the SmolLM2 tokenizer (vocab 49152, ChatML chat template) so it tokenizes
-real text, has 4 query heads / 2 KV heads (GQA) of head_dim 32, and weights drawn from
+real text (``MMSERVE_TINY_TOKENIZER`` names another tokenizer directory, e.g. where the SmolLM2
+package is not installed), has 4 query heads / 2 KV heads (GQA) of head_dim 32, and weights drawn from
 N(0, 0.2) so greedy argmax is far from ties (tests compare tokens exactly with
 ``transformers.generate``). Same arch + seed gives byte-identical safetensors.
 """
@@ -37,7 +38,8 @@ _COMMON = dict(
 
 
 def _tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_LLM), local_files_only=True)
+    path = os.environ.get("MMSERVE_TINY_TOKENIZER") or resolve_model_path(DEFAULT_LLM)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def _reinit_(model: torch.nn.Module, seed: int) -> None:

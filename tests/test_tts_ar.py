@@ -33,11 +33,15 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> dict[str, list[list[int]]]:
+    return reference_tokens(model_dir)
+
+
+def reference_tokens(model_dir: Path, device: str = "cpu") -> dict[str, list[list[int]]]:
     """transformers ``generate()`` (greedy, same codec-only constraint) on the same directory."""
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     ar = ARTTSEngine.from_dir(model_dir, num_kv_blocks=64)
-    allowed = torch.tensor(ar.sampling_params().allowed_token_ids)
+    allowed = torch.tensor(ar.sampling_params().allowed_token_ids, device=device)
 
     class OnlyAllowed(LogitsProcessor):
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -45,10 +49,10 @@ def reference(model_dir: Path) -> dict[str, list[list[int]]]:
             out[:, allowed] = scores[:, allowed]
             return out
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     tts = []
     for text, voice in TEXTS:
-        ids = torch.tensor([ar.prompt_ids(text, voice)])
+        ids = torch.tensor([ar.prompt_ids(text, voice)], device=device)
         gen = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -59,7 +63,7 @@ def reference(model_dir: Path) -> dict[str, list[list[int]]]:
         )
         tts.append(gen[0, ids.shape[1] :].tolist())
     text_ids = ar.tokenizer("Once upon a time", add_special_tokens=False).input_ids
-    ids = torch.tensor([text_ids])
+    ids = torch.tensor([text_ids], device=device)
     llm = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     return {"tts": tts, "llm": [llm[0, ids.shape[1] :].tolist()], "llm_prompt": [text_ids]}
 
