@@ -54,12 +54,17 @@ def _pristine() -> Any:
 
 
 def _reference_tokens(engine: AsrEngine, audio: np.ndarray, prompt_ids: list[int]) -> list[int]:
-    w = _pristine()
-    feats = w.feature_extractor(audio, sampling_rate=RATE, return_tensors="pt").input_features
+    return generate_tokens(_pristine(), audio, prompt_ids, engine.config.max_new_tokens)
+
+
+def generate_tokens(w: Any, audio: np.ndarray, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers ``generate()`` of Whisper ``w`` (a ``WhisperModel``, on its own device):
+    the tokens after the prompt, eos excluded."""
+    dev = w.model.device
+    feats = w.feature_extractor(audio, sampling_rate=RATE, return_tensors="pt").input_features.to(dev)
     with torch.inference_mode():
-        out = w.model.generate(
-            feats, decoder_input_ids=torch.tensor([prompt_ids]), max_new_tokens=engine.config.max_new_tokens
-        )[0].tolist()
+        ids = torch.tensor([prompt_ids], device=dev)
+        out = w.model.generate(feats, decoder_input_ids=ids, max_new_tokens=max_new_tokens)[0].tolist()
     # Depending on the inputs, generate() may echo the prompt (or all but its first token) first.
     for head in (prompt_ids, prompt_ids[1:]):
         if out[: len(head)] == head:

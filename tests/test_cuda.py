@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_engine_correctness import _prompts
+from tests.test_engine_correctness import _prompts, _reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,19 +35,6 @@ def _fp32_means_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _reference_on_cuda(model_dir: Path, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(CUDA).eval()
-    outs = []
-    with torch.inference_mode():
-        for p, k in zip(prompts, max_new, strict=True):
-            ids = torch.tensor([p], device=CUDA)
-            gen = ref.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
 def test_engine_on_cuda_matches_transformers(tiny_model_dir, arch: str) -> None:
     from engine.config import EngineConfig
@@ -57,7 +44,7 @@ def test_engine_on_cuda_matches_transformers(tiny_model_dir, arch: str) -> None:
     model_dir = tiny_model_dir(arch)
     prompts = _prompts(49152, seed=3, lengths=[57, 5, 130, 33, 91])
     max_new = [24, 31, 9, 40, 17, 12, 20]
-    expected = _reference_on_cuda(model_dir, prompts, max_new)
+    expected = _reference(model_dir, prompts, max_new, CUDA)
     config = EngineConfig(
         model=str(model_dir), device=CUDA, max_num_batched_tokens=48, block_size=16, num_kv_blocks=200
     )
@@ -103,6 +90,7 @@ def _random_whisper(out: Path) -> Path:
 async def test_whisper_on_cuda_matches_generate(tmp_path: Path) -> None:
     from modalities.asr.engine import RATE, AsrConfig, AsrEngine, TranscriptionRequest
     from modalities.asr.model import load_whisper
+    from tests.test_asr import generate_tokens
 
     path = _random_whisper(tmp_path / "whisper")
     engine = AsrEngine(load_whisper(str(path), device=CUDA), AsrConfig(max_encoder_batch=4, max_new_tokens=48))
@@ -123,19 +111,9 @@ async def test_whisper_on_cuda_matches_generate(tmp_path: Path) -> None:
         await engine.shutdown()
     assert transcript.words is not None and len(transcript.words) == len(transcript.text.split())
     assert all(0 <= w.start <= w.end <= transcript.duration for w in transcript.words)
-    eos = reference.model.generation_config.eos_token_id
     for clip, tokens in zip(clips, got, strict=True):
-        feats = reference.feature_extractor(clip, sampling_rate=RATE, return_tensors="pt").input_features.to(CUDA)
-        with torch.inference_mode():
-            out = reference.model.generate(
-                feats, decoder_input_ids=torch.tensor([prompt], device=CUDA), max_new_tokens=48
-            )[0].tolist()
-        for head in (prompt, prompt[1:]):  # generate() may echo the prompt (or all but its first token)
-            if out[: len(head)] == head:
-                out = out[len(head) :]
-                break
         assert len(tokens) > 5
-        assert tokens == [x for x in out if x != eos]
+        assert tokens == generate_tokens(reference, clip, prompt, 48)
 
 
 async def test_ar_tts_on_cuda_matches_generate_and_streams() -> None:

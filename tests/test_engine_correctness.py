@@ -25,12 +25,13 @@ def _prompts(vocab: int, seed: int, lengths: list[int]) -> list[list[int]]:
     return prompts
 
 
-def _reference(model_dir, prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _reference(model_dir, prompts: list[list[int]], max_new: list[int], device: str = "cpu") -> list[list[int]]:
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     outs = []
     with torch.inference_mode():
         for p, k in zip(prompts, max_new, strict=True):
-            gen = ref.generate(torch.tensor([p]), max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+            ids = torch.tensor([p], device=device)
+            gen = ref.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p) :].tolist())
     return outs
 

@@ -56,7 +56,7 @@ class AsrConfig:
     # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
     # same results up to fp32 summation order. The swap modifies the given model in place.
     prepack_encoder: bool = True
-    device: str = "cpu"  # "cuda" runs the encoder and the engine's decoder on the GPU
+    device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
 
 
 class AsrEngine:
