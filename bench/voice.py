@@ -8,7 +8,9 @@ last speech sample was sent):
 
 - ``transcript``: the final transcript arrives;
 - ``first_token``: the first reply text delta arrives (the LLM's first token);
-- ``first_audio``: the first reply audio delta arrives (voice-to-voice).
+- ``first_audio``: the first reply audio delta arrives (voice-to-voice);
+- ``stall``: how long the reply's playback (from its first audio, at real time) ran dry waiting
+  for audio: 0 when every chunk came before the audio ahead of it had played.
 
 P50/P99 over all turns for each concurrency in ``--sessions`` (default 1 and 4 sessions at once).
 The server is launched (``mmserve serve --only llm,asr,tts``) unless ``--url`` names one.
@@ -42,6 +44,12 @@ QUESTIONS = [
     "What is the boiling point of water?",
     "Which planet is closest to the sun?",
 ]
+LABELS = {
+    "transcript": "end of speech to transcript",
+    "first_token": "end of speech to first token",
+    "first_audio": "end of speech to first audio",
+    "stall": "playback stall",
+}
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -115,7 +123,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             pcm, end_s = clips[turn % len(clips)]
             marks: dict[str, float] = {}
             reply: list[str] = []
-            audio_s = 0.0
+            play_end, stall = math.nan, 0.0  # when the audio received so far ends playing
             done = asyncio.Event()
 
             sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
@@ -131,7 +139,13 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         reply.append(ev.get("delta", ""))
                     elif kind == "response.audio.delta":
                         marks.setdefault("first_audio", now)
-                        audio_s += len(base64.b64decode(ev["delta"])) / 2 / RATE
+                        seconds = len(base64.b64decode(ev["delta"])) / 2 / RATE
+                        if math.isnan(play_end):  # the first chunk starts playing
+                            play_end = now
+                        elif now > play_end:  # the player ran dry
+                            stall += now - play_end
+                            play_end = now
+                        play_end += seconds * args.pace
                     elif kind == "error":
                         print(f"server error: {ev['error']}", file=sys.stderr)
                     elif kind == "response.done":
@@ -139,14 +153,13 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         break
                 # A listener speaks again once the reply has played (earlier would be a barge-in,
                 # which truncates the reply to what was heard).
-                played = marks.get("first_audio", now) + audio_s * args.pace
-                await asyncio.sleep(max(0.0, played - time.monotonic()))
+                await asyncio.sleep(0.0 if math.isnan(play_end) else max(0.0, play_end - time.monotonic()))
             finally:
                 done.set()
                 await sender
             end = marks.get("end", math.nan)
             times = {k: marks[k] - end for k in ("transcript", "first_token", "first_audio", "done") if k in marks}
-            results.append({**times, "reply": "".join(reply)})
+            results.append({**times, "stall": stall, "reply": "".join(reply)})
     return results
 
 
@@ -184,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             turns = asyncio.run(_level(url, clips, n, args))
             stats = {
                 k: percentiles([t[k] for t in turns if k in t], (50, 99))
-                for k in ("transcript", "first_token", "first_audio")
+                for k in ("transcript", "first_token", "first_audio", "stall")
             }
             levels[str(n)] = {"turns": turns, "stats": stats}
             for k, s in stats.items():
@@ -192,14 +205,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     {
                         "sessions": n,
                         "turns": len(turns),
-                        "from end of speech to": k,
+                        "per turn": LABELS[k],
                         **{p: _ms(v) for p, v in s.items()},
                     }
                 )
     finally:
         if server is not None:
             server.stop()
-    print_table(rows, ["sessions", "turns", "from end of speech to", "p50", "p99", "mean"])
+    print_table(rows, ["sessions", "turns", "per turn", "p50", "p99", "mean"])
     result = {
         "bench": "voice",
         "command": "mmserve bench voice "
