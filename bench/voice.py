@@ -195,10 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for n in [int(x) for x in str(args.sessions).split(",") if x]:
             turns = asyncio.run(_level(url, clips, n, args))
-            stats = {
-                k: percentiles([t[k] for t in turns if k in t], (50, 99))
-                for k in ("transcript", "first_token", "first_audio", "stall")
-            }
+            stats = {k: percentiles([t[k] for t in turns if k in t], (50, 99)) for k in LABELS}
             levels[str(n)] = {"turns": turns, "stats": stats}
             for k, s in stats.items():
                 rows.append(

@@ -51,8 +51,8 @@ def decode_windows(codec: Any, windows: list[CodecWindow]) -> list[np.ndarray]:
             batch[row, :, : codes.shape[1]] = codes
             batch[row, :, codes.shape[1] :] = codes[:, -1:]  # any code: only dropped samples see it
         with torch.no_grad():
-            codes = torch.from_numpy(batch).to(codec.device)
-            audio = codec.decode(audio_codes=codes).audio_values.cpu().numpy()
+            audio_codes = torch.from_numpy(batch).to(codec.device)
+            audio = codec.decode(audio_codes=audio_codes).audio_values.cpu().numpy()
         for row, i in enumerate(group):
             w = windows[i]
             out[i] = audio[row, w.lo : w.hi].astype(np.float32, copy=True)
