@@ -51,7 +51,8 @@ def run_mmserve(args: argparse.Namespace, clips: list[np.ndarray]) -> tuple[floa
     from modalities.asr.model import load_whisper
 
     engine = AsrEngine(
-        load_whisper(args.model), AsrConfig(max_num_seqs=max(64, len(clips)), max_encoder_batch=args.encoder_batch)
+        load_whisper(args.model, device=args.device),
+        AsrConfig(max_num_seqs=max(64, len(clips)), max_encoder_batch=args.encoder_batch),
     )
 
     def request(clip: np.ndarray) -> TranscriptionRequest:
@@ -69,11 +70,11 @@ def run_mmserve(args: argparse.Namespace, clips: list[np.ndarray]) -> tuple[floa
     return elapsed, texts, engine
 
 
-def run_transformers(path: str, clips: list[np.ndarray], batch_size: int) -> tuple[float, list[str]]:
+def run_transformers(path: str, clips: list[np.ndarray], batch_size: int, device: str) -> tuple[float, list[str]]:
     import torch
     from transformers import pipeline
 
-    pipe = pipeline("automatic-speech-recognition", model=path, device="cpu", dtype=torch.float32)
+    pipe = pipeline("automatic-speech-recognition", model=path, device=device, dtype=torch.float32)
     kw = {"generate_kwargs": {"max_new_tokens": 224}, "batch_size": batch_size}
     pipe({"raw": clips[0], "sampling_rate": RATE}, **kw)  # warm-up
     start = time.perf_counter()
@@ -89,7 +90,7 @@ def run_generate(whisper: Any, clips: list[np.ndarray], batch_size: int) -> tupl
     def go(batch: list[np.ndarray]) -> list[str]:
         feats = whisper.feature_extractor(batch, sampling_rate=RATE, return_tensors="pt").input_features
         with torch.inference_mode():
-            out = whisper.model.generate(feats, max_new_tokens=224)
+            out = whisper.model.generate(feats.to(whisper.model.device), max_new_tokens=224)
         return list(whisper.tokenizer.batch_decode(out, skip_special_tokens=True))
 
     go(clips[:batch_size])  # warm-up
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--words", action="store_true", help="mmserve also aligns word timestamps (their cost)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--device", default="cpu", help="where every side runs: cpu or cuda (fp32, TF32 off)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -126,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on every side, as on the CPU
     path = str(resolve_asr_path(args.model))
     clips, refs = make_clips(args.clips, args.sentences_per_clip)
     audio_s = sum(len(c) for c in clips) / RATE
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"mmserve bench asr @ {rev}: {args.clips} clips, {audio_s:.1f} s of audio, model {args.model}, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+          f"{torch.get_num_threads()} threads, device {args.device}")  # fmt: skip
     ours_s, ours_text, engine = run_mmserve(args, clips)
     result: dict[str, Any] = {
         "git_rev": rev,
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "word_timestamps": args.words,
         "audio_s": audio_s,
         "threads": torch.get_num_threads(),
+        "device": args.device,
         "mmserve": {
             "s": ours_s,
             "audio_s_per_s": audio_s / ours_s,
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_baseline:
         result["transformers"] = {}
         for bs in args.baseline_batch_size:
-            base_s, base_text = run_transformers(path, clips, bs)
+            base_s, base_text = run_transformers(path, clips, bs, args.device)
             same = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
             r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": word_error_rate(refs, base_text)}
             result["transformers"][f"batch_size={bs}"] = {**r, "speedup": base_s / ours_s, "same_text": same}
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     for bs in args.generate_batch_size:
         from modalities.asr.model import load_whisper
 
-        base_s, base_text = run_generate(load_whisper(args.model), clips, bs)
+        base_s, base_text = run_generate(load_whisper(args.model, device=args.device), clips, bs)
         same = sum(a.strip() == b.strip() for a, b in zip(ours_text, base_text, strict=True))
         r = {"s": base_s, "audio_s_per_s": audio_s / base_s, "wer": word_error_rate(refs, base_text)}
         result.setdefault("generate", {})[f"batch_size={bs}"] = {**r, "speedup": base_s / ours_s, "same_text": same}

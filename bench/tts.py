@@ -41,6 +41,7 @@ def add_tts_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime threads per Piper worker")
     ap.add_argument("--ar-model", default=None, help="AR TTS directory (default: the tiny random one)")
     ap.add_argument("--ar-max-frames", type=int, default=150, help="frame cap per text piece (AR)")
+    ap.add_argument("--ar-device", default="cpu", help="where the AR TTS model and codec run: cpu or cuda")
     ap.add_argument("--url", default=None, help="measure a running server's /v1/audio/speech instead")
     ap.add_argument("--model", default=None, help="with --url: the model to request")
     ap.add_argument("--voice", default=None, help="with --url: the voice to request")
@@ -118,7 +119,9 @@ async def _bench_backend(name: str, args: argparse.Namespace, concurrencies: lis
         from modalities.tts.ar_engine import ARTTSEngine
         from modalities.tts.tiny import tiny_tts_ar_dir
 
-        engine = ARTTSEngine.from_dir(args.ar_model or tiny_tts_ar_dir(), max_frames=args.ar_max_frames)
+        engine = ARTTSEngine.from_dir(
+            args.ar_model or tiny_tts_ar_dir(), max_frames=args.ar_max_frames, device=args.ar_device
+        )
     else:
         raise SystemExit(f"unknown backend {name!r} (piper, ar)")
     await engine.start()
