@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_engine_correctness import _prompts, _reference
+from tests.test_engine_correctness import _prompts, _reference, _run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -69,6 +69,16 @@ def test_seeded_sampling_on_cuda_is_batch_invariant(tiny_model_dir) -> None:
     assert batch == alone and len(set(map(tuple, batch))) == 3
 
 
+def test_smollm2_on_cuda_matches_transformers(smollm2_dir) -> None:
+    """The real SmolLM2 weights (its GGUF file, dequantized to fp32) on the GPU."""
+    prompts = _prompts(49152, seed=4, lengths=[150, 37, 80])
+    max_new = [20, 16, 12, 10, 14]
+    expected = _reference(smollm2_dir, prompts, max_new, CUDA)
+    got, stats = _run(smollm2_dir, prompts, max_new, device=CUDA, max_num_batched_tokens=96, num_kv_blocks=40)
+    assert got == expected
+    assert stats["after"]["prefix_cache_hits"] > 0
+
+
 def _random_whisper(out: Path) -> Path:
     """A Whisper with the config and tokenizer of a real one and seeded N(0, 0.2) weights."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
@@ -87,21 +97,32 @@ def _random_whisper(out: Path) -> Path:
     return out
 
 
-async def test_whisper_on_cuda_matches_generate(tmp_path: Path) -> None:
-    from modalities.asr.engine import RATE, AsrConfig, AsrEngine, TranscriptionRequest
-    from modalities.asr.model import load_whisper
-    from tests.test_asr import generate_tokens
+def _clips(weights: str) -> list[np.ndarray]:
+    """Real speech (both corpus voices) for the real weights; tones with noise for random ones."""
+    from modalities.asr.engine import RATE
+    from modalities.asr.speech_corpus import corpus
 
-    path = _random_whisper(tmp_path / "whisper")
-    engine = AsrEngine(load_whisper(str(path), device=CUDA), AsrConfig(max_encoder_batch=4, max_new_tokens=48))
-    assert engine.engine.engine.runner.device.type == CUDA
-    reference = load_whisper(str(path), device=CUDA)
+    if weights == "tiny.en":
+        return corpus("piper")[:2] + corpus("espeak")[:2]
     rng = np.random.default_rng(0)
     t = np.arange(RATE * 3) / RATE
-    clips = [
+    return [
         (0.3 * np.sin(2 * np.pi * f * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
         for f in (220, 330, 440)
     ]
+
+
+@pytest.mark.parametrize("weights", ["random", "tiny.en"])
+async def test_whisper_on_cuda_matches_generate(tmp_path: Path, weights: str) -> None:
+    from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
+    from modalities.asr.model import load_whisper, resolve_asr_path
+    from tests.test_asr import generate_tokens
+
+    path = _random_whisper(tmp_path / "whisper") if weights == "random" else resolve_asr_path(weights)
+    engine = AsrEngine(load_whisper(str(path), device=CUDA), AsrConfig(max_encoder_batch=4, max_new_tokens=48))
+    assert engine.engine.engine.runner.device.type == CUDA
+    reference = load_whisper(str(path), device=CUDA)
+    clips = _clips(weights)
     prompt = engine.prompt_ids()
     try:
         got = await asyncio.gather(*(engine.decode_tokens(c, prompt) for c in clips))  # one batch
