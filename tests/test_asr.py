@@ -136,6 +136,24 @@ async def test_stream_deltas_build_the_final_text(engine: AsrEngine) -> None:
     assert final.text == (await engine.transcribe(audio)).text
 
 
+def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine) -> None:
+    """A GPU's batched cross-attention (padded queries, stacked K/V) gives what the CPU's call per
+    sequence gives, in a step mixing prompt rows and decode rows."""
+    a, g = engine.adapter, torch.Generator().manual_seed(0)
+    cross = [torch.randn(a.num_layers, 2, a.num_heads, 50, a.head_dim, generator=g) for _ in range(3)]
+    spans, cq = [0, 3, 4, 6], torch.randn(a.num_heads, 6, a.head_dim, generator=g)
+    one, batched = a.cross_attention(cross, spans, batched=False), a.cross_attention(cross, spans, batched=True)
+    for i in range(a.num_layers):
+        torch.testing.assert_close(batched(i, cq), one(i, cq))
+    # The stacked K/V are reused while the batch is the same and rebuilt when it changes.
+    assert a._stacked is not None
+    held = a._stacked[1]
+    a.cross_attention(list(cross), spans, batched=True)
+    assert a._stacked[1] is held
+    a.cross_attention(cross[:2], [0, 1, 2], batched=True)
+    assert a._stacked[1] is not held
+
+
 async def test_cross_attention_cache_released_and_bad_language(engine: AsrEngine) -> None:
     await engine.transcribe(corpus("piper")[1])
     gc.collect()

@@ -103,6 +103,7 @@ class WhisperDecoderAdapter(ModelAdapter):
         self.w_cross_kv = torch.cat(kv_w)
         self.b_cross_kv = torch.cat(kv_b)
         self._cross: dict[int, torch.Tensor] = {}
+        self._stacked: tuple[list[torch.Tensor], torch.Tensor] | None = None  # (batch's cross K/V, stacked)
 
     # -- cross-attention cache ---------------------------------------------------------------
     def cross_kv(self, enc: torch.Tensor) -> torch.Tensor:
@@ -148,6 +149,7 @@ class WhisperDecoderAdapter(ModelAdapter):
         """The decoder layers over ``h`` [T, d] (sequence ``s`` owns rows ``query_start[s]:
         query_start[s + 1]`` and cross-attends ``cross[s]``); returns the final-norm hidden states."""
         t, hd, nh, d = h.shape[0], self.head_dim, self.num_heads, self.hidden_size
+        cross_attn = self.cross_attention(cross, query_start, batched=h.device.type != "cpu")
         for i, ly in enumerate(self.layers):
             qkv = F.linear(ly.ln1(h), ly.w_qkv, ly.b_qkv)
             q = (qkv[:, :d] * self.scaling).view(t, nh, hd)
@@ -155,16 +157,51 @@ class WhisperDecoderAdapter(ModelAdapter):
             v = qkv[:, 2 * d :].reshape(t, nh, hd)
             h = h + F.linear(self_attn(i, q, k, v).reshape(t, d), ly.w_o, ly.b_o)
             cq = (F.linear(ly.ln2(h), ly.w_cq, ly.b_cq) * self.scaling).view(t, nh, hd).transpose(0, 1)  # [H, T, D]
-            out = torch.empty_like(cq)
-            for s in range(len(cross)):
-                lo, hi = query_start[s], query_start[s + 1]
-                kv = cross[s][i]
-                out[:, lo:hi] = F.scaled_dot_product_attention(cq[None, :, lo:hi], kv[0][None], kv[1][None], scale=1.0)[
-                    0
-                ]
-            h = h + F.linear(out.transpose(0, 1).reshape(t, d), ly.w_co, ly.b_co)
+            h = h + F.linear(cross_attn(i, cq).transpose(0, 1).reshape(t, d), ly.w_co, ly.b_co)
             h = h + F.linear(self.act(F.linear(ly.ln3(h), ly.w_fc1, ly.b_fc1)), ly.w_fc2, ly.b_fc2)
         return self.final_ln(h)
+
+    def cross_attention(
+        self, cross: list[torch.Tensor], query_start: list[int], batched: bool
+    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """``attend(i, cq)``: layer ``i``'s cross-attention of ``cq`` [H, T, D] (sequence ``s``
+        owns columns ``query_start[s]:query_start[s + 1]``) over each sequence's own encoder K/V.
+
+        Not ``batched`` (the CPU's choice): one call per sequence, reading each K/V in place.
+        ``batched`` (a GPU's, where a call per sequence is bound by kernel launches): one call for
+        the batch, queries padded to the longest span, the sequences' K/V stacked once and reused
+        while the batch is the same (a decode step's batch usually is)."""
+        spans = list(itertools.pairwise(query_start))
+        if not batched or len(cross) == 1 or len({c.shape for c in cross}) > 1:
+
+            def each(i: int, cq: torch.Tensor) -> torch.Tensor:
+                out = torch.empty_like(cq)
+                for (lo, hi), kv in zip(spans, cross, strict=True):
+                    out[:, lo:hi] = F.scaled_dot_product_attention(
+                        cq[None, :, lo:hi], kv[i, 0][None], kv[i, 1][None], scale=1.0
+                    )[0]
+                return out
+
+            return each
+        # Compared by identity, holding the tensors: a freed one's id could come back.
+        held = self._stacked
+        if held is None or len(held[0]) != len(cross) or any(a is not b for a, b in zip(held[0], cross, strict=True)):
+            self._stacked = held = (list(cross), torch.stack(cross))  # [S, L, 2, H, frames, D]
+        kv, n, width = held[1], len(cross), max(hi - lo for lo, hi in spans)
+        rows = torch.tensor(
+            [s * width + j for s, (lo, hi) in enumerate(spans) for j in range(hi - lo)], device=kv.device
+        )
+
+        def batched(i: int, cq: torch.Tensor) -> torch.Tensor:
+            nh, _, hd = cq.shape
+            q = cq.new_zeros(nh, n * width, hd)
+            q[:, rows] = cq
+            out = F.scaled_dot_product_attention(
+                q.view(nh, n, width, hd).transpose(0, 1), kv[:, i, 0], kv[:, i, 1], scale=1.0
+            )  # [S, H, width, D]
+            return out.transpose(0, 1).reshape(nh, n * width, hd)[:, rows]
+
+        return batched
 
     def prompt_logits(self, encs: list[torch.Tensor], prompts: list[list[int]]) -> torch.Tensor:
         """Raw logits [len(prompts), vocab] (no suppression) after the last token of each prompt,
