@@ -161,9 +161,11 @@ class TorchPagedAttention(AttentionBackend):
 
     def _prepare_decode(self, lens: list[int], tables: list[list[int]]) -> Any:
         lmax = max(lens)
-        slots = torch.zeros(len(lens), lmax, dtype=torch.long)
-        for row, (n, table) in enumerate(zip(lens, tables, strict=True)):
-            slots[row, :n] = self._slots(table, n)
+        # One tensor op for the batch, not a few per sequence (the step's cost on a GPU). Slots past
+        # a sequence's length (block 0 where its table is short) are masked out below.
+        width = -(-lmax // self.block_size)
+        padded = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+        slots = (padded[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)[:, :lmax]
         lens_t = torch.tensor(lens)
         mask = torch.arange(lmax)[None, :] < lens_t[:, None]
         return _GatherPlan(slots.to(self.device), (lens_t - 1).to(self.device), mask.to(self.device))
