@@ -13,7 +13,10 @@ paths differ only in summation order. A weight with no exact match stays fp32.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -87,18 +90,42 @@ def _rotary_rows(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(1, 2).reshape(n)
 
 
-def match_blocks(gguf: Path, weights: dict[str, torch.Tensor], heads: dict[str, int]) -> dict[str, BlockWeight]:
-    """For each named fp32 weight, the GGUF tensor (Q4_1 or Q8_0) that dequantizes to it exactly.
-    ``heads``: per weight name, the head count of llama.cpp's q/k row permutation to also try.
-    The returned ``BlockWeight.dense`` is the given fp32 tensor."""
+def block_tensors(gguf: Path) -> list[tuple[str, int, int, int, int, int]]:
+    """(name, fmt, N, K, byte offset, byte count) of each 2-D Q4_1/Q8_0 tensor in ``gguf``.
+
+    ``gguf.GGUFReader`` parses all the metadata first (a tokenizer's ~100k strings: seconds per
+    engine start), so the table is kept as JSON in the cache, keyed by the file's path, size and
+    modification time; a later start reads the blocks straight from the file at those offsets."""
+    from engine.model_loader import cache_root
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    table = cache_root() / "gguf-tables" / f"{gguf.stem}-{key}.json"
+    if table.is_file():
+        return [tuple(row) for row in json.loads(table.read_text())]
     from gguf import GGUFReader
 
-    by_shape: dict[tuple[int, int], list[tuple[str, int, np.ndarray]]] = {}
+    rows = []
     for t in GGUFReader(str(gguf)).tensors:
         fmt = FORMATS.get(t.tensor_type.name)
         if fmt is not None and len(t.shape) == 2:
             n, k = int(t.shape[1]), int(t.shape[0])  # GGUF lists dimensions innermost first
-            by_shape.setdefault((n, k), []).append((t.name, fmt, np.asarray(t.data)))
+            rows.append((t.name, fmt, n, k, int(t.data_offset), int(t.n_bytes)))
+    table.parent.mkdir(parents=True, exist_ok=True)
+    tmp = table.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: never half a table
+    tmp.write_text(json.dumps(rows))
+    tmp.replace(table)
+    return rows
+
+
+def match_blocks(gguf: Path, weights: dict[str, torch.Tensor], heads: dict[str, int]) -> dict[str, BlockWeight]:
+    """For each named fp32 weight, the GGUF tensor (Q4_1 or Q8_0) that dequantizes to it exactly.
+    ``heads``: per weight name, the head count of llama.cpp's q/k row permutation to also try.
+    The returned ``BlockWeight.dense`` is the given fp32 tensor."""
+    data = np.memmap(gguf, mode="r")
+    by_shape: dict[tuple[int, int], list[tuple[str, int, np.ndarray]]] = {}
+    for tname, fmt, n, k, offset, size in block_tensors(gguf):
+        by_shape.setdefault((n, k), []).append((tname, fmt, data[offset : offset + size].reshape(n, -1)))
     found: dict[str, BlockWeight] = {}
     for name, w in weights.items():
         if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % QK:

@@ -4,6 +4,7 @@ what transformers does on the fp32 model."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,26 @@ def test_blocks_are_the_exact_fp32_weights(smollm2_dir) -> None:
     # One weight off by one ulp has no exact blocks: it stays fp32.
     model.get_parameter(name).data[5, 7] = torch.nextafter(model.get_parameter(name)[5, 7], torch.tensor(1.0))
     assert name not in model_blocks(model, smollm2_gguf_path())
+
+
+def test_block_table_is_parsed_once_then_cached(tmp_path, monkeypatch) -> None:
+    """The table of the file's quantized tensors (names, formats, shapes, byte ranges) comes from
+    ``GGUFReader`` once, then from the cache; its byte ranges are the reader's tensor data."""
+    import gguf
+
+    from engine.gguf_blocks import block_tensors
+
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    path = smollm2_gguf_path()
+    table = block_tensors(path)
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    quantized = [n for n, t in reader.items() if t.tensor_type.name in ("Q4_1", "Q8_0") and len(t.shape) == 2]
+    assert [row[0] for row in table] == quantized and len(list((tmp_path / "gguf-tables").iterdir())) == 1
+    data = np.memmap(path, mode="r")
+    for name, _fmt, n, _k, offset, size in table[:3]:
+        assert np.array_equal(data[offset : offset + size].reshape(n, -1), reader[name].data)
+    monkeypatch.setattr(gguf, "GGUFReader", None)  # a second call must not parse the file again
+    assert block_tensors(path) == table
 
 
 def test_gguf_quantization_needs_a_gguf_model(tiny_model_dir) -> None:
