@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.foreground import FOREGROUND
 from engine.llm_engine import LLMEngine, Prompt
 from engine.openmp import release_thread_team
 from engine.outputs import RequestOutput
@@ -218,6 +219,7 @@ class AsyncEngine:
                 # One wake-up per event loop per step: the streams a step advanced resume in the
                 # same loop iteration (so what they submit next, e.g. codec windows, batches).
                 delivery: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+                FOREGROUND.wait(self.engine.config.foreground_wait_s)
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is None:

@@ -42,6 +42,9 @@ class EngineConfig:
     # that applies (a .gguf model, fp32 on CPU, the lean Llama path), else None.
     quantization: str | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU (None: all cores)
+    # Before each step, wait up to this long while a foreground hold (a TTS first piece) runs on
+    # the same CPU (engine.foreground); 0: never wait.
+    foreground_wait_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.foreground_wait_s < 0:
+            raise ValueError(f"foreground_wait_s must be >= 0, got {self.foreground_wait_s}")
         check_device(self.device)
         if self.quantization not in (None, "int8", "gguf", "auto"):
             raise ValueError(f"quantization must be None, 'int8', 'gguf' or 'auto', got {self.quantization!r}")

@@ -12,6 +12,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.errors import PromptTooLongError, QueueFullError
+from engine.foreground import FOREGROUND
 from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
@@ -315,3 +316,23 @@ async def test_stream_interval_reports_every_k_tokens_and_the_end(loaded) -> Non
     assert len(outs) == 1 and outs[0].finished and outs[0].outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="stream_interval"):
         SamplingParams(stream_interval=0)
+
+
+async def test_a_yielding_engine_steps_only_once_the_foreground_hold_ends(loaded) -> None:
+    async with _async_engine(loaded, foreground_wait_s=DEADLINE_S) as engine:
+        with FOREGROUND.hold():
+            first = asyncio.ensure_future(anext(engine.generate(None, "Hello", LONG)))
+            await asyncio.sleep(1.0)
+            assert not first.done()  # the engine waits for the hold
+        out = await asyncio.wait_for(first, DEADLINE_S)  # released: it steps at once
+        assert out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.2])
+async def test_a_hold_delays_a_step_at_most_foreground_wait_s(loaded, wait_s: float) -> None:
+    """0: the engine ignores holds; otherwise it waits at most that long per step."""
+    async with _async_engine(loaded, foreground_wait_s=wait_s) as engine:
+        with FOREGROUND.hold():
+            stream = engine.generate(None, "Hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            outs = [o async for o in stream]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3

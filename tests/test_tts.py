@@ -13,6 +13,7 @@ import numpy as np
 import openai
 import pytest
 
+from engine.foreground import FOREGROUND
 from modalities.audio import decode_audio, from_pcm16
 from modalities.tts.piper_engine import PiperEngine
 from modalities.tts.protocol import TTSInputError, TTSRequest
@@ -134,6 +135,27 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
     expected = ["Later A zero.", "B zero.", "C one two three four", "A one.", "B one.", "five six seven.", "A two."]
     assert order == expected, order
     assert eng.stats()["tts_first_pieces_pending"] == 0
+
+
+def test_only_a_first_piece_holds_the_foreground() -> None:
+    """A request's first piece is synthesised under ``FOREGROUND.hold()`` (yielding engines wait
+    meanwhile); its later pieces are not. One worker, so no other piece overlaps."""
+    eng = PiperEngine(workers=1, threads=1)
+    seen: dict[str, bool] = {}
+    synthesize = eng._synthesize
+
+    def spy(voice: object, text: str, length_scale: float) -> np.ndarray:
+        seen[text] = FOREGROUND.active
+        return synthesize(voice, text, length_scale)
+
+    eng._synthesize = spy  # type: ignore[method-assign]
+    try:
+        _collect(eng, TTSRequest(TEXT))
+    finally:
+        run(eng.shutdown())
+    pieces = split_text(TEXT, eng.max_chars, eng.first_chars)
+    assert len(pieces) == 3 and [seen[p] for p in pieces] == [True, False, False], seen
+    assert not FOREGROUND.active
 
 
 async def _drain(eng: PiperEngine, req: TTSRequest) -> int:

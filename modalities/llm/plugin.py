@@ -32,6 +32,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="auto (default): a .gguf model's own Q4_1/Q8_0 blocks for decode steps on CPU, where that "
         "applies; none: the dequantized fp32 weights only (what transformers computes)",
     )
+    g.add_argument(
+        "--foreground-wait-ms",
+        type=float,
+        default=None,
+        help="on CPU, an LLM step waits up to this long while a TTS first piece is synthesised in this "
+        "process, so a reply's first audio does not share the cores (default 250 on CPU, 0 on GPU; 0: off)",
+    )
 
 
 def engine_config(args: Any, model: str) -> Any:
@@ -46,6 +53,10 @@ def engine_config(args: Any, model: str) -> Any:
     quant = getattr(args, "quantization", None)
     if quant is not None:
         kwargs["quantization"] = None if quant == "none" else quant
+    wait_ms = getattr(args, "foreground_wait_ms", None)
+    if wait_ms is None:
+        wait_ms = 250.0 if str(kwargs.get("device", "cpu")).startswith("cpu") else 0.0
+    kwargs["foreground_wait_s"] = float(wait_ms) / 1000.0
     kv_gb = getattr(args, "kv_cache_gb", None)
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(float(kv_gb) * (1 << 30))

@@ -16,6 +16,7 @@ buffer emits them in order. Cancelling a request drops its queued pieces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import importlib.util
 import itertools
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.foreground import FOREGROUND
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
 from modalities.tts.protocol import TTSRequest
@@ -201,8 +203,9 @@ class PiperEngine:
             audio: np.ndarray | BaseException | None = None
             if not job.cancelled:
                 t0 = time.perf_counter()
-                try:
-                    audio = self._synthesize(voice, job.pieces[index], job.length_scale)
+                try:  # a first piece is a request's time to first audio: yielding engines wait
+                    with FOREGROUND.hold() if index == 0 else contextlib.nullcontext():
+                        audio = self._synthesize(voice, job.pieces[index], job.length_scale)
                 except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
                     logger.exception("piper synthesis failed")
                     audio = exc
