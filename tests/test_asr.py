@@ -21,6 +21,7 @@ import asyncio
 import difflib
 import functools
 import gc
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from modalities.asr.model import load_whisper
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
 
 RATE = 16_000
+DEADLINE_S = 60.0  # bounds waits that only time out when the behaviour under test is broken
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,48 @@ def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine)
     assert a._stacked[1] is held
     a.cross_attention(cross[:2], [0, 1, 2], batched=True)
     assert a._stacked[1] is not held
+
+
+async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngine) -> None:
+    """A cancelled caller (a voice turn's speculative ASR when speech resumes) stops the encoder
+    batch it alone waits for: later layers never run, and the next call is served normally."""
+    layers = engine.whisper.model.model.encoder.layers
+    started, go = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def pause_in_first_layer(*_: Any) -> None:
+        started.set()
+        go.wait(DEADLINE_S)
+
+    hooks = [layers[0].register_forward_pre_hook(pause_in_first_layer)]
+    hooks += [layer.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    clip = corpus("piper")[0]
+    prompt = engine.prompt_ids()
+    abandoned = engine.num_encoder_abandoned
+    try:
+        task = asyncio.create_task(engine.decode_tokens(clip, prompt))
+        assert await asyncio.to_thread(started.wait, DEADLINE_S)
+        task.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(int(DEADLINE_S * 20)):  # the pass ends on the worker thread
+            if engine.num_encoder_abandoned > abandoned:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.num_encoder_abandoned == abandoned + 1
+        assert ran == [0]
+    finally:
+        go.set()
+        for h in hooks[:1]:
+            h.remove()
+    ran.clear()
+    try:
+        assert await engine.decode_tokens(clip, prompt) == _reference_tokens(engine, clip, prompt)
+        assert ran == list(range(len(layers)))
+    finally:
+        for h in hooks[1:]:
+            h.remove()
 
 
 async def test_cross_attention_cache_released_and_bad_language(engine: AsrEngine) -> None:

@@ -40,6 +40,11 @@ DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 _EncoderJob = tuple[np.ndarray, list[int]]  # (≤30 s window audio, decoder prompt ids)
 
 
+class _EncoderAbandoned(Exception):
+    """Every caller of the running encoder batch went away (a voice turn's speculative ASR when
+    the speaker goes on): the pass stops at its next layer instead of running to the end."""
+
+
 @dataclass
 class AsrConfig:
     model: str | None = None  # see modalities.asr.model.resolve_asr_path
@@ -85,6 +90,9 @@ class AsrEngine:
 
             use_prepacked_linears(model.model.encoder)  # the fp32 CPU linears, where oneDNN is present
         self.adapter = WhisperDecoderAdapter(model)
+        self._abandoned: list[asyncio.Future[Any]] | None = None  # the running batch's futures
+        for layer in model.model.encoder.layers:
+            layer.register_forward_pre_hook(self._stop_if_abandoned)
         max_len = model.config.max_target_positions
         ecfg = EngineConfig(
             model=str(whisper.path),
@@ -115,6 +123,7 @@ class AsrEngine:
         self.num_windows = 0
         self.num_encoder_batches = 0
         self.num_fallback_decodes = 0
+        self.num_encoder_abandoned = 0
 
     @classmethod
     def from_config(cls, config: AsrConfig) -> AsrEngine:
@@ -147,6 +156,7 @@ class AsrEngine:
             windows_total=self.num_windows,
             encoder_batches_total=self.num_encoder_batches,
             fallback_decodes_total=self.num_fallback_decodes,
+            encoder_batches_abandoned_total=self.num_encoder_abandoned,
             cross_kv_cached=self.adapter.num_cached_cross,
         )
         return s
@@ -175,16 +185,28 @@ class AsrEngine:
         live = [(a, f) for a, f in batch if not f.done()]
         if not live:
             return
+        self._abandoned = [f for _, f in live]
         try:
             outs = await openmp.to_thread(self._run_encoder, [a for a, _ in live])
+        except _EncoderAbandoned:
+            self.num_encoder_abandoned += 1
+            return
         except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
             for _, f in live:
                 if not f.done():
                     f.set_exception(exc)
             return
+        finally:
+            self._abandoned = None
         for (_, f), out in zip(live, outs, strict=True):
             if not f.done():
                 f.set_result(out)
+
+    def _stop_if_abandoned(self, *_: Any) -> None:
+        """Encoder layer pre-hook (worker thread): a cancelled future is done, and done is final."""
+        futures = self._abandoned
+        if futures is not None and all(f.done() for f in futures):
+            raise _EncoderAbandoned
 
     def _run_encoder(self, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
         import torch
