@@ -96,6 +96,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._foreground_wait_s = 0.0  # steps held back by foreground holds (engine.foreground)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -119,7 +120,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        return {**self.engine.stats(), "foreground_wait_seconds_total": self._foreground_wait_s}
 
     async def start(self) -> None:
         if self._thread is None:
@@ -219,7 +220,7 @@ class AsyncEngine:
                 # One wake-up per event loop per step: the streams a step advanced resume in the
                 # same loop iteration (so what they submit next, e.g. codec windows, batches).
                 delivery: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-                FOREGROUND.wait(self.engine.config.foreground_wait_s)
+                self._foreground_wait_s += FOREGROUND.wait(self.engine.config.foreground_wait_s)
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is None:

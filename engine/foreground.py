@@ -25,7 +25,6 @@ class Foreground:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._holds = 0
-        self.waited_s = 0.0  # total, for engine stats
 
     @property
     def active(self) -> bool:
@@ -49,9 +48,7 @@ class Foreground:
         t0 = time.monotonic()
         with self._cv:
             self._cv.wait_for(lambda: self._holds <= 0, timeout=max_s)
-        waited = time.monotonic() - t0
-        self.waited_s += waited
-        return waited
+        return time.monotonic() - t0
 
 
 FOREGROUND = Foreground()

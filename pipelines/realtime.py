@@ -7,7 +7,7 @@ aborted) and the assistant item is truncated to what the client has played so fa
 from the audio sent and a real-time playback clock (or given by ``conversation.item.truncate``).
 
 Speculation: with server VAD, a pause of ``turn_detection.speculative_silence_ms`` (an mmserve
-extension; default ``VADConfig.eager_ms``, 150 ms; 0: off) starts the turn's ASR, LLM and first
+extension; default ``VADConfig.eager_ms``, 60 ms; 0: off) starts the turn's ASR, LLM and first
 sentence's TTS before ``silence_duration_ms`` commits the turn (``pipelines.speculation``); the
 client sees the same events as without it, only sooner.
 """

@@ -26,7 +26,10 @@ class VADConfig:
     min_speech_ms: int = 150
     # A pause this long starts the turn's work speculatively (ASR, then the reply's LLM and first
     # sentence's TTS), unseen by the client until silence_duration_ms commits the turn (0: off).
-    eager_ms: int = 150
+    # Short, so the ASR is done by the commit; a pause mid-utterance costs an encoder pass cut
+    # short when speech resumes (AsrEngine stops abandoned passes). 60 ms against 150: first audio
+    # ~100-150 ms sooner with one voice session (docs/BENCHMARKS.md).
+    eager_ms: int = 60
     backend: Literal["webrtc", "silero"] = "webrtc"
     floor_dbfs: float = -50.0  # quieter frames are not speech (modalities.vad.VadParams)
 

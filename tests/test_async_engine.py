@@ -326,6 +326,7 @@ async def test_a_yielding_engine_steps_only_once_the_foreground_hold_ends(loaded
             assert not first.done()  # the engine waits for the hold
         out = await asyncio.wait_for(first, DEADLINE_S)  # released: it steps at once
         assert out.outputs[0].token_ids
+        assert engine.stats()["foreground_wait_seconds_total"] >= 1.0
 
 
 @pytest.mark.parametrize("wait_s", [0.0, 0.2])
