@@ -8,6 +8,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -97,6 +98,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._foreground_wait_s = 0.0  # steps held back by foreground holds (engine.foreground)
+        self._wait_again_at = 0.0  # monotonic: no foreground wait before then
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -202,6 +204,16 @@ class AsyncEngine:
         self._streams[cmd.request_id] = cmd.stream
         cmd.stream.admit(None)
 
+    def _yield_to_foreground(self) -> None:
+        """Wait for a foreground hold (``EngineConfig.foreground_wait_s``), then step at least as
+        long as that wait before waiting again: back-to-back holds (a burst of TTS requests)
+        take at most half of the engine's time."""
+        if time.monotonic() < self._wait_again_at:
+            return
+        waited = FOREGROUND.wait(self.engine.config.foreground_wait_s)
+        self._foreground_wait_s += waited
+        self._wait_again_at = time.monotonic() + waited
+
     def _loop(self) -> None:
         try:
             while True:
@@ -220,7 +232,7 @@ class AsyncEngine:
                 # One wake-up per event loop per step: the streams a step advanced resume in the
                 # same loop iteration (so what they submit next, e.g. codec windows, batches).
                 delivery: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-                self._foreground_wait_s += FOREGROUND.wait(self.engine.config.foreground_wait_s)
+                self._yield_to_foreground()
                 for out in self.engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is None:
