@@ -1,15 +1,20 @@
-"""Test helpers shared by the HTTP tests: a real uvicorn server on a free loopback port."""
+"""Test helpers: a real uvicorn server on a free loopback port, a Redis probe, and polling for
+state that another thread changes."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+
+# Bounds a wait on another thread; only reached when the behaviour under test is broken.
+DEADLINE_S = 60.0
 
 
 @contextmanager
@@ -42,3 +47,13 @@ def redis_reachable(url: str) -> bool:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
     except Exception:  # noqa: BLE001
         return False
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (state another thread changes: an engine loop, a worker thread) until
+    it holds; fail after ``DEADLINE_S``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not condition():
+        assert loop.time() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)

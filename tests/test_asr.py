@@ -32,9 +32,9 @@ import torch
 from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
 from modalities.asr.model import load_whisper
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
+from tests.helpers import DEADLINE_S, until
 
 RATE = 16_000
-DEADLINE_S = 60.0  # bounds waits that only time out when the behaviour under test is broken
 
 
 @pytest.fixture(scope="module")
@@ -179,16 +179,12 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
         go.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(int(DEADLINE_S * 20)):  # the pass ends on the worker thread
-            if engine.num_encoder_abandoned > abandoned:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: engine.num_encoder_abandoned > abandoned, "the pass ends on the worker thread")
         assert engine.num_encoder_abandoned == abandoned + 1
         assert ran == [0]
     finally:
         go.set()
-        for h in hooks[:1]:
-            h.remove()
+        hooks[0].remove()
     ran.clear()
     try:
         assert await engine.decode_tokens(clip, prompt) == _reference_tokens(engine, clip, prompt)

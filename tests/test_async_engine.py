@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from tests.helpers import DEADLINE_S, until
 
 MAX_MODEL_LEN = 256
 NUM_BLOCKS = 64
@@ -29,8 +30,6 @@ PROMPTS = [
 ]
 # Long enough to still be running when the test acts on it; it is always aborted early.
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-# Bounds a wait on the engine thread; only reached when the behaviour under test is broken.
-DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +56,9 @@ def _kv_all_free(engine: LLMEngine) -> bool:
     return pool.num_free == pool.num_blocks and all(b.ref_count == 0 for b in pool.blocks)
 
 
-async def _until(condition, what: str) -> None:
-    """Poll a condition on the engine thread's state (its loop runs on its own)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE_S
-    while not condition():
-        assert loop.time() < deadline, f"never happened: {what}"
-        await asyncio.sleep(0.01)
-
-
 async def _idle(engine: AsyncEngine) -> None:
     llm = engine.engine
-    await _until(lambda: not llm.has_unfinished_requests() and _kv_all_free(llm), "engine idle, KV all free")
+    await until(lambda: not llm.has_unfinished_requests() and _kv_all_free(llm), "engine idle, KV all free")
     assert not llm.requests and not llm.scheduler.running and not llm.scheduler.waiting
 
 
@@ -148,7 +138,7 @@ async def test_queue_full_raised_from_the_iterator(loaded) -> None:
         await blocker.__anext__()  # running: it occupies the only slot
         waiters = [engine.generate(f"w{i}", "Hi", SamplingParams(max_tokens=2)) for i in range(2)]
         tasks = [asyncio.ensure_future(w.__anext__()) for w in waiters]
-        await _until(lambda: len(llm.scheduler.waiting) == 2, "two requests waiting")
+        await until(lambda: len(llm.scheduler.waiting) == 2, "two requests waiting")
         with pytest.raises(QueueFullError):
             await _collect(engine, "Hello", SamplingParams(max_tokens=2))
         await blocker.aclose()  # frees the slot: the waiters run to completion
@@ -232,7 +222,7 @@ async def test_priority_serves_lower_value_first(loaded) -> None:
 
         submitted = [("p5", 5), ("p1", 1), ("p3", 3), ("p0", 0)]  # arrival order differs from priority
         tasks = [asyncio.ensure_future(run(name, prio)) for name, prio in submitted]
-        await _until(lambda: len(llm.scheduler.waiting) == len(submitted), "all requests waiting")
+        await until(lambda: len(llm.scheduler.waiting) == len(submitted), "all requests waiting")
         assert [s.request_id for s in llm.scheduler.waiting] == ["p0", "p1", "p3", "p5"]
         await blocker.aclose()
         await asyncio.gather(*tasks)
@@ -249,7 +239,7 @@ async def test_fcfs_ignores_priority(loaded) -> None:
             engine.generate(name, "Hi", SamplingParams(max_tokens=2), priority=p) for name, p in [("a", 5), ("b", 1)]
         ]
         tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
-        await _until(lambda: len(llm.scheduler.waiting) == 2, "both waiting")
+        await until(lambda: len(llm.scheduler.waiting) == 2, "both waiting")
         assert [s.request_id for s in llm.scheduler.waiting] == ["a", "b"]
         await blocker.aclose()
         for task, g in zip(tasks, gens, strict=True):
