@@ -154,6 +154,14 @@ def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine)
     assert a._stacked[1] is held
     a.cross_attention(cross[:2], [0, 1, 2], batched=True)
     assert a._stacked[1] is not held
+    # The stacked copy goes as soon as one of its requests ends (its encoder output is freed).
+    cached = a.num_cached_cross
+    encs = [torch.randn(50, a.hidden_size, generator=g) for _ in range(2)]
+    a.cross_attention([a.cross_kv(e) for e in encs], [0, 1, 2], batched=True)
+    assert a._stacked is not None and a.num_cached_cross == cached + 2
+    del encs[0]
+    gc.collect()
+    assert a._stacked is None and a.num_cached_cross == cached + 1
 
 
 async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngine) -> None:

@@ -115,8 +115,16 @@ class WhisperDecoderAdapter(ModelAdapter):
             flat = F.linear(enc.to(self.w_cross_kv.dtype), self.w_cross_kv, self.b_cross_kv)  # [S, L*2*d]
             kv = flat.view(s, self.num_layers, 2, self.num_heads, self.head_dim).permute(1, 2, 3, 0, 4).contiguous()
             self._cross[key] = kv
-            weakref.finalize(enc, self._cross.pop, key, None)
+            weakref.finalize(enc, self._forget_cross, key)
         return kv
+
+    def _forget_cross(self, key: int) -> None:
+        """An encoder output was freed (its request ended): drop its K/V, and the batch's stacked
+        copy if they are in it, rather than holding that memory until the next batched step."""
+        kv = self._cross.pop(key, None)
+        held = self._stacked
+        if kv is not None and held is not None and any(t is kv for t in held[0]):
+            self._stacked = None  # a step in flight keeps its own reference
 
     @property
     def num_cached_cross(self) -> int:
