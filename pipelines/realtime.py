@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
+from modalities.asr.types import INTERACTIVE
 from modalities.audio import ASR_RATE, from_pcm16, to_pcm16
 from pipelines.conversation import Conversation, Spoken, heard_text
 from pipelines.frames import (
@@ -84,7 +85,7 @@ class RealtimeSession:
             [
                 Resample(ASR_RATE),
                 VAD(self.vad_config),
-                ASR(services),
+                ASR(services, INTERACTIVE),  # a live turn: its encoder pass goes first
                 LLM(services, self.conv, self.llm_options, prefetch),
                 Sentences(),
                 TTS(services, self.tts_options, prefetch),

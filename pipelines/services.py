@@ -68,13 +68,13 @@ class Services:
                 found[modality] = None
         return cls(**found)
 
-    async def transcribe(self, samples: np.ndarray) -> str:
-        """Text of one 16 kHz mono utterance."""
+    async def transcribe(self, samples: np.ndarray, priority: int = 0) -> str:
+        """Text of one 16 kHz mono utterance (``priority``: ``TranscriptionRequest.priority``)."""
         if self.asr is None:
             raise ServiceMissing("no asr model is served")
         from modalities.asr.engine import TranscriptionRequest
 
-        result = await self.asr.run(TranscriptionRequest(np.asarray(samples, np.float32)))
+        result = await self.asr.run(TranscriptionRequest(np.asarray(samples, np.float32), priority=priority))
         return str(result.text)
 
     async def speak(self, text: str, voice: str | None, sample_rate: int) -> AsyncIterator[np.ndarray]:

@@ -125,8 +125,9 @@ class ASR(Processor):
     In a concurrent run, a background transcript still unclaimed when it is ready is also passed
     on as a tentative ``Transcript`` (the LLM may start the reply speculatively)."""
 
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, priority: int = 0) -> None:
         self.services = services
+        self.priority = priority  # of its transcriptions (``TranscriptionRequest.priority``)
         self.early: tuple[int, asyncio.Task[str]] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
@@ -144,11 +145,11 @@ class ASR(Processor):
         if frame.tentative:
             self.early = (frame.turn_key, asyncio.create_task(self._early(frame)))
             return
-        text = await (early[1] if early is not None else self.services.transcribe(frame.samples))
+        text = await (early[1] if early is not None else self.services.transcribe(frame.samples, self.priority))
         yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
 
     async def _early(self, frame: UserAudio) -> str:
-        text = await self.services.transcribe(frame.samples)
+        text = await self.services.transcribe(frame.samples, self.priority)
         unclaimed = self.early is not None and self.early[1] is asyncio.current_task()
         if unclaimed and self.emit is not None and frame.respond:
             self.emit(Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, tentative=True))

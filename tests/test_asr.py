@@ -32,6 +32,7 @@ import torch
 from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
 from modalities.asr.model import load_whisper
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
+from modalities.asr.types import INTERACTIVE
 from tests.helpers import DEADLINE_S, until
 
 RATE = 16_000
@@ -200,6 +201,46 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
     finally:
         for h in hooks[1:]:
             h.remove()
+
+
+async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine) -> None:
+    """Windows queued behind a running pass: the interactive ones (voice turns) go first, one per
+    pass on a CPU; the bulk ones then share a pass (the fixture batches up to 4)."""
+    layers = engine.whisper.model.model.encoder.layers
+    started, go = threading.Event(), threading.Event()
+
+    def pause_once(*_: Any) -> None:
+        if not started.is_set():
+            started.set()
+            go.wait(DEADLINE_S)
+
+    clips = {name: corpus("piper")[i] for i, name in enumerate(["running", "bulk1", "bulk2", "voice1", "voice2"])}
+    names = {id(clip): name for name, clip in clips.items()}
+    passes: list[list[str]] = []
+    run_encoder = engine._run_encoder
+
+    def recording(jobs: list[Any]) -> Any:
+        passes.append([names[id(audio)] for audio, _ in jobs])
+        return run_encoder(jobs)
+
+    engine._run_encoder = recording  # type: ignore[method-assign]
+    hook = layers[0].register_forward_pre_hook(pause_once)
+    prompt = engine.prompt_ids()
+    try:
+        first = asyncio.create_task(engine._encode(clips["running"], prompt))
+        assert await asyncio.to_thread(started.wait, DEADLINE_S)
+        queued = [
+            asyncio.create_task(engine._encode(clips[name], prompt, priority))
+            for name, priority in (("bulk1", 0), ("voice1", INTERACTIVE), ("bulk2", 0), ("voice2", INTERACTIVE))
+        ]
+        await until(lambda: engine._enc_queue is not None and engine._enc_queue.qsize() == 4, "all four queued")
+        go.set()
+        await asyncio.gather(first, *queued)
+    finally:
+        go.set()
+        hook.remove()
+        del engine._run_encoder
+    assert passes == [["running"], ["voice1"], ["voice2"], ["bulk1", "bulk2"]]
 
 
 async def test_cross_attention_cache_released_and_bad_language(engine: AsrEngine) -> None:

@@ -284,23 +284,26 @@ def test_vad_segmenter_pause_then_stop_on_real_speech() -> None:
 
 
 def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
+    from modalities.asr.types import INTERACTIVE
     from pipelines.frames import UserAudio
     from pipelines.services import Services
     from pipelines.speech import ASR
 
     calls: list[int] = []
+    priorities: set[int] = set()
 
     class Fake(Services):
-        async def transcribe(self, samples: np.ndarray) -> str:
+        async def transcribe(self, samples: np.ndarray, priority: int = 0) -> str:
             calls.append(samples.size)
+            priorities.add(priority)
             await asyncio.sleep(0.01)
             return f"heard {samples.size}"
 
     def audio(n: int, key: int, tentative: bool) -> UserAudio:
         return UserAudio(np.zeros(n, np.float32), 16_000, tentative=tentative, turn_key=key)
 
-    async def run(frames: list[Frame]) -> list[str]:
-        asr = ASR(Fake())
+    async def run(frames: list[Frame], priority: int = 0) -> list[str]:
+        asr = ASR(Fake(), priority)
         return [f.text for f in await Pipeline([asr]).run_all(frames)]
 
     assert asyncio.run(run([audio(10, 1, True), audio(12, 1, False)])) == ["heard 10"] and calls == [10]
@@ -308,6 +311,10 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     assert asyncio.run(run([audio(10, 1, True), audio(30, 2, True), audio(40, 2, False)])) == ["heard 30"]
     calls.clear()
     assert asyncio.run(run([audio(10, 1, True), audio(50, 3, False)])) == ["heard 50"]
+    assert priorities == {0}
+    # A live session's ASR (pipelines.realtime) asks for its encoder passes first.
+    assert asyncio.run(run([audio(10, 1, True), audio(60, 4, False)], INTERACTIVE)) == ["heard 60"]
+    assert priorities == {0, INTERACTIVE}
 
 
 def test_chain_stages_skip_done_and_cancelled_work() -> None:
@@ -385,7 +392,7 @@ class _Speech:
         self.committed = asyncio.Event()
         self.before_commit: list[str] = []  # texts whose synthesis began before the commit
 
-    async def transcribe(self, samples: np.ndarray) -> str:
+    async def transcribe(self, samples: np.ndarray, priority: int = 0) -> str:
         self.transcribed.append(samples.size)
         await asyncio.sleep(0.02)
         return f"heard {samples.size}"
@@ -493,3 +500,17 @@ def test_speculation_is_redone_when_more_speech_was_committed() -> None:
     assert [rid.split("-")[0] for rid, _ in engine.requests] == ["spec", "resp_000001"]
     assert "".join(f.text for f in out if isinstance(f, TextDelta)) == "You said heard 150. Fine."
     assert speech.spoken == ["You said heard 100.", "You said heard 150.", "Fine."] and speech.open == 0
+
+
+def test_a_realtime_session_transcribes_as_interactive() -> None:
+    """A live voice turn's encoder pass goes ahead of bulk transcriptions (``AsrEngine``)."""
+    from types import SimpleNamespace
+
+    from modalities.asr.types import INTERACTIVE
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import Services
+    from pipelines.speech import ASR
+
+    ws = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))  # nothing is sent or received
+    session = RealtimeSession(ws, Services(), "m")  # type: ignore[arg-type]
+    assert [s.priority for s in session.pipeline.stages if isinstance(s, ASR)] == [INTERACTIVE]

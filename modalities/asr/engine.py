@@ -38,6 +38,8 @@ DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
 _EncoderJob = tuple[np.ndarray, list[int]]  # (≤30 s window audio, decoder prompt ids)
+# Queued: (priority, arrival, job, caller's future); the arrival breaks ties, FIFO within a priority.
+_Queued = tuple[int, int, _EncoderJob, asyncio.Future[Any]]
 
 
 class _EncoderAbandoned(Exception):
@@ -116,7 +118,8 @@ class AsrEngine:
         self._eos = gen.eos_token_id
         self._no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
-        self._enc_queue: asyncio.Queue[tuple[_EncoderJob, asyncio.Future[Any]]] | None = None
+        self._enc_queue: asyncio.PriorityQueue[_Queued] | None = None
+        self._arrivals = itertools.count()
         self._enc_task: asyncio.Task[None] | None = None
         self._aligner: WordAligner | None = None  # built on the first request for word timestamps
         self.audio_seconds = 0.0
@@ -139,7 +142,7 @@ class AsrEngine:
         a worker running each call under ``asyncio.run``) gets a fresh one."""
         loop = asyncio.get_running_loop()
         if self._enc_task is None or self._enc_task.done() or self._enc_task.get_loop() is not loop:
-            self._enc_queue = asyncio.Queue()
+            self._enc_queue = asyncio.PriorityQueue()
             self._enc_task = loop.create_task(self._encoder_loop())
 
     async def shutdown(self) -> None:
@@ -162,24 +165,32 @@ class AsrEngine:
         return s
 
     # -- encoder batching ----------------------------------------------------------------------
-    async def _encode(self, audio: np.ndarray, prompt_ids: list[int]) -> tuple[Any, float]:
+    async def _encode(self, audio: np.ndarray, prompt_ids: list[int], priority: int = 0) -> tuple[Any, float]:
         """(encoder output [frames, d_model], no-speech probability under ``prompt_ids``) of one
-        ≤30 s window, batched with concurrent calls."""
+        ≤30 s window, batched with concurrent calls; the lowest ``priority`` queued goes first."""
         await self.start()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         assert self._enc_queue is not None
-        await self._enc_queue.put(((audio, prompt_ids), fut))
+        await self._enc_queue.put((priority, next(self._arrivals), (audio, prompt_ids), fut))
         return await fut
 
     async def _encoder_loop(self) -> None:
         assert self._enc_queue is not None
+        # On a CPU a batch of n windows takes n times one window (185 ms each for tiny.en here):
+        # batching adds no encoder throughput, it only holds every result until the last. Bulk
+        # windows still batch (their decodes then start together and batch better, ~5-8% more
+        # audio-s/s on 32 clips); an interactive window (priority < 0) runs alone, so a voice turn's
+        # transcript does not wait for the others' (docs/BENCHMARKS.md).
+        on_cpu = self.whisper.model.device.type == "cpu"
         while True:
-            batch = [await self._enc_queue.get()]
-            while len(batch) < self.config.max_encoder_batch and not self._enc_queue.empty():
+            first = await self._enc_queue.get()
+            limit = 1 if on_cpu and first[0] < 0 else self.config.max_encoder_batch
+            batch = [first]
+            while len(batch) < limit and not self._enc_queue.empty():
                 batch.append(self._enc_queue.get_nowait())
-            await self._encode_batch(batch)
+            await self._encode_batch([(job, fut) for _, _, job, fut in batch])
             # Hold no encoder output past its request: its cross K/V are freed with it.
-            del batch
+            del batch, first
 
     async def _encode_batch(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]]) -> None:
         live = [(a, f) for a, f in batch if not f.done()]
@@ -278,13 +289,20 @@ class AsrEngine:
         return [t for t in tokens if t != self._eos]
 
     async def decode_window(
-        self, audio: np.ndarray, prompt_ids: list[int], temperature: float = 0.0, seed: int = 0, words: bool = False
+        self,
+        audio: np.ndarray,
+        prompt_ids: list[int],
+        temperature: float = 0.0,
+        seed: int = 0,
+        words: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[tuple[str, WindowResult | None]]:
         """Decode one ≤30 s window with Whisper's temperature fallback: yields ``(live text,
         None)`` while a decode's running figures pass the checks, then ``(text, result)`` with the
         kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``.
-        ``words``: the result also carries the kept decode's words, aligned (on a worker thread)."""
-        enc, no_speech = await self._encode(audio, prompt_ids)
+        ``words``: the result also carries the kept decode's words, aligned (on a worker thread).
+        ``priority``: of the window's encoder pass (``TranscriptionRequest.priority``)."""
+        enc, no_speech = await self._encode(audio, prompt_ids, priority)
         temps = fallback_temperatures(temperature)
         for attempt, t in enumerate(temps):
             text, ids, lps = "", [], []
@@ -337,7 +355,7 @@ class AsrEngine:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 # Each window its own seeds, reproducible whatever else is decoding.
                 async for text, res in self.decode_window(
-                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps
+                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps, req.priority
                 ):
                     await queue.put((i, text, res))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer

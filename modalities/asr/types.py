@@ -49,7 +49,9 @@ class TranscriptionRequest:
     """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
     ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
-    ``word_timestamps``: also align every word (one extra decoder pass per window)."""
+    ``word_timestamps``: also align every word (one extra decoder pass per window).
+    ``priority``: lower is encoded first; ``INTERACTIVE`` (a live voice turn) also runs its
+    windows alone on a CPU (``AsrEngine``)."""
 
     audio: np.ndarray
     language: str | None = None
@@ -58,6 +60,10 @@ class TranscriptionRequest:
     vad: bool | None = None
     seed: int | None = None
     word_timestamps: bool = False
+    priority: int = 0
+
+
+INTERACTIVE = -1  # ``TranscriptionRequest.priority`` of a live voice turn
 
 
 @dataclass
