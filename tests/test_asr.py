@@ -180,7 +180,7 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
     hooks += [layer.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, layer in enumerate(layers)]
     clip = corpus("piper")[0]
     prompt = engine.prompt_ids()
-    abandoned = engine.num_encoder_abandoned
+    abandoned = engine.encoder.num_abandoned
     try:
         task = asyncio.create_task(engine.decode_tokens(clip, prompt))
         assert await asyncio.to_thread(started.wait, DEADLINE_S)
@@ -188,8 +188,8 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
         go.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await until(lambda: engine.num_encoder_abandoned > abandoned, "the pass ends on the worker thread")
-        assert engine.num_encoder_abandoned == abandoned + 1
+        await until(lambda: engine.encoder.num_abandoned > abandoned, "the pass ends on the worker thread")
+        assert engine.encoder.num_abandoned == abandoned + 1
         assert ran == [0]
     finally:
         go.set()
@@ -217,13 +217,13 @@ async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine
     clips = {name: corpus("piper")[i] for i, name in enumerate(["running", "bulk1", "bulk2", "voice1", "voice2"])}
     names = {id(clip): name for name, clip in clips.items()}
     passes: list[list[str]] = []
-    run_encoder = engine._run_encoder
+    run_encoder = engine.encoder.run
 
     def recording(jobs: list[Any]) -> Any:
         passes.append([names[id(audio)] for audio, _ in jobs])
         return run_encoder(jobs)
 
-    engine._run_encoder = recording  # type: ignore[method-assign]
+    engine.encoder.run = recording  # type: ignore[method-assign]
     hook = layers[0].register_forward_pre_hook(pause_once)
     prompt = engine.prompt_ids()
     try:
@@ -233,13 +233,13 @@ async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine
             asyncio.create_task(engine._encode(clips[name], prompt, priority))
             for name, priority in (("bulk1", 0), ("voice1", INTERACTIVE), ("bulk2", 0), ("voice2", INTERACTIVE))
         ]
-        await until(lambda: engine._enc_queue is not None and engine._enc_queue.qsize() == 4, "all four queued")
+        await until(lambda: engine.encoder._queue is not None and engine.encoder._queue.qsize() == 4, "all four queued")
         go.set()
         await asyncio.gather(first, *queued)
     finally:
         go.set()
         hook.remove()
-        del engine._run_encoder
+        del engine.encoder.run
     assert passes == [["running"], ["voice1"], ["voice2"], ["bulk1", "bulk2"]]
 
 

@@ -1,7 +1,7 @@
 """``AsrEngine``: Whisper on the shared engine.
 
-Audio → (VAD + windows for long files) → log-mel features → encoder, batched across every window
-waiting at that moment (one forward per batch, on a worker thread) → one decoder request per window
+Audio → (VAD + windows for long files) → log-mel features → encoder, batched across the windows
+waiting at that moment (``modalities.asr.encoder``, on a worker thread) → one decoder request per window
 on the shared engine (``LLMEngine`` with ``WhisperDecoderAdapter``: paged self-attention KV,
 continuous batching of all clips' decodes) → texts stitched into one transcript.
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from engine import openmp
 from modalities.asr.alignment import WordAligner, transcript_words
+from modalities.asr.encoder import RATE, EncoderBatcher
 from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
 from modalities.asr.model import WhisperModel, load_whisper
 from modalities.asr.quality import WindowResult, avg_logprob, compression_ratio, fallback_temperatures, passes_so_far
@@ -32,19 +33,8 @@ from modalities.asr.types import Segment, Transcript, TranscriptDelta, Transcrip
 
 logger = logging.getLogger("mmserve.asr")
 
-RATE = 16_000
 WINDOW_S = 30.0
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
-
-
-_EncoderJob = tuple[np.ndarray, list[int]]  # (≤30 s window audio, decoder prompt ids)
-# Queued: (priority, arrival, job, caller's future); the arrival breaks ties, FIFO within a priority.
-_Queued = tuple[int, int, _EncoderJob, asyncio.Future[Any]]
-
-
-class _EncoderAbandoned(Exception):
-    """Every caller of the running encoder batch went away (a voice turn's speculative ASR when
-    the speaker goes on): the pass stops at its next layer instead of running to the end."""
 
 
 @dataclass
@@ -92,9 +82,6 @@ class AsrEngine:
 
             use_prepacked_linears(model.model.encoder)  # the fp32 CPU linears, where oneDNN is present
         self.adapter = WhisperDecoderAdapter(model)
-        self._abandoned: list[asyncio.Future[Any]] | None = None  # the running batch's futures
-        for layer in model.model.encoder.layers:
-            layer.register_forward_pre_hook(self._stop_if_abandoned)
         max_len = model.config.max_target_positions
         ecfg = EngineConfig(
             model=str(whisper.path),
@@ -116,17 +103,13 @@ class AsrEngine:
         }
         self._no_ts = gen.no_timestamps_token_id
         self._eos = gen.eos_token_id
-        self._no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
-        self._enc_queue: asyncio.PriorityQueue[_Queued] | None = None
-        self._arrivals = itertools.count()
-        self._enc_task: asyncio.Task[None] | None = None
+        no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
+        self.encoder = EncoderBatcher(whisper, self.adapter, no_speech, self.config.max_encoder_batch)
         self._aligner: WordAligner | None = None  # built on the first request for word timestamps
         self.audio_seconds = 0.0
         self.num_windows = 0
-        self.num_encoder_batches = 0
         self.num_fallback_decodes = 0
-        self.num_encoder_abandoned = 0
 
     @classmethod
     def from_config(cls, config: AsrConfig) -> AsrEngine:
@@ -135,21 +118,10 @@ class AsrEngine:
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.engine.start()
-        self._ensure_encoder_loop()
-
-    def _ensure_encoder_loop(self) -> None:
-        """The encoder batcher runs on the caller's event loop; a caller on a new loop (a test,
-        a worker running each call under ``asyncio.run``) gets a fresh one."""
-        loop = asyncio.get_running_loop()
-        if self._enc_task is None or self._enc_task.done() or self._enc_task.get_loop() is not loop:
-            self._enc_queue = asyncio.PriorityQueue()
-            self._enc_task = loop.create_task(self._encoder_loop())
+        self.encoder.ensure_loop()  # on the caller's event loop
 
     async def shutdown(self) -> None:
-        if self._enc_task is not None:
-            if not self._enc_task.get_loop().is_closed():
-                self._enc_task.cancel()
-            self._enc_task = None
+        self.encoder.close()
         await self.engine.shutdown()
 
     def stats(self) -> dict[str, float]:
@@ -157,86 +129,18 @@ class AsrEngine:
         s.update(
             audio_seconds_total=self.audio_seconds,
             windows_total=self.num_windows,
-            encoder_batches_total=self.num_encoder_batches,
+            encoder_batches_total=self.encoder.num_batches,
             fallback_decodes_total=self.num_fallback_decodes,
-            encoder_batches_abandoned_total=self.num_encoder_abandoned,
+            encoder_batches_abandoned_total=self.encoder.num_abandoned,
             cross_kv_cached=self.adapter.num_cached_cross,
         )
         return s
 
-    # -- encoder batching ----------------------------------------------------------------------
     async def _encode(self, audio: np.ndarray, prompt_ids: list[int], priority: int = 0) -> tuple[Any, float]:
         """(encoder output [frames, d_model], no-speech probability under ``prompt_ids``) of one
-        ≤30 s window, batched with concurrent calls; the lowest ``priority`` queued goes first."""
+        ≤30 s window, batched with concurrent calls (``EncoderBatcher``)."""
         await self.start()
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        assert self._enc_queue is not None
-        await self._enc_queue.put((priority, next(self._arrivals), (audio, prompt_ids), fut))
-        return await fut
-
-    async def _encoder_loop(self) -> None:
-        assert self._enc_queue is not None
-        # On a CPU a batch of n windows takes n times one window (185 ms each for tiny.en here):
-        # batching adds no encoder throughput, it only holds every result until the last. Bulk
-        # windows still batch (their decodes then start together and batch better, ~5-8% more
-        # audio-s/s on 32 clips); an interactive window (priority < 0) runs alone, so a voice turn's
-        # transcript does not wait for the others' (docs/BENCHMARKS.md).
-        on_cpu = self.whisper.model.device.type == "cpu"
-        while True:
-            first = await self._enc_queue.get()
-            limit = 1 if on_cpu and first[0] < 0 else self.config.max_encoder_batch
-            batch = [first]
-            while len(batch) < limit and not self._enc_queue.empty():
-                batch.append(self._enc_queue.get_nowait())
-            await self._encode_batch([(job, fut) for _, _, job, fut in batch])
-            # Hold no encoder output past its request: its cross K/V are freed with it.
-            del batch, first
-
-    async def _encode_batch(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]]) -> None:
-        live = [(a, f) for a, f in batch if not f.done()]
-        if not live:
-            return
-        self._abandoned = [f for _, f in live]
-        try:
-            outs = await openmp.to_thread(self._run_encoder, [a for a, _ in live])
-        except _EncoderAbandoned:
-            self.num_encoder_abandoned += 1
-            return
-        except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
-            for _, f in live:
-                if not f.done():
-                    f.set_exception(exc)
-            return
-        finally:
-            self._abandoned = None
-        for (_, f), out in zip(live, outs, strict=True):
-            if not f.done():
-                f.set_result(out)
-
-    def _stop_if_abandoned(self, *_: Any) -> None:
-        """Encoder layer pre-hook (worker thread): a cancelled future is done, and done is final."""
-        futures = self._abandoned
-        if futures is not None and all(f.done() for f in futures):
-            raise _EncoderAbandoned
-
-    def _run_encoder(self, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
-        import torch
-
-        feats = self.whisper.feature_extractor(
-            [a for a, _ in jobs], sampling_rate=RATE, return_tensors="pt"
-        ).input_features
-        sot = self._tok["<|startoftranscript|>"]
-        with torch.inference_mode():
-            hidden = self.whisper.model.model.encoder(
-                input_features=feats.to(self.whisper.model.device, self.whisper.model.dtype)
-            ).last_hidden_state
-            outs = [hidden[i].clone() for i in range(len(jobs))]
-            # Cross-attention K/V (cached) and Whisper's no-speech probability, read at the
-            # <|startoftranscript|> position, for the whole batch here, off the decode loop.
-            logits = self.adapter.prompt_logits(outs, [p[: p.index(sot) + 1] for _, p in jobs])
-            no_speech = torch.softmax(logits.float(), -1)[:, self._no_speech].tolist()
-        self.num_encoder_batches += 1
-        return list(zip(outs, no_speech, strict=True))
+        return await self.encoder.encode(audio, prompt_ids, priority)
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, language: str | None = None, prompt: str | None = None) -> list[int]:
