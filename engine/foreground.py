@@ -52,3 +52,7 @@ class Foreground:
 
 
 FOREGROUND = Foreground()
+
+# The request priority of latency-critical work, a live voice turn's: lower runs first in the LLM
+# engine's scheduler (``scheduling_policy="priority"``) and in the ASR encoder's queue.
+INTERACTIVE = -1

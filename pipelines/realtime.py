@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from modalities.asr.types import INTERACTIVE
+from engine.foreground import INTERACTIVE
 from modalities.audio import ASR_RATE, from_pcm16, to_pcm16
 from pipelines.conversation import Conversation, Spoken, heard_text
 from pipelines.frames import (
@@ -76,7 +76,7 @@ class RealtimeSession:
         self.config = SessionConfig(model, modalities=["text", "audio"] if services.tts is not None else ["text"])
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
-        self.llm_options = LLMOptions()
+        self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
         self.tts_options = TTSOptions()
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
@@ -85,7 +85,7 @@ class RealtimeSession:
             [
                 Resample(ASR_RATE),
                 VAD(self.vad_config),
-                ASR(services, INTERACTIVE),  # a live turn: its encoder pass goes first
+                ASR(services, INTERACTIVE),  # a live turn: its encoder passes go first
                 LLM(services, self.conv, self.llm_options, prefetch),
                 Sentences(),
                 TTS(services, self.tts_options, prefetch),

@@ -165,6 +165,7 @@ class ASR(Processor):
 class LLMOptions:
     max_tokens: int = 64
     temperature: float = 0.0
+    priority: int = 0  # of the engine requests (lower first under the engine's priority policy)
 
 
 class LLM(Processor):
@@ -226,7 +227,8 @@ class LLM(Processor):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         # Response ids count per session; the engine is shared by every session, so its request
         # id needs a process-unique suffix.
-        return self.services.llm.generate(f"{request_id}-{uuid.uuid4().hex[:12]}", ids, params)
+        request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        return self.services.llm.generate(request_id, ids, params, priority=self.options.priority)
 
     def _speculate(self, text: str) -> None:
         """Start the reply the conversation would get if the turn ended with ``text``."""

@@ -29,10 +29,10 @@ import numpy as np
 import pytest
 import torch
 
+from engine.foreground import INTERACTIVE
 from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
 from modalities.asr.model import load_whisper
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
-from modalities.asr.types import INTERACTIVE
 from tests.helpers import DEADLINE_S, until
 
 RATE = 16_000

@@ -230,6 +230,15 @@ async def test_priority_serves_lower_value_first(loaded) -> None:
         await _idle(engine)
 
 
+def test_the_serve_flag_picks_the_scheduling_policy() -> None:
+    from gateway.cli import build_parser
+    from modalities.llm.plugin import engine_config
+
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert engine_config(args, "m").scheduling_policy == "priority"
+    assert engine_config(build_parser().parse_args(["serve"]), "m").scheduling_policy == "fcfs"
+
+
 async def test_fcfs_ignores_priority(loaded) -> None:
     async with _async_engine(loaded, max_num_seqs=1) as engine:
         llm = engine.engine

@@ -231,7 +231,7 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:
         tokenizer = type("Tok", (), {"apply_chat_template": lambda self, m, **_: [1, 2, 3]})()
         max_model_len = 8
 
-        async def generate(self, *_: object) -> AsyncIterator[object]:
+        async def generate(self, *_: object, **__: object) -> AsyncIterator[object]:
             raise PromptTooLongError(3, 64, 8)
             yield  # an async generator, like AsyncEngine.generate
 
@@ -284,7 +284,7 @@ def test_vad_segmenter_pause_then_stop_on_real_speech() -> None:
 
 
 def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
-    from modalities.asr.types import INTERACTIVE
+    from engine.foreground import INTERACTIVE
     from pipelines.frames import UserAudio
     from pipelines.services import Services
     from pipelines.speech import ASR
@@ -359,16 +359,20 @@ class _Replies:
     def __init__(self, delay: float) -> None:
         self.delay = delay
         self.requests: list[tuple[str, str]] = []
+        self.priorities: list[int] = []
         self.aborted: list[str] = []
         self.tokenizer = type(
             "Tok", (), {"apply_chat_template": lambda _, m, **__: [ord(c) for c in str([x["content"] for x in m])]}
         )()
 
-    async def generate(self, request_id: str, ids: list[int], params: object) -> AsyncIterator[object]:
+    async def generate(
+        self, request_id: str, ids: list[int], params: object, priority: int = 0
+    ) -> AsyncIterator[object]:
         from types import SimpleNamespace
 
         prompt = "".join(map(chr, ids))
         self.requests.append((request_id, prompt))
+        self.priorities.append(priority)
         words = f"You said {eval(prompt)[-1]}. Fine.".split(" ")  # noqa: S307 - our own repr of a list of str
         done = False
         try:
@@ -502,15 +506,30 @@ def test_speculation_is_redone_when_more_speech_was_committed() -> None:
     assert speech.spoken == ["You said heard 100.", "You said heard 150.", "Fine."] and speech.open == 0
 
 
-def test_a_realtime_session_transcribes_as_interactive() -> None:
-    """A live voice turn's encoder pass goes ahead of bulk transcriptions (``AsrEngine``)."""
+def test_a_realtime_session_asks_for_interactive_priority() -> None:
+    """A live voice turn's encoder passes go ahead of bulk transcriptions, and its LLM requests
+    ahead of chat requests under the engine's priority policy."""
     from types import SimpleNamespace
 
-    from modalities.asr.types import INTERACTIVE
+    from engine.foreground import INTERACTIVE
     from pipelines.realtime import RealtimeSession
     from pipelines.services import Services
-    from pipelines.speech import ASR
+    from pipelines.speech import ASR, LLM
 
     ws = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))  # nothing is sent or received
     session = RealtimeSession(ws, Services(), "m")  # type: ignore[arg-type]
     assert [s.priority for s in session.pipeline.stages if isinstance(s, ASR)] == [INTERACTIVE]
+    assert [s.options.priority for s in session.pipeline.stages if isinstance(s, LLM)] == [INTERACTIVE]
+
+
+def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:
+    from engine.foreground import INTERACTIVE
+    from pipelines.conversation import Conversation
+    from pipelines.frames import ResponseRequest
+    from pipelines.services import Services
+    from pipelines.speech import LLM, LLMOptions
+
+    for options, priority in ((None, 0), (LLMOptions(priority=INTERACTIVE), INTERACTIVE)):
+        engine = _Replies(0.0)
+        asyncio.run(Pipeline([LLM(Services(llm=engine), Conversation("sys"), options)]).run_all([ResponseRequest()]))
+        assert engine.priorities == [priority]

@@ -50,8 +50,8 @@ class TranscriptionRequest:
     ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
     ``word_timestamps``: also align every word (one extra decoder pass per window).
-    ``priority``: lower is encoded first; ``INTERACTIVE`` (a live voice turn) also runs its
-    windows alone on a CPU (``AsrEngine``)."""
+    ``priority``: lower is encoded first; ``engine.foreground.INTERACTIVE`` (a live voice turn)
+    also runs its windows alone on a CPU (``modalities.asr.encoder``)."""
 
     audio: np.ndarray
     language: str | None = None
@@ -61,9 +61,6 @@ class TranscriptionRequest:
     seed: int | None = None
     word_timestamps: bool = False
     priority: int = 0
-
-
-INTERACTIVE = -1  # ``TranscriptionRequest.priority`` of a live voice turn
 
 
 @dataclass

@@ -33,6 +33,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "applies; none: the dequantized fp32 weights only (what transformers computes)",
     )
     g.add_argument(
+        "--scheduling-policy",
+        default=None,
+        choices=["fcfs", "priority"],
+        help="fcfs (default): requests are admitted in arrival order; priority: a lower `priority` (a "
+        "request field, as vLLM's) is admitted first and preempted last, live voice turns ask for -1",
+    )
+    g.add_argument(
         "--foreground-wait-ms",
         type=float,
         default=None,
@@ -46,7 +53,8 @@ def engine_config(args: Any, model: str) -> Any:
     from engine.config import EngineConfig
 
     kwargs: dict[str, Any] = {"model": model}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "dtype", "device"):
+    names = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "dtype", "device")
+    for name in (*names, "scheduling_policy"):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
