@@ -18,6 +18,7 @@ model) on real synthetic speech (Piper and eSpeak NG voices):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import functools
 import gc
@@ -156,6 +157,7 @@ def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine)
     a.cross_attention(cross[:2], [0, 1, 2], batched=True)
     assert a._stacked[1] is not held
     # The stacked copy goes as soon as one of its requests ends (its encoder output is freed).
+    gc.collect()  # earlier tests' encoder outputs go now, not between the counts below
     cached = a.num_cached_cross
     encs = [torch.randn(50, a.hidden_size, generator=g) for _ in range(2)]
     a.cross_attention([a.cross_kv(e) for e in encs], [0, 1, 2], batched=True)
@@ -201,6 +203,61 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
     finally:
         for h in hooks[1:]:
             h.remove()
+
+
+async def test_an_abandoned_pass_stops_only_its_own_batcher(engine: AsrEngine) -> None:
+    """Engines over one model each hook its encoder layers: one engine's abandoned pass must not
+    stop another engine's pass running at the same time (whose callers would then wait forever)."""
+    other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1))
+    layers = engine.whisper.model.model.encoder.layers
+    started, go = threading.Event(), threading.Event()
+
+    def pause_once(*_: Any) -> None:
+        if not started.is_set():
+            started.set()
+            go.wait(DEADLINE_S)
+
+    hook = layers[0].register_forward_pre_hook(pause_once)
+    clip, prompt = corpus("piper")[0], engine.prompt_ids()
+    stuck = asyncio.create_task(engine._encode(clip, prompt))
+    try:
+        assert await asyncio.to_thread(started.wait, DEADLINE_S)
+        stuck.cancel()  # the engine's pass, paused in layer 0, now waits for nobody
+        enc, _ = await asyncio.wait_for(other._encode(clip, prompt), DEADLINE_S)
+        assert enc.shape == (engine.whisper.model.config.max_source_positions, engine.adapter.hidden_size)
+    finally:
+        go.set()
+        hook.remove()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stuck
+        await other.shutdown()
+
+
+async def test_closing_the_encoder_cancels_its_callers(engine: AsrEngine) -> None:
+    """A pass in flight and a window queued behind it when the engine shuts down: both callers
+    are cancelled rather than left waiting."""
+    other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1))
+    started, go = threading.Event(), threading.Event()
+
+    def pause_once(*_: Any) -> None:
+        if not started.is_set():
+            started.set()
+            go.wait(DEADLINE_S)
+
+    hook = engine.whisper.model.model.encoder.layers[0].register_forward_pre_hook(pause_once)
+    clip, prompt = corpus("piper")[0], engine.prompt_ids()
+    try:
+        running = asyncio.create_task(other._encode(clip, prompt))
+        assert await asyncio.to_thread(started.wait, DEADLINE_S)
+        queued = asyncio.create_task(other._encode(clip, prompt))
+        await until(lambda: other.encoder._queue is not None and other.encoder._queue.qsize() == 1, "queued")
+        await other.shutdown()
+        for task in (running, queued):
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, DEADLINE_S)
+    finally:
+        go.set()
+        hook.remove()
 
 
 async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ class EncoderBatcher:
         self._task: asyncio.Task[None] | None = None
         self._arrivals = itertools.count()
         self._abandoned: list[asyncio.Future[Any]] | None = None  # the running batch's futures
+        self._pass_thread: int | None = None  # the thread running this batcher's pass (models are shared)
         for layer in whisper.model.model.encoder.layers:
             layer.register_forward_pre_hook(self._stop_if_abandoned)
         self.num_batches = 0
@@ -73,19 +75,24 @@ class EncoderBatcher:
         assert self._queue is not None
         # On a CPU a batch of n windows takes n times one window (185 ms each for tiny.en here):
         # batching adds no encoder throughput, it only holds every result until the last. Bulk
-        # windows still batch (their decodes then start together and batch better, ~5-8% more
-        # audio-s/s on 32 clips); an interactive window (priority < 0) runs alone, so a voice turn's
-        # transcript does not wait for the others' (docs/BENCHMARKS.md).
+        # windows still batch (their decodes then start together and batch better: 36-37 audio-s/s
+        # on 32 clips with batches of 8, 31 with 2); an interactive window (priority < 0) runs
+        # alone, so a voice turn's transcript does not wait for other queued windows. It does wait
+        # for a pass already running: up to max_batch bulk windows (docs/BENCHMARKS.md).
         on_cpu = self.whisper.model.device.type == "cpu"
-        while True:
-            first = await self._queue.get()
-            limit = 1 if on_cpu and first[0] < 0 else self.max_batch
-            batch = [first]
-            while len(batch) < limit and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            await self._encode_batch([(job, fut) for _, _, job, fut in batch])
-            # Hold no encoder output past its request: its cross K/V are freed with it.
-            del batch, first
+        try:
+            while True:
+                first = await self._queue.get()
+                limit = 1 if on_cpu and first[0] < 0 else self.max_batch
+                batch = [first]
+                while len(batch) < limit and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                await self._encode_batch([(job, fut) for _, _, job, fut in batch])
+                # Hold no encoder output past its request: its cross K/V are freed with it.
+                del batch, first
+        finally:  # closed: what is still queued will never run
+            while not self._queue.empty():
+                self._queue.get_nowait()[3].cancel()
 
     async def _encode_batch(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]]) -> None:
         live = [(a, f) for a, f in batch if not f.done()]
@@ -97,6 +104,10 @@ class EncoderBatcher:
         except _EncoderAbandoned:
             self.num_abandoned += 1
             return
+        except asyncio.CancelledError:  # closed mid-pass: its callers get no result
+            for _, f in live:
+                f.cancel()
+            raise
         except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
             for _, f in live:
                 if not f.done():
@@ -109,9 +120,10 @@ class EncoderBatcher:
                 f.set_result(out)
 
     def _stop_if_abandoned(self, *_: Any) -> None:
-        """Encoder layer pre-hook (worker thread): a cancelled future is done, and done is final."""
+        """Encoder layer pre-hook (worker thread): a cancelled future is done, and done is final.
+        Every batcher over a shared model hooks its layers: only this batcher's pass may stop."""
         futures = self._abandoned
-        if futures is not None and all(f.done() for f in futures):
+        if futures is not None and threading.get_ident() == self._pass_thread and all(f.done() for f in futures):
             raise _EncoderAbandoned
 
     def run(self, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
@@ -119,6 +131,7 @@ class EncoderBatcher:
         import torch
 
         model = self.whisper.model
+        self._pass_thread = threading.get_ident()
         feats = self.whisper.feature_extractor([a for a, _ in jobs], sampling_rate=RATE, return_tensors="pt")
         with torch.inference_mode():
             hidden = model.model.encoder(
