@@ -23,7 +23,7 @@ import difflib
 import functools
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -167,6 +167,19 @@ def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine)
     assert a._stacked is None and a.num_cached_cross == cached + 1
 
 
+def _pause_first_pass() -> tuple[threading.Event, threading.Event, Callable[..., None]]:
+    """(started, go, hook): a layer pre-hook that holds the first pass reaching it until ``go`` is
+    set (``started`` says one got there); later passes go through."""
+    started, go = threading.Event(), threading.Event()
+
+    def pause_once(*_: Any) -> None:
+        if not started.is_set():
+            started.set()
+            go.wait(DEADLINE_S)
+
+    return started, go, pause_once
+
+
 async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngine) -> None:
     """A cancelled caller (a voice turn's speculative ASR when speech resumes) stops the encoder
     batch it alone waits for: later layers never run, and the next call is served normally."""
@@ -210,12 +223,7 @@ async def test_an_abandoned_pass_stops_only_its_own_batcher(engine: AsrEngine) -
     stop another engine's pass running at the same time (whose callers would then wait forever)."""
     other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1))
     layers = engine.whisper.model.model.encoder.layers
-    started, go = threading.Event(), threading.Event()
-
-    def pause_once(*_: Any) -> None:
-        if not started.is_set():
-            started.set()
-            go.wait(DEADLINE_S)
+    started, go, pause_once = _pause_first_pass()
 
     hook = layers[0].register_forward_pre_hook(pause_once)
     clip, prompt = corpus("piper")[0], engine.prompt_ids()
@@ -237,12 +245,7 @@ async def test_closing_the_encoder_cancels_its_callers(engine: AsrEngine) -> Non
     """A pass in flight and a window queued behind it when the engine shuts down: both callers
     are cancelled rather than left waiting."""
     other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1))
-    started, go = threading.Event(), threading.Event()
-
-    def pause_once(*_: Any) -> None:
-        if not started.is_set():
-            started.set()
-            go.wait(DEADLINE_S)
+    started, go, pause_once = _pause_first_pass()
 
     hook = engine.whisper.model.model.encoder.layers[0].register_forward_pre_hook(pause_once)
     clip, prompt = corpus("piper")[0], engine.prompt_ids()
@@ -264,12 +267,7 @@ async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine
     """Windows queued behind a running pass: the interactive ones (voice turns) go first, one per
     pass on a CPU; the bulk ones then share a pass (the fixture batches up to 4)."""
     layers = engine.whisper.model.model.encoder.layers
-    started, go = threading.Event(), threading.Event()
-
-    def pause_once(*_: Any) -> None:
-        if not started.is_set():
-            started.set()
-            go.wait(DEADLINE_S)
+    started, go, pause_once = _pause_first_pass()
 
     clips = {name: corpus("piper")[i] for i, name in enumerate(["running", "bulk1", "bulk2", "voice1", "voice2"])}
     names = {id(clip): name for name, clip in clips.items()}
