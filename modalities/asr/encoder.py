@@ -113,8 +113,8 @@ class EncoderBatcher:
                 if not f.done():
                     f.set_exception(exc)
             return
-        finally:
-            self._abandoned = None
+        finally:  # both cleared: a stale thread id must not match another batcher's pass
+            self._abandoned = self._pass_thread = None
         for (_, f), out in zip(live, outs, strict=True):
             if not f.done():
                 f.set_result(out)
