@@ -184,14 +184,9 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
     """A cancelled caller (a voice turn's speculative ASR when speech resumes) stops the encoder
     batch it alone waits for: later layers never run, and the next call is served normally."""
     layers = engine.whisper.model.model.encoder.layers
-    started, go = threading.Event(), threading.Event()
+    started, go, pause_once = _pause_first_pass()
     ran: list[int] = []
-
-    def pause_in_first_layer(*_: Any) -> None:
-        started.set()
-        go.wait(DEADLINE_S)
-
-    hooks = [layers[0].register_forward_pre_hook(pause_in_first_layer)]
+    hooks = [layers[0].register_forward_pre_hook(pause_once)]
     hooks += [layer.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, layer in enumerate(layers)]
     clip = corpus("piper")[0]
     prompt = engine.prompt_ids()

@@ -53,8 +53,15 @@ def engine_config(args: Any, model: str) -> Any:
     from engine.config import EngineConfig
 
     kwargs: dict[str, Any] = {"model": model}
-    passed = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "dtype", "device")
-    for name in (*passed, "scheduling_policy"):
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "max_model_len",
+        "dtype",
+        "device",
+        "scheduling_policy",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
