@@ -68,6 +68,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="turn_detection.speculative_silence_ms: the pause that starts a turn speculatively (default: the server's)",
     )
     ap.add_argument("--max-tokens", type=int, default=48, help="max_response_output_tokens")
+    ap.add_argument(
+        "--uploads",
+        type=int,
+        default=0,
+        help="meanwhile, this many clients upload a ~60 s recording to /v1/audio/transcriptions in a loop",
+    )
     ap.add_argument("--timeout", type=float, default=120.0, help="per-turn timeout (s)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
 
@@ -169,6 +175,54 @@ async def _level(url: str, clips: list[tuple[bytes, float]], sessions: int, args
     return [t for o in outs for t in o]
 
 
+def _recording(clips: list[tuple[bytes, float]]) -> tuple[bytes, float]:
+    """A WAV of the questions over and over, ~60 s: two or three Whisper windows."""
+    import io
+    import wave
+
+    pcm, seconds = b"", 0.0
+    while seconds < 60:
+        for clip, _ in clips:
+            pcm += clip
+            seconds += len(clip) / 2 / RATE
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(pcm)
+    return buf.getvalue(), seconds
+
+
+async def _with_uploads(
+    base: str, voice: Any, recording: tuple[bytes, float], clients: int
+) -> tuple[list[dict], dict[str, float]]:
+    """Run ``voice`` while ``clients`` upload ``recording`` for transcription back to back: the
+    voice turns' results, and the uploads' count and audio-seconds per second."""
+    import httpx
+
+    wav, seconds = recording
+    done = [0]
+
+    async def upload(client: httpx.AsyncClient) -> None:
+        while True:
+            r = await client.post("/v1/audio/transcriptions", files={"file": ("q.wav", wav)})
+            r.raise_for_status()
+            done[0] += 1
+
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        tasks = [asyncio.create_task(upload(client)) for _ in range(clients)]
+        try:
+            turns = await voice
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    wall = time.monotonic() - t0
+    return turns, {"uploads": done[0], "audio_s_per_s": done[0] * seconds / wall}
+
+
 def _launch(args: argparse.Namespace) -> Any:
     from bench.servers import free_port, launch
 
@@ -194,9 +248,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         for n in [int(x) for x in str(args.sessions).split(",") if x]:
-            turns = asyncio.run(_level(url, clips, n, args))
+            uploads: dict[str, float] = {}
+            if args.uploads:
+                voice = _level(url, clips, n, args)
+                turns, uploads = asyncio.run(_with_uploads(base, voice, _recording(clips), args.uploads))
+                print(f"{n} session(s): {uploads['uploads']} uploads done, {uploads['audio_s_per_s']:.1f} audio-s/s")
+            else:
+                turns = asyncio.run(_level(url, clips, n, args))
             stats = {k: percentiles([t[k] for t in turns if k in t], (50, 99)) for k in LABELS}
-            levels[str(n)] = {"turns": turns, "stats": stats}
+            levels[str(n)] = {"turns": turns, "stats": stats, "uploads": uploads}
             for k, s in stats.items():
                 rows.append(
                     {

@@ -248,7 +248,7 @@ async def test_closing_the_encoder_cancels_its_callers(engine: AsrEngine) -> Non
         running = asyncio.create_task(other._encode(clip, prompt))
         assert await asyncio.to_thread(started.wait, DEADLINE_S)
         queued = asyncio.create_task(other._encode(clip, prompt))
-        await until(lambda: other.encoder._queue is not None and other.encoder._queue.qsize() == 1, "queued")
+        await until(lambda: other.encoder.num_queued == 1, "queued")
         await other.shutdown()
         for task in (running, queued):
             with pytest.raises(asyncio.CancelledError):
@@ -259,38 +259,61 @@ async def test_closing_the_encoder_cancels_its_callers(engine: AsrEngine) -> Non
 
 
 async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine) -> None:
-    """Windows queued behind a running pass: the interactive ones (voice turns) go first, one per
-    pass on a CPU; the bulk ones then share a pass (the fixture batches up to 4)."""
+    """Windows queued while a bulk pass runs: the interactive ones (voice turns) are encoded
+    between two of its layers, one per pass on a CPU, and are done before it; the bulk ones then
+    share a pass (the fixture batches up to 4)."""
     layers = engine.whisper.model.model.encoder.layers
     started, go, pause_once = _pause_first_pass()
 
     clips = {name: corpus("piper")[i] for i, name in enumerate(["running", "bulk1", "bulk2", "voice1", "voice2"])}
     names = {id(clip): name for name, clip in clips.items()}
     passes: list[list[str]] = []
-    run_encoder = engine.encoder.run
+    done: list[str] = []
+    begin = engine.encoder.begin
 
     def recording(jobs: list[Any]) -> Any:
         passes.append([names[id(audio)] for audio, _ in jobs])
-        return run_encoder(jobs)
+        return begin(jobs)
 
-    engine.encoder.run = recording  # type: ignore[method-assign]
+    async def encode(name: str, priority: int = 0) -> None:
+        await engine._encode(clips[name], prompt, priority)
+        done.append(name)
+
+    engine.encoder.begin = recording  # type: ignore[method-assign]
     hook = layers[0].register_forward_pre_hook(pause_once)
     prompt = engine.prompt_ids()
     try:
-        first = asyncio.create_task(engine._encode(clips["running"], prompt))
+        first = asyncio.create_task(encode("running"))
         assert await asyncio.to_thread(started.wait, DEADLINE_S)
         queued = [
-            asyncio.create_task(engine._encode(clips[name], prompt, priority))
+            asyncio.create_task(encode(name, priority))
             for name, priority in (("bulk1", 0), ("voice1", INTERACTIVE), ("bulk2", 0), ("voice2", INTERACTIVE))
         ]
-        await until(lambda: engine.encoder._queue is not None and engine.encoder._queue.qsize() == 4, "all four queued")
+        await until(lambda: engine.encoder.num_queued == 4, "all four queued")
         go.set()
         await asyncio.gather(first, *queued)
     finally:
         go.set()
         hook.remove()
-        del engine.encoder.run
+        del engine.encoder.begin
     assert passes == [["running"], ["voice1"], ["voice2"], ["bulk1", "bulk2"]]
+    assert done[:3] == ["voice1", "voice2", "running"]
+
+
+async def test_the_stepped_encoder_pass_equals_the_encoder(engine: AsrEngine) -> None:
+    """The batcher runs ``WhisperEncoder.forward`` a step at a time: the result is bit-identical."""
+    enc = engine.encoder
+    jobs = [(corpus("piper")[i], engine.prompt_ids()) for i in range(2)]
+    hidden = enc.begin(jobs)
+    for step in enc.layer_steps():
+        hidden = step(hidden)
+    outs = enc.finish(hidden, jobs)
+    feats = engine.whisper.feature_extractor([a for a, _ in jobs], sampling_rate=16_000, return_tensors="pt")
+    with torch.inference_mode():
+        ref = engine.whisper.model.model.encoder(input_features=feats.input_features).last_hidden_state
+    for i, (out, no_speech) in enumerate(outs):
+        assert torch.equal(out, ref[i])
+        assert 0.0 <= no_speech <= 1.0
 
 
 async def test_cross_attention_cache_released_and_bad_language(engine: AsrEngine) -> None:

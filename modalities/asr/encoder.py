@@ -3,14 +3,18 @@ thread, each caller's future resolved with its encoder output and no-speech prob
 
 A pass computes the log-mel features, the encoder over the 30 s window, the cross-attention K/V
 (cached by the decoder adapter) and Whisper's no-speech probability, for the whole batch, off the
-decode loop. A pass that nobody waits for any more stops at its next layer.
+decode loop. It runs as steps (the features and convolutions, each layer, the end), and between
+two steps the batcher looks at its callers and its queue: a pass that nobody waits for any more
+stops there, and a bulk pass lets interactive windows (voice turns) that came in meanwhile run
+their whole pass first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
-import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,37 +29,34 @@ _EncoderJob = tuple[np.ndarray, list[int]]  # (≤30 s window audio, decoder pro
 _Queued = tuple[int, int, _EncoderJob, asyncio.Future[Any]]
 
 
-class _EncoderAbandoned(Exception):
-    """Every caller of the running encoder batch went away (a voice turn's speculative ASR when
-    the speaker goes on): the pass stops at its next layer instead of running to the end."""
-
-
 class EncoderBatcher:
     """``await encode(audio, prompt_ids, priority)`` → (encoder output [frames, d_model], no-speech
     probability under ``prompt_ids``). The lowest priority queued goes first; a batch holds up to
-    ``max_batch`` windows, except that on a CPU a window of priority < 0 runs alone. Runs on the
-    event loop of the latest ``ensure_loop`` caller; ``close`` stops it."""
+    ``max_batch`` windows, except that on a CPU a window of priority < 0 runs alone. Such a window
+    arriving while a bulk pass (priority ≥ 0) runs is encoded before that pass's next layer. Runs on
+    the event loop of the latest ``ensure_loop`` caller; ``close`` stops it."""
 
     def __init__(self, whisper: WhisperModel, adapter: Any, no_speech_id: int, max_batch: int) -> None:
         self.whisper, self.adapter, self.max_batch = whisper, adapter, max_batch
         self._sot = whisper.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
         self._no_speech = no_speech_id
-        self._queue: asyncio.PriorityQueue[_Queued] | None = None
+        self._heap: list[_Queued] = []
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._arrivals = itertools.count()
-        self._abandoned: list[asyncio.Future[Any]] | None = None  # the running batch's futures
-        self._pass_thread: int | None = None  # the thread running this batcher's pass (models are shared)
-        for layer in whisper.model.model.encoder.layers:
-            layer.register_forward_pre_hook(self._stop_if_abandoned)
         self.num_batches = 0
         self.num_abandoned = 0
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._heap)
 
     def ensure_loop(self) -> None:
         """A caller on a new event loop (a test, a worker running each call under ``asyncio.run``)
         gets a fresh batcher loop."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
-            self._queue = asyncio.PriorityQueue()
+            self._heap, self._wake = [], asyncio.Event()  # another loop's futures are dead
             self._task = loop.create_task(self._loop())
 
     def close(self) -> None:
@@ -67,79 +68,104 @@ class EncoderBatcher:
     async def encode(self, audio: np.ndarray, prompt_ids: list[int], priority: int = 0) -> tuple[Any, float]:
         self.ensure_loop()
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        assert self._queue is not None
-        await self._queue.put((priority, next(self._arrivals), (audio, prompt_ids), fut))
+        heapq.heappush(self._heap, (priority, next(self._arrivals), (audio, prompt_ids), fut))
+        self._wake.set()
         return await fut
 
     async def _loop(self) -> None:
-        assert self._queue is not None
         # On a CPU a batch of n windows takes n times one window (185 ms each for tiny.en here):
         # batching adds no encoder throughput, it only holds every result until the last. Bulk
         # windows still batch (their decodes then start together and batch better: 36-37 audio-s/s
         # on 32 clips with batches of 8, 31 with 2); an interactive window (priority < 0) runs
-        # alone, so a voice turn's transcript does not wait for other queued windows. It does wait
-        # for a pass already running: up to max_batch bulk windows (docs/BENCHMARKS.md).
+        # alone, so a voice turn's transcript does not wait for other windows (docs/BENCHMARKS.md).
         on_cpu = self.whisper.model.device.type == "cpu"
         try:
             while True:
-                first = await self._queue.get()
-                limit = 1 if on_cpu and first[0] < 0 else self.max_batch
-                batch = [first]
-                while len(batch) < limit and not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                await self._encode_batch([(job, fut) for _, _, job, fut in batch])
+                while not self._heap:
+                    self._wake.clear()
+                    await self._wake.wait()
+                interactive = self._heap[0][0] < 0
+                limit = 1 if on_cpu and interactive else self.max_batch
+                batch = [heapq.heappop(self._heap) for _ in range(min(limit, len(self._heap)))]
+                await self._pass([(job, fut) for _, _, job, fut in batch], yields=not interactive)
                 # Hold no encoder output past its request: its cross K/V are freed with it.
-                del batch, first
+                del batch
         finally:  # closed: what is still queued will never run
-            while not self._queue.empty():
-                self._queue.get_nowait()[3].cancel()
+            for *_, fut in self._heap:
+                fut.cancel()
+            self._heap.clear()
 
-    async def _encode_batch(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]]) -> None:
+    async def _interactive_first(self) -> None:
+        """Run the interactive windows queued now, each in a pass of its own."""
+        while self._heap and self._heap[0][0] < 0:
+            _, _, job, fut = heapq.heappop(self._heap)
+            await self._pass([(job, fut)], yields=False)
+
+    async def _pass(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]], yields: bool) -> None:
+        """One pass over ``batch``, a step at a time; ``yields``: interactive windows queued
+        meanwhile run between its steps."""
         live = [(a, f) for a, f in batch if not f.done()]
         if not live:
             return
-        self._abandoned = [f for _, f in live]
+        jobs, futures = [a for a, _ in live], [f for _, f in live]
         try:
-            outs = await openmp.to_thread(self.run, [a for a, _ in live])
-        except _EncoderAbandoned:
-            self.num_abandoned += 1
-            return
+            hidden = await openmp.to_thread(self.begin, jobs)
+            for step in self.layer_steps():
+                if all(f.done() for f in futures):  # every caller went away: stop here
+                    self.num_abandoned += 1
+                    return
+                if yields:
+                    await self._interactive_first()
+                hidden = await openmp.to_thread(step, hidden)
+            outs = await openmp.to_thread(self.finish, hidden, jobs)
         except asyncio.CancelledError:  # closed mid-pass: its callers get no result
-            for _, f in live:
+            for f in futures:
                 f.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - fail the waiters, keep the loop alive
-            for _, f in live:
+            for f in futures:
                 if not f.done():
                     f.set_exception(exc)
             return
-        finally:  # both cleared: a stale thread id must not match another batcher's pass
-            self._abandoned = self._pass_thread = None
-        for (_, f), out in zip(live, outs, strict=True):
+        for f, out in zip(futures, outs, strict=True):
             if not f.done():
                 f.set_result(out)
 
-    def _stop_if_abandoned(self, *_: Any) -> None:
-        """Encoder layer pre-hook (worker thread): a cancelled future is done, and done is final.
-        Every batcher over a shared model hooks its layers: only this batcher's pass may stop."""
-        futures = self._abandoned
-        if futures is not None and threading.get_ident() == self._pass_thread and all(f.done() for f in futures):
-            raise _EncoderAbandoned
-
-    def run(self, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
-        """One pass over ``jobs`` (worker thread)."""
+    # -- the pass's steps (worker thread); the same operations as WhisperEncoder.forward ------
+    def begin(self, jobs: list[_EncoderJob]) -> Any:
+        """Log-mel features, the two convolutions and the positions: the first layer's input."""
         import torch
+        import torch.nn.functional as F
 
-        model = self.whisper.model
-        self._pass_thread = threading.get_ident()
+        model, enc = self.whisper.model, self.whisper.model.model.encoder
         feats = self.whisper.feature_extractor([a for a, _ in jobs], sampling_rate=RATE, return_tensors="pt")
         with torch.inference_mode():
-            hidden = model.model.encoder(
-                input_features=feats.input_features.to(model.device, model.dtype)
-            ).last_hidden_state
+            x = feats.input_features.to(model.device, model.dtype)
+            x = F.gelu(enc.conv2(F.gelu(enc.conv1(x)))).permute(0, 2, 1)
+            positions = torch.arange(enc.embed_positions.num_embeddings, device=x.device)
+            return x + enc.embed_positions(positions)
+
+    def layer_steps(self) -> list[Callable[[Any], Any]]:
+        import torch
+
+        def step(layer: Any) -> Callable[[Any], Any]:
+            def run(hidden: Any) -> Any:
+                with torch.inference_mode():
+                    out = layer(hidden, None)
+                return out[0] if isinstance(out, tuple) else out  # a tuple in some 5.x releases
+
+            return run
+
+        return [step(layer) for layer in self.whisper.model.model.encoder.layers]
+
+    def finish(self, hidden: Any, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
+        """The final norm, then the cross-attention K/V (cached) and Whisper's no-speech
+        probability, read at the <|startoftranscript|> position."""
+        import torch
+
+        with torch.inference_mode():
+            hidden = self.whisper.model.model.encoder.layer_norm(hidden)
             outs = [hidden[i].clone() for i in range(len(jobs))]
-            # Cross-attention K/V (cached) and Whisper's no-speech probability, read at the
-            # <|startoftranscript|> position.
             logits = self.adapter.prompt_logits(outs, [p[: p.index(self._sot) + 1] for _, p in jobs])
             no_speech = torch.softmax(logits.float(), -1)[:, self._no_speech].tolist()
         self.num_batches += 1
