@@ -263,6 +263,7 @@ def test_auth(server: Server) -> None:
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "priority": -1}, "priority"),
     ],
 )
 def test_completion_validation_errors(server: Server, body: dict[str, Any], param: str) -> None:

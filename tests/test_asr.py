@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.foreground import INTERACTIVE
+from engine.foreground import FOREGROUND, INTERACTIVE
 from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
 from modalities.asr.model import load_whisper
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
@@ -259,20 +259,20 @@ async def test_closing_the_encoder_cancels_its_callers(engine: AsrEngine) -> Non
 
 
 async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine) -> None:
-    """Windows queued while a bulk pass runs: the interactive ones (voice turns) are encoded
-    between two of its layers, one per pass on a CPU, and are done before it; the bulk ones then
-    share a pass (the fixture batches up to 4)."""
+    """Windows queued while a bulk pass of two runs: the interactive ones (voice turns) are
+    encoded after that pass's current step (on a CPU one window's layer), one per pass, and are
+    done before it; the bulk ones then share a pass (the fixture batches up to 4)."""
     layers = engine.whisper.model.model.encoder.layers
     started, go, pause_once = _pause_first_pass()
-
-    clips = {name: corpus("piper")[i] for i, name in enumerate(["running", "bulk1", "bulk2", "voice1", "voice2"])}
-    names = {id(clip): name for name, clip in clips.items()}
-    passes: list[list[str]] = []
+    names = ["running1", "running2", "bulk1", "bulk2", "voice1", "voice2"]
+    clips = {name: corpus("piper")[i] for i, name in enumerate(names)}
+    ids = {id(clip): name for name, clip in clips.items()}
+    events: list[Any] = []  # a pass's windows as it begins; the batch size of each layer-0 step
     done: list[str] = []
     begin = engine.encoder.begin
 
     def recording(jobs: list[Any]) -> Any:
-        passes.append([names[id(audio)] for audio, _ in jobs])
+        events.append([ids[id(audio)] for audio, _ in jobs])
         return begin(jobs)
 
     async def encode(name: str, priority: int = 0) -> None:
@@ -280,10 +280,11 @@ async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine
         done.append(name)
 
     engine.encoder.begin = recording  # type: ignore[method-assign]
-    hook = layers[0].register_forward_pre_hook(pause_once)
+    hooks = [layers[0].register_forward_pre_hook(lambda _, args: events.append(args[0].shape[0]))]
+    hooks.append(layers[0].register_forward_pre_hook(pause_once))
     prompt = engine.prompt_ids()
     try:
-        first = asyncio.create_task(encode("running"))
+        running = [asyncio.create_task(encode(name)) for name in ("running1", "running2")]
         assert await asyncio.to_thread(started.wait, DEADLINE_S)
         queued = [
             asyncio.create_task(encode(name, priority))
@@ -291,28 +292,55 @@ async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine
         ]
         await until(lambda: engine.encoder.num_queued == 4, "all four queued")
         go.set()
-        await asyncio.gather(first, *queued)
+        await asyncio.gather(*running, *queued)
     finally:
         go.set()
-        hook.remove()
+        for h in hooks:
+            h.remove()
         del engine.encoder.begin
-    assert passes == [["running"], ["voice1"], ["voice2"], ["bulk1", "bulk2"]]
-    assert done[:3] == ["voice1", "voice2", "running"]
+    assert [e for e in events if isinstance(e, list)] == [
+        ["running1", "running2"],
+        ["voice1"],
+        ["voice2"],
+        ["bulk1", "bulk2"],
+    ]
+    assert events[:3] == [["running1", "running2"], 1, ["voice1"]]  # one window's layer, then the voice
+    assert done[:4] == ["voice1", "voice2", "running1", "running2"]
+
+
+async def test_bulk_encoder_steps_wait_for_a_foreground_hold(engine: AsrEngine) -> None:
+    """While a TTS first piece holds the foreground, a bulk pass runs no layer (here up to 30 s);
+    a voice window is not held back. The bulk pass goes on once the hold ends."""
+    other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1, foreground_wait_s=30.0))
+    ran: list[int] = []
+    hook = engine.whisper.model.model.encoder.layers[0].register_forward_pre_hook(
+        lambda _, args: ran.append(args[0].shape[0])
+    )
+    clip, prompt = corpus("piper")[0], engine.prompt_ids()
+    try:
+        with FOREGROUND.hold():
+            bulk = asyncio.create_task(other._encode(clip, prompt))
+            await asyncio.wait_for(other._encode(clip, prompt, INTERACTIVE), DEADLINE_S)
+            await asyncio.sleep(0.5)  # unheld, the bulk pass (~0.2 s) would be done by now
+            assert ran == [1] and not bulk.done()  # the voice window's layer only
+        enc, _ = await asyncio.wait_for(bulk, DEADLINE_S)
+        assert ran == [1, 1] and enc.shape[0] == engine.whisper.model.config.max_source_positions
+    finally:
+        hook.remove()
+        await other.shutdown()
 
 
 async def test_the_stepped_encoder_pass_equals_the_encoder(engine: AsrEngine) -> None:
-    """The batcher runs ``WhisperEncoder.forward`` a step at a time: the result is bit-identical."""
-    enc = engine.encoder
-    jobs = [(corpus("piper")[i], engine.prompt_ids()) for i in range(2)]
-    hidden = enc.begin(jobs)
-    for step in enc.layer_steps():
-        hidden = step(hidden)
-    outs = enc.finish(hidden, jobs)
-    feats = engine.whisper.feature_extractor([a for a, _ in jobs], sampling_rate=16_000, return_tensors="pt")
-    with torch.inference_mode():
-        ref = engine.whisper.model.model.encoder(input_features=feats.input_features).last_hidden_state
-    for i, (out, no_speech) in enumerate(outs):
-        assert torch.equal(out, ref[i])
+    """The batcher runs ``WhisperEncoder.forward`` a step at a time (on a CPU a window at a time):
+    each window's output is bit-identical to the encoder's on that window."""
+    clips = [corpus("piper")[i] for i in range(2)]
+    prompt = engine.prompt_ids()
+    outs = await asyncio.gather(*(engine._encode(clip, prompt) for clip in clips))  # one bulk pass
+    for clip, (out, no_speech) in zip(clips, outs, strict=True):
+        feats = engine.whisper.feature_extractor([clip], sampling_rate=16_000, return_tensors="pt")
+        with torch.inference_mode():
+            ref = engine.whisper.model.model.encoder(input_features=feats.input_features).last_hidden_state
+        assert torch.equal(out, ref[0])
         assert 0.0 <= no_speech <= 1.0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from engine import openmp
+from engine.foreground import FOREGROUND
 from modalities.asr.model import WhisperModel
 
 RATE = 16_000
@@ -33,11 +34,17 @@ class EncoderBatcher:
     """``await encode(audio, prompt_ids, priority)`` → (encoder output [frames, d_model], no-speech
     probability under ``prompt_ids``). The lowest priority queued goes first; a batch holds up to
     ``max_batch`` windows, except that on a CPU a window of priority < 0 runs alone. Such a window
-    arriving while a bulk pass (priority ≥ 0) runs is encoded before that pass's next layer. Runs on
-    the event loop of the latest ``ensure_loop`` caller; ``close`` stops it."""
+    arriving while a bulk pass (priority ≥ 0) runs is encoded before that pass's next layer, and a
+    bulk pass waits before each step while a foreground hold runs (``engine.foreground``), at most
+    ``foreground_wait_s``. Runs on the event loop of the latest ``ensure_loop`` caller; ``close``
+    stops it."""
 
-    def __init__(self, whisper: WhisperModel, adapter: Any, no_speech_id: int, max_batch: int) -> None:
+    def __init__(
+        self, whisper: WhisperModel, adapter: Any, no_speech_id: int, max_batch: int, foreground_wait_s: float = 0.0
+    ) -> None:
         self.whisper, self.adapter, self.max_batch = whisper, adapter, max_batch
+        self.foreground_wait_s = foreground_wait_s
+        self._on_cpu = whisper.model.device.type == "cpu"
         self._sot = whisper.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
         self._no_speech = no_speech_id
         self._heap: list[_Queued] = []
@@ -78,14 +85,13 @@ class EncoderBatcher:
         # windows still batch (their decodes then start together and batch better: 36-37 audio-s/s
         # on 32 clips with batches of 8, 31 with 2); an interactive window (priority < 0) runs
         # alone, so a voice turn's transcript does not wait for other windows (docs/BENCHMARKS.md).
-        on_cpu = self.whisper.model.device.type == "cpu"
         try:
             while True:
                 while not self._heap:
                     self._wake.clear()
                     await self._wake.wait()
                 interactive = self._heap[0][0] < 0
-                limit = 1 if on_cpu and interactive else self.max_batch
+                limit = 1 if self._on_cpu and interactive else self.max_batch
                 batch = [heapq.heappop(self._heap) for _ in range(min(limit, len(self._heap)))]
                 await self._pass([(job, fut) for _, _, job, fut in batch], yields=not interactive)
                 # Hold no encoder output past its request: its cross K/V are freed with it.
@@ -110,14 +116,18 @@ class EncoderBatcher:
         jobs, futures = [a for a, _ in live], [f for _, f in live]
         try:
             hidden = await openmp.to_thread(self.begin, jobs)
+            # On a CPU each window's layer is a step (a batch costs n windows there anyway): a
+            # voice window or a foreground hold waits for one window's layer, not the batch's.
+            parts = list(hidden.split(1 if self._on_cpu else len(jobs)))
             for step in self.layer_steps():
-                if all(f.done() for f in futures):  # every caller went away: stop here
-                    self.num_abandoned += 1
-                    return
-                if yields:
-                    await self._interactive_first()
-                hidden = await openmp.to_thread(step, hidden)
-            outs = await openmp.to_thread(self.finish, hidden, jobs)
+                for i, part in enumerate(parts):
+                    if all(f.done() for f in futures):  # every caller went away: stop here
+                        self.num_abandoned += 1
+                        return
+                    if yields:
+                        await self._yield()
+                    parts[i] = await openmp.to_thread(step, part)
+            outs = await openmp.to_thread(self.finish, parts, jobs)
         except asyncio.CancelledError:  # closed mid-pass: its callers get no result
             for f in futures:
                 f.cancel()
@@ -130,6 +140,13 @@ class EncoderBatcher:
         for f, out in zip(futures, outs, strict=True):
             if not f.done():
                 f.set_result(out)
+
+    async def _yield(self) -> None:
+        """Before a bulk step: the interactive windows queued, then a foreground hold (bounded)."""
+        await self._interactive_first()
+        if FOREGROUND.active and self.foreground_wait_s > 0:
+            await asyncio.to_thread(FOREGROUND.wait, self.foreground_wait_s)
+            await self._interactive_first()
 
     # -- the pass's steps (worker thread); the same operations as WhisperEncoder.forward ------
     def begin(self, jobs: list[_EncoderJob]) -> Any:
@@ -158,13 +175,14 @@ class EncoderBatcher:
 
         return [step(layer) for layer in self.whisper.model.model.encoder.layers]
 
-    def finish(self, hidden: Any, jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
-        """The final norm, then the cross-attention K/V (cached) and Whisper's no-speech
-        probability, read at the <|startoftranscript|> position."""
+    def finish(self, parts: list[Any], jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
+        """The final norm over the last layer's output (in parts along the batch), then the
+        cross-attention K/V (cached) and Whisper's no-speech probability, read at the
+        <|startoftranscript|> position."""
         import torch
 
         with torch.inference_mode():
-            hidden = self.whisper.model.model.encoder.layer_norm(hidden)
+            hidden = self.whisper.model.model.encoder.layer_norm(torch.cat(parts))
             outs = [hidden[i].clone() for i in range(len(jobs))]
             logits = self.adapter.prompt_logits(outs, [p[: p.index(self._sot) + 1] for _, p in jobs])
             no_speech = torch.softmax(logits.float(), -1)[:, self._no_speech].tolist()

@@ -53,6 +53,10 @@ class AsrConfig:
     # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
     # same results up to fp32 summation order. The swap modifies the given model in place.
     prepack_encoder: bool = True
+    # Bulk work (decode steps, encoder passes of priority >= 0) waits up to this long while a
+    # foreground hold (a TTS first piece) runs on the same CPU (engine.foreground); None: 0.25 s
+    # on a CPU, 0 on a GPU.
+    foreground_wait_s: float | None = None
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
 
 
@@ -83,6 +87,9 @@ class AsrEngine:
             use_prepacked_linears(model.model.encoder)  # the fp32 CPU linears, where oneDNN is present
         self.adapter = WhisperDecoderAdapter(model)
         max_len = model.config.max_target_positions
+        wait_s = self.config.foreground_wait_s
+        if wait_s is None:
+            wait_s = 0.25 if model.device.type == "cpu" else 0.0
         ecfg = EngineConfig(
             model=str(whisper.path),
             max_model_len=max_len,
@@ -94,6 +101,7 @@ class AsrEngine:
             attention_backend=self.config.attention_backend,
             num_threads=self.config.num_threads,
             device=str(model.device),
+            foreground_wait_s=wait_s,
         )
         loaded = LoadedModel(model, whisper.tokenizer, whisper.path, whisper.name, max_len)
         self.engine = AsyncEngine(LLMEngine(ecfg, loaded, adapter=self.adapter))
@@ -105,7 +113,7 @@ class AsrEngine:
         self._eos = gen.eos_token_id
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
         no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
-        self.encoder = EncoderBatcher(whisper, self.adapter, no_speech, self.config.max_encoder_batch)
+        self.encoder = EncoderBatcher(whisper, self.adapter, no_speech, self.config.max_encoder_batch, wait_s)
         self._aligner: WordAligner | None = None  # built on the first request for word timestamps
         self.audio_seconds = 0.0
         self.num_windows = 0

@@ -2,7 +2,7 @@
 
 Requests accept the OpenAI fields plus vLLM's sampling extras (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
-``skip_special_tokens``, ``include_stop_str_in_output``, ``priority``). Unknown fields are
+``skip_special_tokens``, ``include_stop_str_in_output``, ``priority`` >= 0). Unknown fields are
 ignored, as OpenAI does. Documented limitations (rejected with a 400 naming the field):
 ``response_format`` other than ``{"type": "text"}`` (no constrained decoding), completions
 ``echo`` together with ``logprobs`` (prompt logprobs are not computed), ``suffix``, and
@@ -63,7 +63,15 @@ class _SamplingRequest(_Model):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = 0  # lower first under --scheduling-policy priority
+
+    @field_validator("priority")
+    @classmethod
+    def _check_priority(cls, v: int) -> int:
+        # A client sending -1 would go ahead of live voice turns (engine.foreground.INTERACTIVE).
+        if v < 0:
+            raise ValueError(f"priority must be >= 0 (negative priorities are kept for live voice turns), got {v}")
+        return v
 
     @field_validator("stop")
     @classmethod
