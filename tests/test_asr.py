@@ -330,6 +330,32 @@ async def test_bulk_encoder_steps_wait_for_a_foreground_hold(engine: AsrEngine) 
         await other.shutdown()
 
 
+async def test_voice_decodes_are_admitted_before_queued_bulk_ones(engine: AsrEngine) -> None:
+    """One decoder slot, three decodes submitted together: the interactive one (a voice turn)
+    goes ahead of the waiting bulk one (the first bulk one may have started before it came)."""
+    other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1, max_num_seqs=1))
+    prompt = engine.prompt_ids()
+    order: list[str] = []
+
+    async def decode(name: str, enc: Any, priority: int) -> None:
+        async for *_, finished, _ in other._generate(enc, prompt, 0.0, priority=priority):
+            if finished:
+                order.append(name)
+
+    try:
+        await other.start()
+        encs = [(await other._encode(corpus("piper")[i], prompt))[0] for i in range(3)]
+        await asyncio.wait_for(
+            asyncio.gather(
+                decode("bulk1", encs[0], 0), decode("bulk2", encs[1], 0), decode("voice", encs[2], INTERACTIVE)
+            ),
+            DEADLINE_S,
+        )
+    finally:
+        await other.shutdown()
+    assert order in (["voice", "bulk1", "bulk2"], ["bulk1", "voice", "bulk2"])
+
+
 async def test_the_stepped_encoder_pass_equals_the_encoder(engine: AsrEngine) -> None:
     """The batcher runs ``WhisperEncoder.forward`` a step at a time (on a CPU a window at a time):
     each window's output is bit-identical to the encoder's on that window."""

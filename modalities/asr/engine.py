@@ -102,6 +102,9 @@ class AsrEngine:
             num_threads=self.config.num_threads,
             device=str(model.device),
             foreground_wait_s=wait_s,
+            # Live voice turns' decodes (priority < 0) are admitted before queued uploads' ones
+            # and preempted last; equal priorities go by arrival, as under fcfs.
+            scheduling_policy="priority",
         )
         loaded = LoadedModel(model, whisper.tokenizer, whisper.path, whisper.name, max_len)
         self.engine = AsyncEngine(LLMEngine(ecfg, loaded, adapter=self.adapter))
@@ -172,7 +175,7 @@ class AsrEngine:
 
     # -- decoding ------------------------------------------------------------------------------
     async def _generate(
-        self, enc: Any, prompt_ids: list[int], temperature: float, seed: int | None = None
+        self, enc: Any, prompt_ids: list[int], temperature: float, seed: int | None = None, priority: int = 0
     ) -> AsyncIterator[tuple[str, list[int], bool, list[float]]]:
         """Stream (delta text, token ids so far, finished, chosen-token logprobs so far) of one
         decode of one encoded window."""
@@ -187,7 +190,8 @@ class AsrEngine:
             logprobs=0,
         )
         request_id = f"asr-{next(self._ids)}"
-        async for out in self.engine.generate(request_id, PromptInputs(prompt_ids, encoder_output=enc), params):
+        prompt = PromptInputs(prompt_ids, encoder_output=enc)
+        async for out in self.engine.generate(request_id, prompt, params, priority=priority):
             o = out.outputs[0]
             yield o.delta_text, o.token_ids, out.finished, [lp.logprob for lp in o.logprobs or []]
 
@@ -213,13 +217,13 @@ class AsrEngine:
         None)`` while a decode's running figures pass the checks, then ``(text, result)`` with the
         kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``.
         ``words``: the result also carries the kept decode's words, aligned (on a worker thread).
-        ``priority``: of the window's encoder pass (``TranscriptionRequest.priority``)."""
+        ``priority``: of the window's encoder pass and decodes (``TranscriptionRequest.priority``)."""
         enc, no_speech = await self._encode(audio, prompt_ids, priority)
         temps = fallback_temperatures(temperature)
         for attempt, t in enumerate(temps):
             text, ids, lps = "", [], []
             async for delta, ids_so_far, finished, lps in self._generate(
-                enc, prompt_ids, t, seed + attempt if t > 0 else None
+                enc, prompt_ids, t, seed + attempt if t > 0 else None, priority
             ):
                 text += delta
                 ids = ids_so_far

@@ -50,8 +50,9 @@ class TranscriptionRequest:
     ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
     ``word_timestamps``: also align every word (one extra decoder pass per window).
-    ``priority``: lower is encoded first; a window of priority < 0 (``engine.foreground.
-    INTERACTIVE``: a live voice turn) is encoded alone on a CPU (``modalities.asr.encoder``)."""
+    ``priority``: lower is encoded and admitted to the decoder first; a window of priority < 0
+    (``engine.foreground.INTERACTIVE``: a live voice turn) is encoded alone on a CPU
+    (``modalities.asr.encoder``)."""
 
     audio: np.ndarray
     language: str | None = None
