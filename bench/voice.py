@@ -218,7 +218,9 @@ async def _with_uploads(
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            errors = [e for e in await asyncio.gather(*tasks, return_exceptions=True) if isinstance(e, Exception)]
+    if errors:  # a failed upload ended its client: the figures would understate the load
+        raise RuntimeError(f"{len(errors)} upload client(s) failed: {errors[0]!r}")
     wall = time.monotonic() - t0
     return turns, {"uploads": done[0], "audio_s_per_s": done[0] * seconds / wall}
 

@@ -310,19 +310,31 @@ async def test_interactive_windows_are_encoded_first_and_alone(engine: AsrEngine
 
 async def test_bulk_encoder_steps_wait_for_a_foreground_hold(engine: AsrEngine) -> None:
     """While a TTS first piece holds the foreground, a bulk pass runs no layer (here up to 30 s);
-    a voice window is not held back. The bulk pass goes on once the hold ends."""
+    a voice window arriving while it waits runs at once. The bulk pass goes on once the hold ends."""
     other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1, foreground_wait_s=30.0))
     ran: list[int] = []
     hook = engine.whisper.model.model.encoder.layers[0].register_forward_pre_hook(
         lambda _, args: ran.append(args[0].shape[0])
     )
+    began = threading.Event()
+    begin = other.encoder.begin
+
+    def recording(jobs: list[Any]) -> Any:
+        out = begin(jobs)
+        began.set()
+        return out
+
+    other.encoder.begin = recording  # type: ignore[method-assign]
     clip, prompt = corpus("piper")[0], engine.prompt_ids()
     try:
         with FOREGROUND.hold():
             bulk = asyncio.create_task(other._encode(clip, prompt))
-            await asyncio.wait_for(other._encode(clip, prompt, INTERACTIVE), DEADLINE_S)
-            await asyncio.sleep(0.5)  # unheld, the bulk pass (~0.2 s) would be done by now
-            assert ran == [1] and not bulk.done()  # the voice window's layer only
+            assert await asyncio.to_thread(began.wait, DEADLINE_S)
+            await asyncio.sleep(0.5)  # the bulk pass now waits for the hold; unheld, it would be done
+            assert ran == [] and not bulk.done()
+            began.clear()
+            await asyncio.wait_for(other._encode(clip, prompt, INTERACTIVE), 5.0)  # not held back
+            assert began.is_set() and ran == [1] and not bulk.done()
         enc, _ = await asyncio.wait_for(bulk, DEADLINE_S)
         assert ran == [1, 1] and enc.shape[0] == engine.whisper.model.config.max_source_positions
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +35,9 @@ class EncoderBatcher:
     """``await encode(audio, prompt_ids, priority)`` → (encoder output [frames, d_model], no-speech
     probability under ``prompt_ids``). The lowest priority queued goes first; a batch holds up to
     ``max_batch`` windows, except that on a CPU a window of priority < 0 runs alone. Such a window
-    arriving while a bulk pass (priority ≥ 0) runs is encoded before that pass's next layer, and a
-    bulk pass waits before each step while a foreground hold runs (``engine.foreground``), at most
-    ``foreground_wait_s``. Runs on the event loop of the latest ``ensure_loop`` caller; ``close``
+    arriving while a bulk pass (priority ≥ 0) runs is encoded before that pass's next layer step,
+    and a bulk pass waits before its layer steps while a foreground hold runs (``engine.foreground``),
+    at most ``foreground_wait_s`` (``_yield``). Runs on the event loop of the latest ``ensure_loop`` caller; ``close``
     stops it."""
 
     def __init__(
@@ -50,6 +51,7 @@ class EncoderBatcher:
         self._heap: list[_Queued] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._wait_again_at = 0.0  # monotonic: no foreground wait before then
         self._arrivals = itertools.count()
         self.num_batches = 0
         self.num_abandoned = 0
@@ -90,10 +92,8 @@ class EncoderBatcher:
                 while not self._heap:
                     self._wake.clear()
                     await self._wake.wait()
-                interactive = self._heap[0][0] < 0
-                limit = 1 if self._on_cpu and interactive else self.max_batch
-                batch = [heapq.heappop(self._heap) for _ in range(min(limit, len(self._heap)))]
-                await self._pass([(job, fut) for _, _, job, fut in batch], yields=not interactive)
+                batch = self._take(interactive_only=False)
+                await self._pass([(job, fut) for _, _, job, fut in batch], yields=batch[0][0] >= 0)
                 # Hold no encoder output past its request: its cross K/V are freed with it.
                 del batch
         finally:  # closed: what is still queued will never run
@@ -101,11 +101,19 @@ class EncoderBatcher:
                 fut.cancel()
             self._heap.clear()
 
+    def _take(self, interactive_only: bool) -> list[_Queued]:
+        """The next batch from the queue's head (not empty): up to ``max_batch`` windows, one if
+        it is an interactive window on a CPU."""
+        limit = 1 if self._on_cpu and self._heap[0][0] < 0 else self.max_batch
+        batch: list[_Queued] = []
+        while self._heap and len(batch) < limit and (not interactive_only or self._heap[0][0] < 0):
+            batch.append(heapq.heappop(self._heap))
+        return batch
+
     async def _interactive_first(self) -> None:
-        """Run the interactive windows queued now, each in a pass of its own."""
+        """Run the interactive windows queued now, before the bulk pass that calls this."""
         while self._heap and self._heap[0][0] < 0:
-            _, _, job, fut = heapq.heappop(self._heap)
-            await self._pass([(job, fut)], yields=False)
+            await self._pass([(job, fut) for _, _, job, fut in self._take(interactive_only=True)], yields=False)
 
     async def _pass(self, batch: list[tuple[_EncoderJob, asyncio.Future[Any]]], yields: bool) -> None:
         """One pass over ``batch``, a step at a time; ``yields``: interactive windows queued
@@ -119,13 +127,14 @@ class EncoderBatcher:
             # On a CPU each window's layer is a step (a batch costs n windows there anyway): a
             # voice window or a foreground hold waits for one window's layer, not the batch's.
             parts = list(hidden.split(1 if self._on_cpu else len(jobs)))
+            del hidden
             for step in self.layer_steps():
                 for i, part in enumerate(parts):
+                    if yields:
+                        await self._yield()
                     if all(f.done() for f in futures):  # every caller went away: stop here
                         self.num_abandoned += 1
                         return
-                    if yields:
-                        await self._yield()
                     parts[i] = await openmp.to_thread(step, part)
             outs = await openmp.to_thread(self.finish, parts, jobs)
         except asyncio.CancelledError:  # closed mid-pass: its callers get no result
@@ -142,11 +151,25 @@ class EncoderBatcher:
                 f.set_result(out)
 
     async def _yield(self) -> None:
-        """Before a bulk step: the interactive windows queued, then a foreground hold (bounded)."""
+        """Before a bulk layer step: the interactive windows queued, then, while a foreground
+        hold runs, a wait of at most ``foreground_wait_s``; interactive windows arriving during it
+        run at once. After waiting, the pass steps at least as long before it waits again (as
+        ``AsyncEngine`` does): back-to-back holds take at most half of its time."""
         await self._interactive_first()
-        if FOREGROUND.active and self.foreground_wait_s > 0:
-            await asyncio.to_thread(FOREGROUND.wait, self.foreground_wait_s)
+        if not FOREGROUND.active or self.foreground_wait_s <= 0 or time.monotonic() < self._wait_again_at:
+            return
+        t0 = time.monotonic()
+        hold = asyncio.ensure_future(asyncio.to_thread(FOREGROUND.wait, self.foreground_wait_s))
+        while not hold.done():
+            self._wake.clear()
+            arrival = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({hold, arrival}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrival.cancel()
             await self._interactive_first()
+        now = time.monotonic()
+        self._wait_again_at = now + (now - t0)
 
     # -- the pass's steps (worker thread); the same operations as WhisperEncoder.forward ------
     def begin(self, jobs: list[_EncoderJob]) -> Any:

@@ -53,9 +53,9 @@ class AsrConfig:
     # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
     # same results up to fp32 summation order. The swap modifies the given model in place.
     prepack_encoder: bool = True
-    # Bulk work (decode steps, encoder passes of priority >= 0) waits up to this long while a
-    # foreground hold (a TTS first piece) runs on the same CPU (engine.foreground); None: 0.25 s
-    # on a CPU, 0 on a GPU.
+    # Bulk encoder passes (priority >= 0) wait up to this long while a foreground hold (a TTS
+    # first piece) runs on the same CPU (engine.foreground); None: 0.25 s on a CPU, 0 on a GPU.
+    # Decode steps do not wait: they hold voice turns' decodes too.
     foreground_wait_s: float | None = None
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
 
@@ -101,7 +101,6 @@ class AsrEngine:
             attention_backend=self.config.attention_backend,
             num_threads=self.config.num_threads,
             device=str(model.device),
-            foreground_wait_s=wait_s,
             # Live voice turns' decodes (priority < 0) are admitted before queued uploads' ones
             # and preempted last; equal priorities go by arrival, as under fcfs.
             scheduling_policy="priority",
