@@ -94,6 +94,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.Queue[_Add | _Call | str | None] = queue.Queue()
+        self._pending: dict[asyncio.AbstractEventLoop, list[_Add | _Call | str]] = {}  # see _submit
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -147,7 +148,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, admitted=loop.create_future())
-        self._commands.put(_Add(request_id, prompt, params, priority, stream))
+        self._submit(_Add(request_id, prompt, params, priority, stream))
         finished = rejected = False
         try:
             try:
@@ -166,10 +167,30 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished and not rejected:
-                self._commands.put(request_id)  # abort
+                self._submit(request_id)  # abort
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(request_id)
+        self._submit(request_id)
+
+    def _submit(self, cmd: _Add | _Call | str) -> None:
+        """Send ``cmd`` to the engine thread at the end of this event-loop iteration, in order with
+        the others sent from this loop. Requests that tasks started together submit (a burst of
+        concurrent requests) then reach the engine together and are admitted in one step: sent
+        one by one, the engine thread woke on the first and often stepped before the rest came."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a generator finalised after its loop closed)
+            self._commands.put(cmd)
+            return
+        pending = self._pending.get(loop)
+        if pending is None:
+            pending = self._pending[loop] = []
+            loop.call_soon(self._flush, loop)
+        pending.append(cmd)
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        for cmd in self._pending.pop(loop, ()):
+            self._commands.put(cmd)
 
     async def call_between_steps(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread between two steps and return its result (its
@@ -180,7 +201,7 @@ class AsyncEngine:
         await self.start()
         loop = asyncio.get_running_loop()
         call = _Call(fn, loop, loop.create_future())
-        self._commands.put(call)
+        self._submit(call)
         return await call.future
 
     # -- engine thread -------------------------------------------------------------------------

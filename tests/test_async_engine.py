@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -204,6 +205,30 @@ async def test_abort_ends_a_running_stream(loaded) -> None:
         await engine.abort("no-such-request")
         outs, _ = await _collect(engine, "Hello", SamplingParams(max_tokens=2))
         assert outs[-1].finished
+
+
+async def test_requests_submitted_together_are_admitted_in_one_step(loaded) -> None:
+    """Tasks started together (a burst of TTS requests) each do some work on the event loop, then
+    submit: the engine sees all of them at its first step, not the first one alone."""
+    async with _async_engine(loaded) as engine:
+        llm = engine.engine
+        seen: list[int] = []
+        step = llm.step
+
+        def recording() -> list[RequestOutput]:
+            seen.append(llm.scheduler.num_unfinished)
+            return step()
+
+        llm.step = recording  # type: ignore[method-assign]
+
+        async def run(prompt: str) -> None:
+            time.sleep(0.005)  # tokenising, say: the engine thread may run meanwhile
+            async for _ in engine.generate(None, prompt, SamplingParams(max_tokens=2)):
+                pass
+
+        await asyncio.gather(*(run(p) for p in PROMPTS))
+        assert seen[0] == len(PROMPTS)
+        await _idle(engine)
 
 
 # -- priority --------------------------------------------------------------------------------------
