@@ -8,14 +8,13 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.foreground import FOREGROUND
+from engine.foreground import FOREGROUND, Turns
 from engine.llm_engine import LLMEngine, Prompt
 from engine.openmp import release_thread_team
 from engine.outputs import RequestOutput
@@ -99,7 +98,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._foreground_wait_s = 0.0  # steps held back by foreground holds (engine.foreground)
-        self._wait_again_at = 0.0  # monotonic: no foreground wait before then
+        self._turns = Turns(engine.config.foreground_wait_s)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -229,11 +228,11 @@ class AsyncEngine:
         """Wait for a foreground hold (``EngineConfig.foreground_wait_s``), then step at least as
         long as that wait before waiting again: back-to-back holds (a burst of TTS requests)
         take at most half of the engine's time."""
-        if time.monotonic() < self._wait_again_at:
+        if not self._turns.due():
             return
-        waited = FOREGROUND.wait(self.engine.config.foreground_wait_s)
+        waited = FOREGROUND.wait(self._turns.max_s)
         self._foreground_wait_s += waited
-        self._wait_again_at = time.monotonic() + waited
+        self._turns.waited(waited)
 
     def _loop(self) -> None:
         try:

@@ -53,6 +53,32 @@ class Foreground:
 
 FOREGROUND = Foreground()
 
+# How long a yielding loop waits for a hold by default: on a CPU, a TTS first piece's time and
+# some; on a GPU nothing shares the cores, so no waiting.
+DEFAULT_WAIT_S = 0.25
+
+
+def default_wait_s(device: str) -> float:
+    return DEFAULT_WAIT_S if str(device).startswith("cpu") else 0.0
+
+
+class Turns:
+    """A yielding loop's turns with the foreground holds: ``due()`` says it should wait now (a
+    hold is active, waiting is on, and since its last wait it ran at least as long as that wait);
+    it waits at most ``max_s``, then tells ``waited(seconds)``. Back-to-back holds (a burst of TTS
+    requests) so take at most half of the loop's time."""
+
+    def __init__(self, max_s: float) -> None:
+        self.max_s = max_s
+        self._again_at = 0.0  # monotonic: no wait before then
+
+    def due(self) -> bool:
+        return self.max_s > 0 and FOREGROUND.active and time.monotonic() >= self._again_at
+
+    def waited(self, seconds: float) -> None:
+        self._again_at = time.monotonic() + seconds
+
+
 # The request priority of latency-critical work, a live voice turn's: lower runs first in the LLM
 # engine's scheduler (``scheduling_policy="priority"``) and in the ASR encoder's queue.
 INTERACTIVE = -1

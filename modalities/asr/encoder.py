@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from engine import openmp
-from engine.foreground import FOREGROUND
+from engine.foreground import FOREGROUND, Turns
 from modalities.asr.model import WhisperModel
 
 RATE = 16_000
@@ -46,14 +46,13 @@ class EncoderBatcher:
         self, whisper: WhisperModel, adapter: Any, no_speech_id: int, max_batch: int, foreground_wait_s: float = 0.0
     ) -> None:
         self.whisper, self.adapter, self.max_batch = whisper, adapter, max_batch
-        self.foreground_wait_s = foreground_wait_s
+        self._turns = Turns(foreground_wait_s)
         self._on_cpu = whisper.model.device.type == "cpu"
         self._sot = whisper.tokenizer.convert_tokens_to_ids("<|startoftranscript|>")
         self._no_speech = no_speech_id
         self._heap: list[_Queued] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._wait_again_at = 0.0  # monotonic: no foreground wait before then
         # One thread runs every step, keeping its OpenMP team from step to step (released after
         # each pass): steps on asyncio's pool hopped threads and made a team each time, ~20 ms
         # more per pass here.
@@ -165,13 +164,13 @@ class EncoderBatcher:
     async def _yield(self) -> None:
         """Before a bulk layer step: the interactive windows queued, then, while a foreground
         hold runs, a wait of at most ``foreground_wait_s``; interactive windows arriving during it
-        run at once. After waiting, the pass steps at least as long before it waits again (as
-        ``AsyncEngine`` does): back-to-back holds take at most half of its time."""
+        run at once. The batcher takes its turns with the holds as ``AsyncEngine`` does
+        (``engine.foreground.Turns``)."""
         await self._interactive_first()
-        if not FOREGROUND.active or self.foreground_wait_s <= 0 or time.monotonic() < self._wait_again_at:
+        if not self._turns.due():
             return
         t0 = time.monotonic()
-        hold = asyncio.ensure_future(asyncio.to_thread(FOREGROUND.wait, self.foreground_wait_s))
+        hold = asyncio.ensure_future(asyncio.to_thread(FOREGROUND.wait, self._turns.max_s))
         while not hold.done():
             self._wake.clear()
             arrival = asyncio.ensure_future(self._wake.wait())
@@ -180,8 +179,7 @@ class EncoderBatcher:
             finally:
                 arrival.cancel()
             await self._interactive_first()
-        now = time.monotonic()
-        self._wait_again_at = now + (now - t0)
+        self._turns.waited(time.monotonic() - t0)
 
     # -- the pass's steps (worker thread); the same operations as WhisperEncoder.forward ------
     def begin(self, jobs: list[_EncoderJob]) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from engine import openmp
+from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, transcript_words
 from modalities.asr.encoder import RATE, EncoderBatcher
 from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
@@ -89,7 +90,7 @@ class AsrEngine:
         max_len = model.config.max_target_positions
         wait_s = self.config.foreground_wait_s
         if wait_s is None:
-            wait_s = 0.25 if model.device.type == "cpu" else 0.0
+            wait_s = default_wait_s(str(model.device))
         ecfg = EngineConfig(
             model=str(whisper.path),
             max_model_len=max_len,

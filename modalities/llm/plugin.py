@@ -51,6 +51,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: Any, model: str) -> Any:
     """An ``EngineConfig`` for ``model`` from the engine options in ``args`` (unset ones default)."""
     from engine.config import EngineConfig
+    from engine.foreground import default_wait_s
 
     kwargs: dict[str, Any] = {"model": model}
     for name in (
@@ -70,7 +71,7 @@ def engine_config(args: Any, model: str) -> Any:
         kwargs["quantization"] = None if quant == "none" else quant
     wait_ms = getattr(args, "foreground_wait_ms", None)
     if wait_ms is None:
-        wait_ms = 250.0 if str(kwargs.get("device", "cpu")).startswith("cpu") else 0.0
+        wait_ms = default_wait_s(str(kwargs.get("device", "cpu"))) * 1000.0
     kwargs["foreground_wait_s"] = float(wait_ms) / 1000.0
     kv_gb = getattr(args, "kv_cache_gb", None)
     if kv_gb is not None:
