@@ -248,12 +248,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     url = base.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime"
     levels: dict[str, Any] = {}
     rows = []
+    recording = _recording(clips) if args.uploads else None
     try:
         for n in [int(x) for x in str(args.sessions).split(",") if x]:
             uploads: dict[str, float] = {}
-            if args.uploads:
+            if recording is not None:
                 voice = _level(url, clips, n, args)
-                turns, uploads = asyncio.run(_with_uploads(base, voice, _recording(clips), args.uploads))
+                turns, uploads = asyncio.run(_with_uploads(base, voice, recording, args.uploads))
                 print(f"{n} session(s): {uploads['uploads']} uploads done, {uploads['audio_s_per_s']:.1f} audio-s/s")
             else:
                 turns = asyncio.run(_level(url, clips, n, args))

@@ -39,8 +39,8 @@ class EncoderBatcher:
     ``max_batch`` windows, except that on a CPU a window of priority < 0 runs alone. Such a window
     arriving while a bulk pass (priority ≥ 0) runs is encoded before that pass's next layer step,
     and a bulk pass waits before its layer steps while a foreground hold runs (``engine.foreground``),
-    at most ``foreground_wait_s`` (``_yield``). Runs on the event loop of the latest ``ensure_loop`` caller; ``close``
-    stops it."""
+    at most ``foreground_wait_s`` (``_yield``). Runs on the event loop of the latest
+    ``ensure_loop`` caller; ``close`` stops it."""
 
     def __init__(
         self, whisper: WhisperModel, adapter: Any, no_speech_id: int, max_batch: int, foreground_wait_s: float = 0.0
@@ -196,17 +196,7 @@ class EncoderBatcher:
             return x + enc.embed_positions(positions)
 
     def layer_steps(self) -> list[Callable[[Any], Any]]:
-        import torch
-
-        def step(layer: Any) -> Callable[[Any], Any]:
-            def run(hidden: Any) -> Any:
-                with torch.inference_mode():
-                    out = layer(hidden, None)
-                return out[0] if isinstance(out, tuple) else out  # a tuple in some 5.x releases
-
-            return run
-
-        return [step(layer) for layer in self.whisper.model.model.encoder.layers]
+        return [functools.partial(_layer_step, layer) for layer in self.whisper.model.model.encoder.layers]
 
     def finish(self, parts: list[Any], jobs: list[_EncoderJob]) -> list[tuple[Any, float]]:
         """The final norm over the last layer's output (in parts along the batch), then the
@@ -221,3 +211,11 @@ class EncoderBatcher:
             no_speech = torch.softmax(logits.float(), -1)[:, self._no_speech].tolist()
         self.num_batches += 1
         return list(zip(outs, no_speech, strict=True))
+
+
+def _layer_step(layer: Any, hidden: Any) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        out = layer(hidden, None)
+    return out[0] if isinstance(out, tuple) else out  # a tuple in some 5.x releases
