@@ -214,8 +214,8 @@ async def test_an_abandoned_encoder_pass_stops_at_the_next_layer(engine: AsrEngi
 
 
 async def test_an_abandoned_pass_stops_only_its_own_batcher(engine: AsrEngine) -> None:
-    """Engines over one model each hook its encoder layers: one engine's abandoned pass must not
-    stop another engine's pass running at the same time (whose callers would then wait forever)."""
+    """Engines share one model: one engine's abandoned pass must not stop another engine's pass
+    running at the same time (whose callers would then wait forever)."""
     other = AsrEngine(engine.whisper, AsrConfig(kv_cache_mb=1))
     layers = engine.whisper.model.model.encoder.layers
     started, go, pause_once = _pause_first_pass()
