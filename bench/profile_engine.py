@@ -46,6 +46,29 @@ class _Timers:
 
         setattr(obj, attr, timed)
 
+    def wrap_callable(self, obj: Any, attr: str, label: str) -> None:
+        """Like ``wrap`` for a callable object (the runner's sampler) whose other attributes are
+        still used: its calls are timed, the rest is forwarded."""
+        timers = self
+
+        class Timed:
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.inner, name)
+
+            def __call__(self, *a: Any, **kw: Any) -> Any:
+                if not timers.enabled:
+                    return self.inner(*a, **kw)
+                t0 = time.perf_counter()
+                try:
+                    return self.inner(*a, **kw)
+                finally:
+                    timers.total[label] += time.perf_counter() - t0
+
+        setattr(obj, attr, Timed(getattr(obj, attr)))
+
 
 def run_profile(args: argparse.Namespace) -> dict[str, float]:
     import torch
@@ -77,7 +100,7 @@ def run_profile(args: argparse.Namespace) -> dict[str, float]:
     tm.wrap(backend, "forward", "attention (all layers)")
     tm.wrap(adapter, "forward", "model forward (all)")
     tm.wrap(adapter, "compute_logits", "lm head")
-    tm.wrap(runner, "sampler", "sampler")
+    tm.wrap_callable(runner, "sampler", "sampler")
     tm.enabled = True
     step_times = []
     t0 = time.perf_counter()

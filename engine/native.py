@@ -2,7 +2,8 @@
 
 No torch headers and no build step at install time: the shared library is built on first use
 (well under a second) into the mmserve cache, keyed by the source hash. Where there is no C
-compiler or the CPU lacks the kernel's ISA (AVX2/FMA for decode, AVX-512F for prefill), the
+compiler or the CPU lacks the kernel's ISA (AVX2/FMA for decode, with an AVX-512 build of the block
+kernel where the CPU has it; AVX-512F for prefill), the
 ``*_kernel()`` getters return None and callers fall back to the portable PyTorch path.
 """
 
@@ -151,19 +152,32 @@ def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_
     return out
 
 
+# The block kernel's builds, widest first: AVX-512 unpacks a block in half the instructions.
+BLOCKQ_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "avx512": ([*_DECODE_FLAGS, "-mavx512f", "-mavx512bw"], ("avx2", "fma", "avx512f", "avx512bw")),
+    "avx2": (_DECODE_FLAGS, ("avx2", "fma")),
+}
+
+
 @functools.cache
-def blockq_linear_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C linear on GGUF Q4_1/Q8_0 blocks (AVX2+FMA), or None when it cannot run here."""
-    fn = _load("blockq_linear", _DECODE_FLAGS, ("avx2", "fma"))
-    if fn is None:
-        return None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
-    return fn
+def blockq_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C linear on GGUF Q4_1/Q8_0 blocks: the widest build this CPU runs (``isa`` names one
+    of ``BLOCKQ_ISAS``), or None when none can run here."""
+    for name in [isa] if isa else BLOCKQ_ISAS:
+        flags, features = BLOCKQ_ISAS[name]
+        fn = _load("blockq_linear", flags, features)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+            return fn
+    return None
 
 
-def blockq_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` read from ``w``'s blocks; x: [M, K] fp32 (any rows, made contiguous)."""
-    fn = blockq_linear_kernel()
+def blockq_linear(
+    x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None, isa: str | None = None
+) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` read from ``w``'s blocks; x: [M, K] fp32 (any rows, made contiguous);
+    ``isa``: a given build of the kernel (default: the widest)."""
+    fn = blockq_linear_kernel(isa)
     assert fn is not None
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()  # held: the kernel reads its memory

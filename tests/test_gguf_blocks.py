@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.gguf_blocks import BlockWeight, model_blocks
 from engine.llm_engine import LLMEngine
 from engine.model_loader import smollm2_gguf_path
-from engine.native import blockq_linear, blockq_linear_kernel
+from engine.native import BLOCKQ_ISAS, blockq_linear, blockq_linear_kernel
 
 needs_kernel = pytest.mark.skipif(blockq_linear_kernel() is None, reason="no AVX2/FMA or no C compiler")
 
@@ -33,16 +33,18 @@ def _random_blocks(fmt: int, n: int, k: int, seed: int) -> BlockWeight:
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", [isa for isa in BLOCKQ_ISAS if blockq_linear_kernel(isa) is not None])
 @pytest.mark.parametrize("fmt", [0, 1])
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_kernel_equals_the_dequantized_matmul(fmt: int, rows: int) -> None:
+def test_kernel_equals_the_dequantized_matmul(fmt: int, rows: int, isa: str) -> None:
+    """Every build this CPU runs (AVX-512 and AVX2 on an AVX-512 machine)."""
     w = _random_blocks(fmt, 200, 96, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7))
     bias = torch.randn(200)
-    torch.testing.assert_close(blockq_linear(x, w, bias), x @ w.dense.T + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blockq_linear(x, w, bias, isa), x @ w.dense.T + bias, rtol=1e-5, atol=1e-5)
     # A row's result does not depend on the rows batched with it.
-    alone = torch.cat([blockq_linear(x[i : i + 1], w) for i in range(rows)])
-    assert torch.equal(alone, blockq_linear(x, w))
+    alone = torch.cat([blockq_linear(x[i : i + 1], w, isa=isa) for i in range(rows)])
+    assert torch.equal(alone, blockq_linear(x, w, isa=isa))
 
 
 def test_blocks_are_the_exact_fp32_weights(smollm2_dir) -> None:
