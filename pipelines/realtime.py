@@ -77,7 +77,7 @@ class RealtimeSession:
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
-        self.tts_options = TTSOptions()
+        self.tts_options = TTSOptions(priority=INTERACTIVE)  # its first pieces go first
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         prefetch = SpeechPrefetch(services, self.tts_options)  # a speculative reply's first sentence

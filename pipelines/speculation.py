@@ -80,7 +80,7 @@ class Buffered(Generic[T]):
 class SpeechPrefetch:
     """Speculative synthesis of one piece of text (a speculative reply's first sentence), shared
     by the LLM stage that starts it and the TTS stage that takes it. ``options`` is the TTS
-    stage's ``TTSOptions`` (enabled, voice, sample rate)."""
+    stage's ``TTSOptions`` (enabled, voice, sample rate, priority)."""
 
     def __init__(self, services: Any, options: Any) -> None:
         self.services, self.options = services, options
@@ -92,7 +92,8 @@ class SpeechPrefetch:
     def start(self, text: str) -> None:
         self.cancel()
         if self.options.enabled and self.services.tts is not None and text:
-            stream = self.services.speak(text, self.options.voice, self.options.sample_rate)
+            o = self.options
+            stream = self.services.speak(text, o.voice, o.sample_rate, o.priority)
             self.pending = (self._key(text), Buffered(stream))
 
     def take(self, text: str) -> Buffered[Any] | None:

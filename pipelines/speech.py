@@ -340,6 +340,7 @@ class TTSOptions:
     enabled: bool = True
     voice: str | None = None
     sample_rate: int = 24_000
+    priority: int = 0  # of the synthesis requests (``TTSRequest.priority``)
 
 
 class TTS(Processor):
@@ -363,7 +364,11 @@ class TTS(Processor):
                 return
             early = self.prefetch.take(frame.text) if self.prefetch is not None and frame.index == 0 else None
             o = self.options
-            chunks = early.replay() if early is not None else self.services.speak(frame.text, o.voice, o.sample_rate)
+            chunks = (
+                early.replay()
+                if early is not None
+                else self.services.speak(frame.text, o.voice, o.sample_rate, o.priority)
+            )
             first = True
             try:
                 async for chunk in chunks:

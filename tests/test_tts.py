@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import threading
 from collections.abc import Iterator
 
@@ -13,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from engine.foreground import FOREGROUND
+from engine.foreground import FOREGROUND, INTERACTIVE
 from modalities.audio import decode_audio, from_pcm16
 from modalities.tts.piper_engine import PiperEngine
 from modalities.tts.protocol import TTSInputError, TTSRequest
@@ -135,6 +136,44 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
     expected = ["Later A zero.", "B zero.", "C one two three four", "A one.", "B one.", "five six seven.", "A two."]
     assert order == expected, order
     assert eng.stats()["tts_first_pieces_pending"] == 0
+
+
+def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> None:
+    """Priority below 0 (a live voice turn): its pieces run before those of the same index
+    queued earlier, and its first piece runs on the session over every core; other pieces run on
+    the worker's own session."""
+    eng = GatedPiper(workers=1, threads=1)
+    eng.gate.clear()
+    wide: dict[str, bool] = {}
+    synthesize = eng._synthesize
+
+    def spy(voice: object, text: str, length_scale: float) -> np.ndarray:
+        wide[text] = voice is eng._wide
+        return synthesize(voice, text, length_scale)
+
+    eng._synthesize = spy  # type: ignore[method-assign]
+
+    async def go() -> None:
+        await eng.start()
+        old = eng.stream(TTSRequest("Later A zero. A one."))
+        first = asyncio.ensure_future(old.__anext__())
+        while not eng.events:  # the worker is now blocked inside A's first piece
+            await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(_drain(eng, TTSRequest("B zero. B one.")))
+        await asyncio.sleep(0.05)
+        live = asyncio.ensure_future(_drain(eng, TTSRequest("V zero. V one.", priority=INTERACTIVE)))
+        await asyncio.sleep(0.05)
+        eng.gate.set()
+        await first
+        await asyncio.gather(queued, live)
+        assert [c async for c in old]
+        await eng.shutdown()
+
+    run(go())
+    order = [e.removeprefix("synth:") for e in eng.events if e.startswith("synth:")]
+    assert order == ["Later A zero.", "V zero.", "B zero.", "V one.", "A one.", "B one."], order
+    spans = (os.cpu_count() or 1) > 1  # one core: no wider session to run on
+    assert wide == {text: spans and text == "V zero." for text in order}, wide
 
 
 def test_only_a_first_piece_holds_the_foreground() -> None:

@@ -30,12 +30,15 @@ class TTSInputError(ValueError):
 @dataclass
 class TTSRequest:
     """One synthesis: ``text`` spoken by ``voice`` (None: the engine's default) at ``speed``
-    (1.0 normal, >1 faster), as float32 mono chunks at ``sample_rate`` (None: the voice's own)."""
+    (1.0 normal, >1 faster), as float32 mono chunks at ``sample_rate`` (None: the voice's own).
+    ``priority``: lower first where the engine orders its work (set by the server, not the API:
+    ``engine.foreground.INTERACTIVE`` marks a live voice turn)."""
 
     text: str
     voice: str | None = None
     speed: float = 1.0
     sample_rate: int | None = None
+    priority: int = 0
 
     def validate(self) -> None:
         if not self.text or not self.text.strip():
