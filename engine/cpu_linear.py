@@ -56,6 +56,39 @@ class PrepackedLinear(nn.Module):
         return onednn_linear(x, self.packed, self.bias)
 
 
+class HalfStoredLinear(PrepackedLinear):
+    """A ``PrepackedLinear`` whose fp32 weight is exactly a tensor of fp16 values (a model converted
+    from an fp16 checkpoint): batches of up to ``max_rows`` rows read an fp16 copy of it with a
+    native kernel (half the bytes, fp32 arithmetic; ``engine.native.f16_linear``), larger ones
+    the prepacked weight (compute-bound, where oneDNN wins). Only the summation order differs."""
+
+    max_rows = 4  # measured: the kernel's edge shrinks to nothing near 8 rows (docs/BENCHMARKS.md)
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.half = linear.weight.detach().half().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.native import f16_linear
+
+        if x.numel() <= self.max_rows * self.in_features:
+            return f16_linear(x, self.half, self.bias)
+        return super().forward(x)
+
+
+def fast_linear(linear: nn.Linear) -> nn.Module:
+    """The fastest exact stand-in for an inference-only fp32 ``linear`` on this CPU:
+    ``HalfStoredLinear`` when its weight is fp16-exact and the kernel runs here, else
+    ``PrepackedLinear`` (else ``linear`` itself)."""
+    from engine.native import f16_linear_kernel
+
+    w = linear.weight
+    if not prepackable(w):
+        return linear
+    exact = w.shape[1] % 16 == 0 and torch.equal(w.detach().half().float(), w.detach())
+    return HalfStoredLinear(linear) if exact and f16_linear_kernel() is not None else PrepackedLinear(linear)
+
+
 def prepackable(weight: torch.Tensor) -> bool:
     """Whether ``weight`` can live prepacked for oneDNN (fp32, on the CPU, oneDNN present)."""
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and onednn_available()

@@ -152,24 +152,69 @@ def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_
     return out
 
 
-# The block kernel's builds, widest first: AVX-512 unpacks a block in half the instructions.
+# Builds of the small-batch linear kernels, widest first: AVX-512 unpacks and widens the weights
+# in half the instructions.
 BLOCKQ_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx512": ([*_DECODE_FLAGS, "-mavx512f", "-mavx512bw"], ("avx2", "fma", "avx512f", "avx512bw")),
     "avx2": (_DECODE_FLAGS, ("avx2", "fma")),
 }
+F16_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "avx512": ([*_DECODE_FLAGS, "-mf16c", "-mavx512f"], ("avx2", "fma", "f16c", "avx512f")),
+    "avx2": ([*_DECODE_FLAGS, "-mf16c"], ("avx2", "fma", "f16c")),
+}
+
+
+def _widest(name: str, isas: dict[str, tuple[list[str], tuple[str, ...]]], isa: str | None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Function ``<name>_f32``: the widest build of ``isas`` this CPU runs, or the one named."""
+    for key in [isa] if isa else isas:
+        flags, features = isas[key]
+        fn = _load(name, flags, features)
+        if fn is not None:
+            return fn
+    return None
 
 
 @functools.cache
 def blockq_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C linear on GGUF Q4_1/Q8_0 blocks: the widest build this CPU runs (``isa`` names one
     of ``BLOCKQ_ISAS``), or None when none can run here."""
-    for name in [isa] if isa else BLOCKQ_ISAS:
-        flags, features = BLOCKQ_ISAS[name]
-        fn = _load("blockq_linear", flags, features)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
-            return fn
-    return None
+    fn = _widest("blockq_linear", BLOCKQ_ISAS, isa)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+@functools.cache
+def f16_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C linear on fp16-stored weights: the widest build this CPU runs (``isa`` names one of
+    ``F16_ISAS``), or None when none can run here."""
+    fn = _widest("f16_linear", F16_ISAS, isa)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return fn
+
+
+def f16_linear(
+    x: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor | None = None, isa: str | None = None
+) -> torch.Tensor:
+    """``x @ w16.float().T (+ bias)``; x: [..., K] fp32, w16: [N, K] fp16 contiguous, K % 16 == 0."""
+    fn = f16_linear_kernel(isa)
+    assert fn is not None
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()  # held: the kernel reads its memory
+    n, k = w16.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    fn(
+        y.data_ptr(),
+        x.data_ptr(),
+        w16.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        x.numel() // k,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return y
 
 
 def blockq_linear(

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.cpu_linear import PrepackedLinear, prepackable
+from engine.cpu_linear import fast_linear
 from engine.model_adapter import ModelAdapter
 
 
@@ -67,10 +67,11 @@ class WhisperDecoderAdapter(ModelAdapter):
         self.final_ln = dec.layer_norm
         self.lm_head = model.get_output_embeddings().weight
         # The 51k-row output head is most of a decode step; plain F.linear (MKL) reads it at a
-        # fraction of memory speed at M=1, oneDNN with the weight prepacked once ~5x faster. The
-        # plain weight stays: the token embedding is tied to it.
-        head = model.get_output_embeddings()
-        self._head = PrepackedLinear(head) if prepackable(self.lm_head) else None
+        # fraction of memory speed at M=1, oneDNN with the weight prepacked once ~5x faster, and
+        # an fp16 copy (the converted checkpoints are fp16) halves the bytes again. The plain
+        # weight stays: the token embedding is tied to it.
+        head = fast_linear(model.get_output_embeddings())
+        self._head = head if head is not model.get_output_embeddings() else None
         suppress = list(getattr(model.generation_config, "suppress_tokens", None) or [])
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=self.lm_head.device)
         self.layers: list[_Layer] = []
