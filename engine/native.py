@@ -45,7 +45,8 @@ def _build(src: Path, flags: list[str]) -> Path:
 
     root = cache_root()
     flags = [*_FLAGS, *flags]
-    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    headers = b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))  # what it may include
+    digest = hashlib.sha256(src.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
     lib = root / "native" / f"{src.stem}-{digest}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +156,7 @@ def prefill_attn(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_
 # Builds of the small-batch linear kernels, widest first: AVX-512 unpacks and widens the weights
 # in half the instructions.
 BLOCKQ_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
-    "avx512": ([*_DECODE_FLAGS, "-mavx512f", "-mavx512bw"], ("avx2", "fma", "avx512f", "avx512bw")),
+    "avx512": ([*_DECODE_FLAGS, "-mavx512f"], ("avx2", "fma", "avx512f")),
     "avx2": (_DECODE_FLAGS, ("avx2", "fma")),
 }
 F16_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -200,21 +201,7 @@ def f16_linear(
     """``x @ w16.float().T (+ bias)``; x: [..., K] fp32, w16: [N, K] fp16 contiguous, K % 16 == 0."""
     fn = f16_linear_kernel(isa)
     assert fn is not None
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()  # held: the kernel reads its memory
-    n, k = w16.shape
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    fn(
-        y.data_ptr(),
-        x.data_ptr(),
-        w16.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        x.numel() // k,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    return y
+    return _small_batch_linear(fn, x, w16.shape, (w16.data_ptr(),), bias)
 
 
 def blockq_linear(
@@ -224,21 +211,24 @@ def blockq_linear(
     ``isa``: a given build of the kernel (default: the widest)."""
     fn = blockq_linear_kernel(isa)
     assert fn is not None
+    weights = (w.q.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr())
+    return _small_batch_linear(fn, x, w.shape, weights, bias, (w.fmt,))
+
+
+def _small_batch_linear(
+    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    x: torch.Tensor,
+    shape: tuple[int, int],
+    weights: tuple[int | None, ...],
+    bias: torch.Tensor | None,
+    extra: tuple[int, ...] = (),
+) -> torch.Tensor:
+    """y [..., N] = ``fn(y, x, *weights, bias, M, N, K, *extra, threads)`` on ``x`` made
+    contiguous (the kernels' shared calling convention)."""
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()  # held: the kernel reads its memory
-    n, k = w.shape
+    n, k = shape
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    fn(
-        y.data_ptr(),
-        x.data_ptr(),
-        w.q.data_ptr(),
-        w.d.data_ptr(),
-        None if w.m is None else w.m.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        x.numel() // k,
-        n,
-        k,
-        w.fmt,
-        torch.get_num_threads(),
-    )
+    bias_ptr = None if bias is None else bias.data_ptr()
+    fn(y.data_ptr(), x.data_ptr(), *weights, bias_ptr, x.numel() // k, n, k, *extra, torch.get_num_threads())
     return y

@@ -15,26 +15,17 @@
  *
  * Every output element is computed by the same sequence of operations whatever M is, so a row's
  * result does not depend on the rows batched with it (for a given build). AVX2 + FMA, or
- * AVX-512F/BW when compiled for it; K % 32 == 0. */
-#include <immintrin.h>
+ * AVX-512F when compiled for it; K % 32 == 0. */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "vec.h"
 
 #define QK 32
 #define MR 4                 /* rows of x per pass over a weight row (the weight row stays in L1) */
 #define PREFETCH_BYTES 4096 /* how far ahead in the quants (measured: 2-8 KiB all good) */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define LANES 16
-typedef __m512 vec;
-#define vzero _mm512_setzero_ps
-#define vset1 _mm512_set1_ps
-#define vload _mm512_loadu_ps
-#define vadd _mm512_add_ps
-#define vmul _mm512_mul_ps
-#define vfmadd _mm512_fmadd_ps
-#define hsum _mm512_reduce_add_ps
-
+#if defined(__AVX512F__)
 /* The 32 quants of one block as two vectors of 16 (dequantized up to d and m). */
 static inline void load_block(const uint8_t *qb, int fmt, vec w[2]) {
     if (fmt == 1) {
@@ -47,22 +38,6 @@ static inline void load_block(const uint8_t *qb, int fmt, vec w[2]) {
     }
 }
 #else
-#define LANES 8
-typedef __m256 vec;
-#define vzero _mm256_setzero_ps
-#define vset1 _mm256_set1_ps
-#define vload _mm256_loadu_ps
-#define vadd _mm256_add_ps
-#define vmul _mm256_mul_ps
-#define vfmadd _mm256_fmadd_ps
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 static inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 /* 8 int8 quants widened straight from memory (no register shuffle). */
 static inline __m256 i8_to_ps(const uint8_t *p) {

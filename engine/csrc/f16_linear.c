@@ -7,34 +7,16 @@
  * Every output element is computed by the same sequence of operations whatever M is, so a row's
  * result does not depend on the rows batched with it (for a given build). AVX2 + FMA + F16C, or
  * AVX-512F when compiled for it; K % 16 == 0. */
-#include <immintrin.h>
 #include <stdint.h>
+
+#include "vec.h"
 
 #define MR 4                 /* rows of x per pass over a weight row (the weight row stays in L1) */
 #define PREFETCH_BYTES 4096 /* how far ahead in the weights */
 
 #if defined(__AVX512F__)
-#define LANES 16
-typedef __m512 vec;
-#define vzero _mm512_setzero_ps
-#define vload _mm512_loadu_ps
-#define vadd _mm512_add_ps
-#define vfmadd _mm512_fmadd_ps
-#define hsum _mm512_reduce_add_ps
 static inline vec wload(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #else
-#define LANES 8
-typedef __m256 vec;
-#define vzero _mm256_setzero_ps
-#define vload _mm256_loadu_ps
-#define vadd _mm256_add_ps
-#define vfmadd _mm256_fmadd_ps
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 static inline vec wload(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
