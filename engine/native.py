@@ -2,9 +2,9 @@
 
 No torch headers and no build step at install time: the shared library is built on first use
 (well under a second) into the mmserve cache, keyed by the source hash. Where there is no C
-compiler or the CPU lacks the kernel's ISA (AVX2/FMA for decode, with an AVX-512 build of the block
-kernel where the CPU has it; AVX-512F for prefill), the
-``*_kernel()`` getters return None and callers fall back to the portable PyTorch path.
+compiler or the CPU lacks the kernel's ISA (AVX2/FMA for decode, the small-batch linears also built
+for AVX-512 where the CPU has it; AVX-512F for prefill), the ``*_kernel()`` getters return None and
+callers fall back to the portable PyTorch path.
 """
 
 from __future__ import annotations
