@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.native import f16_linear, f16_linear_kernel
+
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through oneDNN's matmul (fp32 CPU tensors)."""
@@ -69,8 +71,6 @@ class HalfStoredLinear(PrepackedLinear):
         self.half = linear.weight.detach().half().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.native import f16_linear
-
         if x.numel() <= self.max_rows * self.in_features:
             return f16_linear(x, self.half, self.bias)
         return super().forward(x)
@@ -80,8 +80,6 @@ def fast_linear(linear: nn.Linear) -> nn.Module:
     """The fastest exact stand-in for an inference-only fp32 ``linear`` on this CPU:
     ``HalfStoredLinear`` when its weight is fp16-exact and the kernel runs here, else
     ``PrepackedLinear`` (else ``linear`` itself)."""
-    from engine.native import f16_linear_kernel
-
     w = linear.weight
     if not prepackable(w):
         return linear

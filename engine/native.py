@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -165,34 +165,30 @@ F16_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 
 
-def _widest(name: str, isas: dict[str, tuple[list[str], tuple[str, ...]]], isa: str | None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """Function ``<name>_f32``: the widest build of ``isas`` this CPU runs, or the one named."""
+def _widest(
+    name: str, isas: dict[str, tuple[list[str], tuple[str, ...]]], isa: str | None, argtypes: list[Any]
+) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Function ``<name>_f32``: the widest build of ``isas`` this CPU runs (or the one ``isa``
+    names), or None when none can run here."""
     for key in [isa] if isa else isas:
         flags, features = isas[key]
         fn = _load(name, flags, features)
         if fn is not None:
+            fn.argtypes = argtypes
             return fn
     return None
 
 
 @functools.cache
 def blockq_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C linear on GGUF Q4_1/Q8_0 blocks: the widest build this CPU runs (``isa`` names one
-    of ``BLOCKQ_ISAS``), or None when none can run here."""
-    fn = _widest("blockq_linear", BLOCKQ_ISAS, isa)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
-    return fn
+    """The C linear on GGUF Q4_1/Q8_0 blocks, a build of ``BLOCKQ_ISAS`` (``_widest``)."""
+    return _widest("blockq_linear", BLOCKQ_ISAS, isa, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2)
 
 
 @functools.cache
 def f16_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C linear on fp16-stored weights: the widest build this CPU runs (``isa`` names one of
-    ``F16_ISAS``), or None when none can run here."""
-    fn = _widest("f16_linear", F16_ISAS, isa)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    return fn
+    """The C linear on fp16-stored weights, a build of ``F16_ISAS`` (``_widest``)."""
+    return _widest("f16_linear", F16_ISAS, isa, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int])
 
 
 def f16_linear(

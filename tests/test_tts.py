@@ -7,7 +7,7 @@ import asyncio
 import io
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import numpy as np
@@ -113,11 +113,7 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
     eng.gate.clear()
 
     async def go() -> None:
-        await eng.start()
-        old = eng.stream(TTSRequest("Later A zero. A one. A two."))
-        first = asyncio.ensure_future(old.__anext__())
-        while not eng.events:  # the worker is now blocked inside A's first piece
-            await asyncio.sleep(0.01)
+        old, first = await _blocked_on(eng, "Later A zero. A one. A two.")
         new = [
             asyncio.ensure_future(_drain(eng, TTSRequest(t)))
             for t in ("B zero. B one.", "C one two three four five six seven.")
@@ -154,11 +150,7 @@ def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> N
     eng._synthesize = spy  # type: ignore[method-assign]
 
     async def go() -> None:
-        await eng.start()
-        old = eng.stream(TTSRequest("Later A zero. A one."))
-        first = asyncio.ensure_future(old.__anext__())
-        while not eng.events:  # the worker is now blocked inside A's first piece
-            await asyncio.sleep(0.01)
+        old, first = await _blocked_on(eng, "Later A zero. A one.")
         queued = asyncio.ensure_future(_drain(eng, TTSRequest("B zero. B one.")))
         await asyncio.sleep(0.05)
         live = asyncio.ensure_future(_drain(eng, TTSRequest("V zero. V one.", priority=INTERACTIVE)))
@@ -195,6 +187,17 @@ def test_only_a_first_piece_holds_the_foreground() -> None:
     pieces = split_text(TEXT, eng.max_chars, eng.first_chars)
     assert len(pieces) == 3 and [seen[p] for p in pieces] == [True, False, False], seen
     assert not FOREGROUND.active
+
+
+async def _blocked_on(eng: GatedPiper, text: str) -> tuple[AsyncIterator[np.ndarray], asyncio.Future[np.ndarray]]:
+    """Starts ``eng`` and a request for ``text`` (gated: it starts with "Later"); returns its
+    stream and its first chunk's future once the worker is blocked inside its first piece."""
+    await eng.start()
+    stream = eng.stream(TTSRequest(text))
+    first = asyncio.ensure_future(stream.__anext__())
+    while not eng.events:
+        await asyncio.sleep(0.01)
+    return stream, first
 
 
 async def _drain(eng: PiperEngine, req: TTSRequest) -> int:

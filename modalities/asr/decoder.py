@@ -70,8 +70,9 @@ class WhisperDecoderAdapter(ModelAdapter):
         # fraction of memory speed at M=1, oneDNN with the weight prepacked once ~5x faster, and
         # an fp16 copy (the converted checkpoints are fp16) halves the bytes again. The plain
         # weight stays: the token embedding is tied to it.
-        head = fast_linear(model.get_output_embeddings())
-        self._head = head if head is not model.get_output_embeddings() else None
+        out = model.get_output_embeddings()
+        head = fast_linear(out)
+        self._head = None if head is out else head
         suppress = list(getattr(model.generation_config, "suppress_tokens", None) or [])
         self.suppress = torch.tensor(suppress, dtype=torch.long, device=self.lm_head.device)
         self.layers: list[_Layer] = []
