@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine import allocator
 from gateway.plugins import MODALITIES
 
 
@@ -188,6 +189,7 @@ def openmp_defaults() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     openmp_defaults()
+    allocator.keep_freed_memory()
     if argv[:2] == ["bench", "embed"]:  # the embeddings benchmark has its own parser
         from bench.embed import main as bench_embed
 
