@@ -82,6 +82,3 @@ class Turns:
 # The request priority of latency-critical work, a live voice turn's: lower runs first in the LLM
 # engine's scheduler (``scheduling_policy="priority"``) and in the ASR encoder's queue.
 INTERACTIVE = -1
-# The priority of work nobody waits on yet (a spoken reply's later sentences, due only once the
-# audio before them has played): after other work of its kind, and it takes no foreground hold.
-BACKGROUND = 1

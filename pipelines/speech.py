@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.foreground import BACKGROUND
 from modalities.audio import ASR_RATE, Resampler
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation
@@ -365,12 +364,10 @@ class TTS(Processor):
                 return
             early = self.prefetch.take(frame.text) if self.prefetch is not None and frame.index == 0 else None
             o = self.options
-            # Only the first sentence starts the audio; the next ones are due when it has played.
-            priority = o.priority if frame.index == 0 else max(o.priority, BACKGROUND)
             chunks = (
                 early.replay()
                 if early is not None
-                else self.services.speak(frame.text, o.voice, o.sample_rate, priority)
+                else self.services.speak(frame.text, o.voice, o.sample_rate, o.priority)
             )
             first = True
             try:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from engine.foreground import BACKGROUND
 from pipelines.frames import End, ErrorFrame, Frame, Interrupt, LLMDone, SpeechStarted, TextDelta, Transcript, UserAudio
 from pipelines.processor import Pipeline, Processor
 
@@ -397,7 +396,6 @@ class _Speech:
     def __init__(self) -> None:
         self.transcribed: list[int] = []
         self.spoken: list[str] = []
-        self.priorities: dict[str, int] = {}
         self.open = 0
         self.committed = asyncio.Event()
         self.before_commit: list[str] = []  # texts whose synthesis began before the commit
@@ -409,7 +407,6 @@ class _Speech:
 
     async def speak(self, text: str, voice: str | None, rate: int, priority: int = 0) -> AsyncIterator[np.ndarray]:
         self.spoken.append(text)
-        self.priorities[text] = priority
         if not self.committed.is_set():
             self.before_commit.append(text)
         self.open += 1
@@ -472,8 +469,6 @@ def test_speculative_reply_is_reused_when_the_turn_commits() -> None:
     assert [rid.split("-")[0] for rid, _ in engine.requests] == ["spec"] and engine.aborted == []
     assert speech.spoken == ["You said heard 100.", "Fine."] and speech.open == 0
     assert speech.before_commit == ["You said heard 100."]  # the first sentence was prefetched
-    # Only the first sentence starts the audio: the next one is due once that one has played.
-    assert speech.priorities == {"You said heard 100.": 0, "Fine.": BACKGROUND}
     kinds = [type(f).__name__ for f in out if not isinstance(f, End)]
     assert kinds[:2] == ["Transcript", "LLMStarted"] and kinds[-2:] == ["LLMDone", "TTSDone"]
     transcript = next(f for f in out if isinstance(f, Transcript))

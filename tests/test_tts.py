@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from engine.foreground import BACKGROUND, FOREGROUND, INTERACTIVE
+from engine.foreground import FOREGROUND, INTERACTIVE
 from modalities.audio import decode_audio, from_pcm16
 from modalities.tts.piper_engine import PiperEngine
 from modalities.tts.protocol import TTSInputError, TTSRequest
@@ -187,43 +187,6 @@ def test_only_a_first_piece_holds_the_foreground() -> None:
     pieces = split_text(TEXT, eng.max_chars, eng.first_chars)
     assert len(pieces) == 3 and [seen[p] for p in pieces] == [True, False, False], seen
     assert not FOREGROUND.active
-
-
-def test_a_background_request_waits_for_first_pieces_and_holds_nothing() -> None:
-    """A ``BACKGROUND`` request (a spoken reply's later sentence): its first piece runs after
-    the other requests' first pieces and before their later ones, is not cut short, and takes no
-    foreground hold; nor does it count as a pending first piece."""
-    eng = GatedPiper(workers=1, threads=1)
-    eng.gate.clear()
-    held: dict[str, bool] = {}
-    synthesize = eng._synthesize
-
-    def spy(voice: object, text: str, length_scale: float) -> np.ndarray:
-        held[text] = FOREGROUND.active
-        return synthesize(voice, text, length_scale)
-
-    eng._synthesize = spy  # type: ignore[method-assign]
-    later = "W is a later sentence of a spoken reply, longer than a first piece may be."
-    assert len(later) > eng.first_chars
-
-    async def go() -> None:
-        old, first = await _blocked_on(eng, "Later A zero. A one.")
-        background = asyncio.ensure_future(_drain(eng, TTSRequest(later, priority=BACKGROUND)))
-        await asyncio.sleep(0.05)
-        assert eng.stats()["tts_first_pieces_pending"] == 1  # the blocked request's own
-        queued = asyncio.ensure_future(_drain(eng, TTSRequest("B zero. B one.")))
-        await asyncio.sleep(0.05)
-        eng.gate.set()
-        await first
-        await asyncio.gather(background, queued)
-        assert [c async for c in old]
-        await eng.shutdown()
-
-    run(go())
-    order = [e.removeprefix("synth:") for e in eng.events if e.startswith("synth:")]
-    assert order == ["Later A zero.", "B zero.", later, "A one.", "B one."], order
-    assert {t: held[t] for t in ("B zero.", later, "B one.")} == {"B zero.": True, later: False, "B one.": False}
-    assert eng.stats()["tts_first_pieces_pending"] == 0
 
 
 async def _blocked_on(eng: GatedPiper, text: str) -> tuple[AsyncIterator[np.ndarray], asyncio.Future[np.ndarray]]:

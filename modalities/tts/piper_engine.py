@@ -11,9 +11,7 @@ pieces and runs on one more session that spans every core while no other such pi
 2 cores a 4-word piece took ~100-130 ms on one thread and ~75-115 ms on two, alone.
 Under load the first piece is also made shorter (``first_chars`` divided by one plus the number of
 first pieces already waiting, down to ``min_first_chars``), so a burst of new requests costs each
-of them little before its first audio. A ``BACKGROUND`` request (a spoken reply's later
-sentence, due once the audio before it has played) does neither: its first piece is not cut
-short and holds no foreground.
+of them little before its first audio.
 Pieces of one request may finish out of order on different workers; a per-request reorder
 buffer emits them in order. Cancelling a request drops its queued pieces.
 """
@@ -37,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.foreground import BACKGROUND, FOREGROUND
+from engine.foreground import FOREGROUND
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
 from modalities.tts.protocol import TTSRequest
@@ -85,12 +83,6 @@ class _Job:
     done: dict[int, np.ndarray] = field(default_factory=dict)
     next_emit: int = 0
     cancelled: bool = False
-
-    @property
-    def urgent(self) -> bool:
-        """Someone waits for its first audio (not a ``BACKGROUND`` request): its first piece is
-        kept short and holds the foreground."""
-        return self.priority < BACKGROUND
 
     def deliver(self, index: int, audio: np.ndarray | BaseException) -> None:
         if isinstance(audio, BaseException):
@@ -222,7 +214,7 @@ class PiperEngine:
                 t0 = time.perf_counter()
                 try:  # a first piece is a request's time to first audio: yielding engines wait
                     with (
-                        FOREGROUND.hold() if index == 0 and job.urgent else contextlib.nullcontext(),
+                        FOREGROUND.hold() if index == 0 else contextlib.nullcontext(),
                         self._session(job, index, voice) as v,
                     ):
                         audio = self._synthesize(v, job.pieces[index], job.length_scale)
@@ -233,7 +225,7 @@ class PiperEngine:
                     self._synth_s += time.perf_counter() - t0
                     self._audio_s += len(audio) / self.sample_rate
                     self._pieces_done += 1
-            if index == 0 and job.urgent:
+            if index == 0:
                 with self._cv:
                     self._first_pending -= 1
             if audio is not None and not job.loop.is_closed():
@@ -255,16 +247,13 @@ class PiperEngine:
         check_request(self, req)
         await self.start()  # no-op once started
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
-        urgent = req.priority < BACKGROUND
         with self._cv:
-            first = (
-                max(self.min_first_chars, self.first_chars // (1 + self._first_pending)) if urgent else self.max_chars
-            )
+            first = max(self.min_first_chars, self.first_chars // (1 + self._first_pending))
             pieces = split_text(req.text, self.max_chars, first)
             job = _Job(next(self._seq), pieces, 1.0 / req.speed, req.priority, asyncio.get_running_loop())
             if not pieces:
                 return
-            self._first_pending += urgent
+            self._first_pending += 1
             for i in range(len(pieces)):
                 heapq.heappush(self._heap, (i, job.priority, job.seq, job))
             self._cv.notify(len(pieces))
@@ -287,7 +276,7 @@ class PiperEngine:
             if job.next_emit < len(pieces):  # left early: drop what is still queued
                 job.cancelled = True
                 with self._cv:
-                    if job.urgent and any(e[0] == 0 and e[3] is job for e in self._heap):
+                    if any(e[0] == 0 and e[3] is job for e in self._heap):
                         self._first_pending -= 1
                     self._heap = [e for e in self._heap if e[3] is not job]
                     heapq.heapify(self._heap)
