@@ -5,8 +5,8 @@ them to the OS when they are freed, and trims the heap's top likewise. A CPU for
 and frees the same large activations on every pass, so every pass faults its memory in again,
 a zeroed page at a time: a Whisper tiny.en encoder pass took ~9-19k minor page faults here, and
 the cross-attention K/V ~9k. With blocks up to 32 MiB kept on the heap and the top never
-trimmed below 1 GiB of slack, a pass reuses the memory of the last one (0-400 faults) and runs
-~5-10% faster (docs/BENCHMARKS.md). The cost is the usual one of a serving process: memory
+trimmed below 1 GiB of slack, a pass reuses the memory of the last one (0-400 faults); a turn's
+ASR work alone ran ~6% faster (docs/BENCHMARKS.md). The cost is the usual one of a serving process: memory
 freed after a peak stays mapped for the next one. PyTorch's CPU tuning guides get the same
 effect from preloading jemalloc or tcmalloc; this needs no library and no environment.
 """
