@@ -118,6 +118,16 @@ class VadStream:
     def speaking(self) -> bool:
         return self._speaking
 
+    @property
+    def silence_ms(self) -> float:
+        """While speaking: how long since the last speech frame."""
+        return (self._frames - 1 - self._last_speech) * self._frame_s * 1000
+
+    @property
+    def end_time(self) -> float:
+        """While speaking: the time ``speech_stopped`` would report if no speech followed."""
+        return (self._last_speech + 1) * self._frame_s + self.params.pad_ms / 1000
+
     def push(self, samples: np.ndarray) -> list[VadEvent]:
         n = self.classifier.frame_samples  # type: ignore[attr-defined]
         self._buf = np.concatenate([self._buf, np.asarray(samples, dtype=np.float32)])
@@ -152,7 +162,7 @@ class VadStream:
     def _close(self) -> VadEvent:
         fs, p = self._frame_s, self.params
         start = max(0.0, self._run_start * fs - p.pad_ms / 1000)  # type: ignore[operator]
-        end = (self._last_speech + 1) * fs + p.pad_ms / 1000
+        end = self.end_time
         self.segments.append((start, end))
         self._speaking = False
         return VadEvent("speech_stopped", end)

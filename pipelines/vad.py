@@ -63,44 +63,41 @@ class VADSegmenter:
         self.pos = 0  # samples received
         self.start = 0  # sample where the current speech began
         self.stream: VadStream | None = None
-        self.eager: VadStream | None = None  # same detector with a short silence: pauses
-        self.paused = False  # a pause was reported and no speech followed yet
-        self.origin = 0  # input sample of the streams' time 0
+        self.paused_key: int | None = None  # the key of the pause reported, while no speech followed
+        self.origin = 0  # input sample of the stream's time 0
 
     def _vad(self) -> VadStream | None:
+        """The detector, made at the first chunk of a turn (before ``pos`` counts that chunk)."""
         c = self.config
         if not c.server_vad:
-            self.stream = self.eager = None
+            self.stream = None
             return None
         if self.stream is None:
             self.stream = VadStream(make_classifier(c.backend), VadParams())
-            self.eager = VadStream(make_classifier(c.backend), VadParams())
             self.origin = self.pos
-        for stream, silence in ((self.stream, c.silence_duration_ms), (self.eager, c.eager_ms)):
-            p = stream.params  # type: ignore[union-attr]
-            p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
-            p.min_silence_ms, p.pad_ms, p.floor_dbfs = silence, c.prefix_padding_ms, c.floor_dbfs
+        p = self.stream.params
+        p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
+        p.min_silence_ms, p.pad_ms, p.floor_dbfs = c.silence_duration_ms, c.prefix_padding_ms, c.floor_dbfs
         return self.stream
 
-    def _pauses(self, samples: np.ndarray) -> list[VADEvent]:
-        """Pauses of ``eager_ms`` while the turn goes on, and speech resuming after one (both
-        detectors see every sample)."""
-        c, eager = self.config, self.eager
-        events = eager.push(samples) if eager is not None else []
-        if self.stream is None or not self.stream.speaking or not 0 < c.eager_ms < c.silence_duration_ms:
-            self.paused = False
+    def _pauses(self) -> list[VADEvent]:
+        """After the chunk: a pause once ``eager_ms`` of silence follow the last speech frame of
+        an ongoing turn; a resume at any speech frame after it (even a blip too short to start a
+        turn: it moves the turn's end, so the paused utterance is no longer the one to commit)."""
+        c, s = self.config, self.stream
+        if s is None or not s.speaking or not 0 < c.eager_ms < c.silence_duration_ms:
+            self.paused_key = None
             return []
+        key = self.origin + round(s.end_time * ASR_RATE)
         out = []
-        for ev in events:
-            if ev.kind == "speech_stopped":
-                key = self.origin + round(ev.time * ASR_RATE)
-                at = min(self.pos, key)
-                utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
-                out.append(VADEvent("pause", self._ms(at), utterance, self._ms(self.start), key))
-                self.paused = True
-            elif self.paused:  # speech_started: the pause was not the end of the turn
-                out.append(VADEvent("resume", self._ms(self.pos), np.zeros(0, np.float32)))
-                self.paused = False
+        if self.paused_key is not None and key != self.paused_key:
+            out.append(VADEvent("resume", self._ms(self.pos), np.zeros(0, np.float32)))
+            self.paused_key = None
+        if self.paused_key is None and s.silence_ms >= c.eager_ms:
+            at = min(self.pos, key)
+            utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
+            out.append(VADEvent("pause", self._ms(at), utterance, self._ms(self.start), key))
+            self.paused_key = key
         return out
 
     @property
@@ -123,10 +120,10 @@ class VADSegmenter:
         samples = np.asarray(samples, np.float32)
         if self.size + samples.size > self.max_samples:
             raise BufferFull(f"the input audio buffer is full ({self.max_samples / ASR_RATE:.0f} s of audio max)")
+        vad = self._vad()
         self.chunks.append(samples)
         self.size += samples.size
         self.pos += samples.size
-        vad = self._vad()
         if vad is None:
             return []
         out = []
@@ -140,7 +137,7 @@ class VADSegmenter:
                 utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
                 out.append(VADEvent("stop", self._ms(at), utterance, self._ms(self.start), key))
                 self._keep_from(at)
-        out += self._pauses(samples)
+        out += self._pauses()
         if not vad.speaking:  # idle: keep only what a padded start may reach back to
             keep = (self.config.prefix_padding_ms + self.config.min_speech_ms + 100) * ASR_RATE // 1000
             if self.size > 2 * keep:
@@ -151,6 +148,6 @@ class VADSegmenter:
         """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
         audio, start = self.buf, self.buf_start
         self.chunks, self.size, self.buf_start = [], 0, self.pos
-        self.stream = self.eager = None  # fresh detectors for the next turn
-        self.paused = False
+        self.stream = None  # a fresh detector for the next turn
+        self.paused_key = None
         return audio, self._ms(start), self._ms(self.pos)

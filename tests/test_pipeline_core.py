@@ -354,6 +354,37 @@ def test_vad_segmenter_reports_speech_resuming_after_a_pause() -> None:
     assert kinds == ["start", "pause", "resume", "pause", "stop"]
 
 
+def test_vad_segmenter_pauses_again_after_a_blip_too_short_to_resume_the_turn() -> None:
+    """A blip of speech after a pause (shorter than ``min_speech_ms``) moves the turn's end: the
+    pause is withdrawn (resume) and a new one comes after the blip, with the key of the stop."""
+    from pipelines.vad import VADConfig, VADSegmenter
+
+    a = _spoken("Hello there, how are you today?")
+    end = int(np.flatnonzero(np.abs(a) > 0.02)[-1])
+    blip = a[end - 1600 : end]  # the utterance's last 100 ms again, 300 ms after it
+    audio = np.concatenate([a[: end + 4800], blip, np.zeros(16000, np.float32)])
+    seg = VADSegmenter(VADConfig(silence_duration_ms=600, eager_ms=150, min_speech_ms=150))
+    events = [ev for i in range(0, audio.size, 320) for ev in seg.feed(audio[i : i + 320])]
+    kinds = [e.kind for e in events]
+    assert kinds[-3:] == ["resume", "pause", "stop"], kinds
+    assert events[-2].key == events[-1].key  # the last pause's transcript is the turn's
+    assert events[-1].samples[: events[-2].samples.size].tolist() == events[-2].samples.tolist()
+
+
+def test_vad_segmenter_takes_a_whole_utterance_in_one_chunk() -> None:
+    """A client may append a recording at once: the utterance is cut from the right samples."""
+    from pipelines.vad import VADConfig, VADSegmenter
+
+    audio = _spoken("Hello there, how are you today?")
+    one = VADSegmenter(VADConfig(silence_duration_ms=500)).feed(audio)
+    seg = VADSegmenter(VADConfig(silence_duration_ms=500))
+    chunked = [ev for i in range(0, audio.size, 640) for ev in seg.feed(audio[i : i + 640])]
+    chunked = [e for e in chunked if e.kind in ("start", "stop")]  # and pauses, by 40 ms chunks
+    assert [e.kind for e in one] == [e.kind for e in chunked] == ["start", "stop"]
+    assert one[1].key == chunked[-1].key and one[1].samples.size > 16000
+    assert one[1].samples.tolist() == chunked[-1].samples.tolist()
+
+
 class _Replies:
     """A streaming LLM engine: answers "You said <the last user message>. Fine." word by word,
     recording requests and the ones aborted before they finished."""
