@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -116,6 +116,7 @@ def create_app(
     keys: KeyStore | None = None,
     ratelimiter: RateLimiter | None = None,
     drain_timeout_s: float = 30.0,
+    warm_ups: Sequence[Callable[[dict[str, Any]], Awaitable[Any]]] = (),
 ) -> FastAPI:
     """An app serving ``engines`` (served model name -> ``AsyncEngine``).
 
@@ -133,7 +134,8 @@ def create_app(
     ``aliases`` maps extra accepted ``model`` values to served names (not listed in ``/v1/models``).
 
     ``routers`` are the modality routers to mount under the auth dependency (default: every
-    modality plugin's router). The lifespan calls ``start()`` on every engine and ``shutdown()`` on exit.
+    modality plugin's router). The lifespan calls ``start()`` on every engine, then each of
+    ``warm_ups`` with the engines (before ``/ready`` turns ready), and ``shutdown()`` on exit.
     """
     if routers is None:
         from gateway.plugins import body_limits as plugin_body_limits
@@ -151,6 +153,11 @@ def create_app(
                     await engine.start()
                 started.append(engine)
                 logger.info("engine %s started", name)
+            for warm_up in warm_ups:
+                try:
+                    await warm_up(engines)
+                except Exception:  # noqa: BLE001 - only the first requests lose: serve them cold
+                    logger.exception("start-up warm-up failed")
             release_thread_team()  # loading's OpenMP team: the engines' threads compute from here
             app.state.ready = True
             yield
@@ -222,6 +229,8 @@ def build_app(args: Any) -> FastAPI:
         keys=keystore_from_args(args),  # --keys-file, --api-key, --limit
         ratelimiter=limiter_from_args(args),
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
+        # Engines in worker processes (celery dispatch) are not warmed from here.
+        warm_ups=[] if cluster is not None or getattr(args, "no_warmup", False) else plugins.warm_ups(),
     )
     app.state.cluster = cluster  # /ready reports its workers
     app.state.args = args  # services without engines (workers.jobs) read their options from it

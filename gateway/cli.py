@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
+    serve.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the start-up warm-up (a spoken turn through the voice pipeline when LLM, ASR and TTS are served)",
+    )
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     serve.add_argument("--max-body-mb", type=float, default=None, help="largest request body accepted (default 32)")
     serve.add_argument(

@@ -11,7 +11,10 @@ Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.p
 - optionally ``body_limits(args) -> {"METHOD /path": bytes}``: routes that stream their request
   body under a limit of their own instead of the gateway's ``--max-body-mb`` (``args`` may be
   ``None``: the defaults);
-- optionally ``TINY_ARCHS``: ``{arch: make(dir, seed) -> Path}`` for ``mmserve models make-tiny``.
+- optionally ``TINY_ARCHS``: ``{arch: make(dir, seed) -> Path}`` for ``mmserve models make-tiny``;
+- optionally ``async warm_up(engines)``: work run once the engines have started and before
+  ``/ready`` says so (``mmserve serve --no-warmup`` skips it), so that the first requests do not
+  pay for first use.
 
 Adding a modality means writing its plugin module; no gateway file changes. Services that are
 not modalities (batch jobs, speech pipelines) use the same hooks from ``EXTRA_PLUGINS``; they
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -91,6 +95,10 @@ def body_limits(args: Any) -> dict[str, int]:
 
 def routers() -> list[Any]:
     return [p.router for p in load_plugins().values() if hasattr(p, "router")]
+
+
+def warm_ups() -> list[Callable[[dict[str, Any]], Awaitable[Any]]]:
+    return [p.warm_up for p in load_plugins().values() if hasattr(p, "warm_up")]
 
 
 def tiny_archs() -> dict[str, Any]:

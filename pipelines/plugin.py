@@ -6,6 +6,8 @@ Imports stay light: the models are the engines the modality plugins already serv
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, WebSocket
 
 __all__ = ["router"]
@@ -34,6 +36,13 @@ async def realtime(ws: WebSocket, model: str | None = None) -> None:
         return
     served = next(n for n, e in engines.items() if e is services.llm)
     await RealtimeSession(ws, services, served).run()
+
+
+async def warm_up(engines: dict[str, Any]) -> None:
+    """A spoken turn through the voice pipeline (``pipelines.voice.warm_up``)."""
+    from pipelines.voice import warm_up as voice_turn
+
+    await voice_turn(engines)
 
 
 def _register_job_kind() -> None:

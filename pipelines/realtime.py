@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
-from modalities.audio import ASR_RATE, from_pcm16, to_pcm16
+from modalities.audio import from_pcm16, to_pcm16
 from pipelines.conversation import Conversation, Spoken, heard_text
 from pipelines.frames import (
     AudioFrame,
@@ -47,7 +47,6 @@ from pipelines.frames import (
     TTSAudio,
     TTSDone,
 )
-from pipelines.processor import Pipeline
 from pipelines.realtime_events import (
     RATE,
     EventError,
@@ -60,9 +59,9 @@ from pipelines.realtime_events import (
     response_event,
 )
 from pipelines.services import Services
-from pipelines.speculation import SpeechPrefetch
-from pipelines.speech import ASR, LLM, TTS, VAD, LLMOptions, Resample, Sentences, TTSOptions
+from pipelines.speech import LLMOptions, TTSOptions
 from pipelines.vad import VADConfig
+from pipelines.voice import voice_pipeline
 
 logger = logging.getLogger("mmserve.realtime")
 _sessions = itertools.count(1)
@@ -80,17 +79,7 @@ class RealtimeSession:
         self.tts_options = TTSOptions(priority=INTERACTIVE)  # its first pieces go first
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
-        prefetch = SpeechPrefetch(services, self.tts_options)  # a speculative reply's first sentence
-        self.pipeline = Pipeline(
-            [
-                Resample(ASR_RATE),
-                VAD(self.vad_config),
-                ASR(services, INTERACTIVE),  # a live turn: its encoder passes go first
-                LLM(services, self.conv, self.llm_options, prefetch),
-                Sentences(),
-                TTS(services, self.tts_options, prefetch),
-            ]
-        )
+        self.pipeline = voice_pipeline(services, self.conv, self.vad_config, self.llm_options, self.tts_options)
         self.reply: Reply | None = None  # the latest response (active until done)
         self.turn_ended: float | None = None  # when the VAD ended the user's last turn (monotonic)
         self.metrics = getattr(ws.app.state, "metrics", None)

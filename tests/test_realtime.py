@@ -41,15 +41,17 @@ def server(smollm2_dir: Any) -> Iterator[dict[str, Any]]:
     from gateway.app import create_app
     from modalities.asr.engine import AsrConfig, AsrEngine
     from modalities.tts.piper_engine import PiperEngine
-    from pipelines.plugin import router
+    from pipelines.plugin import router, warm_up
 
     llm = AsyncEngine.from_config(EngineConfig(model=str(smollm2_dir)))
     asr = AsrEngine.from_config(AsrConfig(max_num_seqs=4))
     tts = PiperEngine(workers=1)
-    app = create_app({"smollm2": llm, asr.model_name: asr, tts.model_name: tts}, routers=[router])
+    engines = {"smollm2": llm, asr.model_name: asr, tts.model_name: tts}
+    app = create_app(engines, routers=[router], warm_ups=[warm_up])
     with serve_app(app) as url:
         ws_url = url.replace("http://", "ws://") + "/v1/realtime"
-        yield {"url": ws_url, "http": url, "llm": llm, "tts": tts, "question": speech(QUESTION)}
+        warmed = {"llm": llm.stats(), "asr": asr.stats(), "tts": tts.stats()}  # before any test's request
+        yield {"url": ws_url, "http": url, "llm": llm, "tts": tts, "question": speech(QUESTION), "warmed": warmed}
 
 
 QUESTION = "What is the capital of France?"
@@ -160,6 +162,29 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             assert usage["input_token_details"]["cached_tokens"] >= done["response"]["usage"]["input_tokens"] - 16
             assert usage["input_tokens"] > usage["input_token_details"]["cached_tokens"] > 0
             assert server["llm"].stats()["prefix_cache_hits"] > hits
+
+    run(go())
+
+
+def test_the_server_warmed_up_with_a_voice_turn_before_ready(server: dict[str, Any]) -> None:
+    """Before ``/ready``, a spoken turn ran through the voice pipeline: Piper spoke the
+    question and the reply, Whisper transcribed it, SmolLM2 answered after the default
+    instructions, whose blocks a new session's first prompt then finds cached."""
+    warmed = server["warmed"]
+    assert warmed["asr"]["windows_total"] >= 1
+    assert warmed["llm"]["generation_tokens_total"] >= 1
+    assert warmed["tts"]["tts_pieces_done"] >= 2  # the question, then the reply
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}
+            await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": 4})
+            await c.send("conversation.item.create", item=item)
+            await c.send("response.create")
+            done = await c.until("response.done")
+            assert done["response"]["usage"]["input_token_details"]["cached_tokens"] >= 16
 
     run(go())
 
