@@ -10,6 +10,9 @@ Speculation: with server VAD, a pause of ``turn_detection.speculative_silence_ms
 extension; default ``VADConfig.eager_ms``, 60 ms; 0: off) starts the turn's ASR, LLM and first
 sentence's TTS before ``silence_duration_ms`` commits the turn (``pipelines.speculation``); the
 client sees the same events as without it, only sooner.
+
+Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` has
+``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
 from modalities.audio import from_pcm16, to_pcm16
+from pipelines import realtime_ga
 from pipelines.conversation import Conversation, Spoken, heard_text
 from pipelines.frames import (
     AudioFrame,
@@ -87,6 +91,7 @@ class RealtimeSession:
         self.appended_ms = 0.0  # audio appended since the last turn boundary
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
+        self.ga = False  # the GA dialect (pipelines.realtime_ga), once a session.update says so
 
     # -- configuration ------------------------------------------------------------------------
     def _apply_config(self) -> None:
@@ -115,9 +120,12 @@ class RealtimeSession:
 
     # -- sending ------------------------------------------------------------------------------
     async def send(self, type_: str, **fields: Any) -> None:
-        event = {"event_id": f"event_{next(self._event_ids):06d}", "type": type_, **fields}
+        events = [{"type": type_, **fields}]
+        if self.ga:
+            events = realtime_ga.translate(events[0])
         async with self._send_lock:
-            await self.ws.send_text(json.dumps(event))
+            for event in events:
+                await self.ws.send_text(json.dumps({"event_id": f"event_{next(self._event_ids):06d}", **event}))
 
     async def send_error(
         self, message: str, code: str = "invalid_value", param: str | None = None, **extra: Any
@@ -182,7 +190,9 @@ class RealtimeSession:
             await self.send_error(str(exc), exc.code, exc.param, event_id=event_id)
 
     async def _ev_session_update(self, event: dict[str, Any]) -> None:
-        self.config.update(event.get("session", {}))
+        patch = event.get("session", {})
+        self.ga = self.ga or realtime_ga.is_ga(patch)  # the client speaks GA from here on
+        self.config.update(realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch)
         if "audio" in self.config.modalities and self.services.tts is None:
             self.config.modalities = ["text"]
         self._apply_config()

@@ -173,7 +173,7 @@ def message_text(item: Any) -> tuple[str, str]:
     for part in content:
         if (
             not isinstance(part, dict)
-            or part.get("type") not in ("input_text", "text")
+            or part.get("type") not in ("input_text", "text", "output_text")
             or not isinstance(part.get("text"), str)
         ):
             raise EventError("item.content parts must be {'type': 'input_text', 'text': str}", param="item.content")

@@ -568,3 +568,31 @@ def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:
         engine = _Replies(0.0)
         asyncio.run(Pipeline([LLM(Services(llm=engine), Conversation("sys"), options)]).run_all([ResponseRequest()]))
         assert engine.priorities == [priority]
+
+
+def test_realtime_ga_session_patch_and_event_translation() -> None:
+    from pipelines.realtime_events import EventError
+    from pipelines.realtime_ga import is_ga, session_patch, translate
+
+    assert is_ga({"type": "realtime"}) and not is_ga({"modalities": ["text"]})
+    with pytest.raises(EventError):
+        is_ga({"type": "transcription"})
+    td = {"type": "server_vad", "silence_duration_ms": 300}
+    ga = {"type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 9, "instructions": "Be brief."}
+    ga["audio"] = {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": td}}
+    assert session_patch(ga) == {
+        "instructions": "Be brief.",
+        "modalities": ["text", "audio"],
+        "max_response_output_tokens": 9,
+        "turn_detection": td,
+    }
+    for bad in ({"output_modalities": ["text", "audio"]}, {"audio": {"input": {"format": {"rate": 16000}}}}):
+        with pytest.raises(EventError):
+            session_patch({"type": "realtime", **bad})
+    item = {"id": "i1", "role": "assistant", "status": "completed", "content": [{"type": "audio", "transcript": "Hi"}]}
+    added, done = translate({"type": "conversation.item.created", "item": item})
+    assert added["type"] == "conversation.item.added" and done["type"] == "conversation.item.done"
+    assert done["item"]["content"] == [{"type": "output_audio", "transcript": "Hi"}]
+    assert translate({"type": "response.audio.delta", "delta": "AA"}) == [
+        {"type": "response.output_audio.delta", "delta": "AA"}
+    ]

@@ -189,6 +189,68 @@ def test_the_server_warmed_up_with_a_voice_turn_before_ready(server: dict[str, A
     run(go())
 
 
+def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any]) -> None:
+    """``openai``'s ``client.realtime.connect`` (the GA protocol): a GA ``session.update``
+    switches the session's dialect; a spoken turn then comes back with GA event names and
+    shapes, a text-only response as ``output_text``, and a bad GA field gets an error event."""
+    openai = pytest.importorskip("openai")
+
+    async def go() -> None:
+        client = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key="unused")
+        async with client.realtime.connect(model="smollm2") as conn:
+            events: list[Any] = []
+
+            async def until(type_: str) -> Any:
+                async def wait() -> Any:
+                    async for ev in conn:
+                        events.append(ev)
+                        if ev.type in (type_, "error"):
+                            return ev
+                    raise AssertionError("connection closed")
+
+                return await asyncio.wait_for(wait(), 60)
+
+            td = {"type": "server_vad", "silence_duration_ms": 500}
+            session = {"type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 24}
+            await conn.session.update(session={**session, "audio": {"input": {"turn_detection": td}}})
+            updated = await until("session.updated")
+            assert updated.type == "session.updated" and updated.session.type == "realtime"
+            assert updated.session.output_modalities == ["audio"] and updated.session.audio.input.format.rate == RATE
+            pcm = server["question"]
+            step = RATE // 10 * 2  # 100 ms appends
+            for i in range(0, len(pcm), step):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + step]).decode())
+            done = await until("response.done")
+            types = [e.type for e in events]
+            assert done.type == "response.done" and done.response.status == "completed", types
+            for t in ("conversation.item.added", "conversation.item.done", "response.output_audio.delta"):
+                assert t in types, (t, types)
+            beta = {"response.audio.delta", "response.audio_transcript.delta", "conversation.item.created"}
+            assert not beta & set(types)
+            heard = next(e for e in events if e.type.endswith("input_audio_transcription.completed")).transcript
+            assert "capital" in heard.lower() and "france" in heard.lower()
+            said = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+            [part] = done.response.output[0].content
+            assert part.type == "output_audio" and said and part.transcript == said
+
+            events.clear()
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            await until("session.updated")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]}
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            done = await until("response.done")
+            types = [e.type for e in events]
+            assert "response.output_text.delta" in types and "response.output_audio.delta" not in types, types
+
+            fmt = {"type": "audio/pcmu"}
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"format": fmt}}})
+            err = await until("session.updated")
+            assert err.type == "error" and err.error.param == "session.audio.output.format"
+
+    run(go())
+
+
 def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> None:
     llm, tts = server["llm"], server["tts"]
 

@@ -1,0 +1,118 @@
+"""OpenAI's Realtime GA dialect, as a translation at the edge of the beta one a session speaks.
+
+A ``/v1/realtime`` session speaks the beta event protocol (``pipelines.realtime``) until a
+``session.update`` carries ``session.type == "realtime"``, which GA clients always send (the
+official ``openai`` SDK's ``client.realtime.connect`` does). From then on, client session
+objects are read in the GA shape (``output_modalities``, ``audio.input.format``,
+``audio.input.turn_detection``, ``audio.output.voice``, ``max_output_tokens``) and every server
+event leaves translated: the output events renamed (``response.output_audio.delta``, ...),
+``conversation.item.added`` then ``conversation.item.done`` for items, assistant content parts as
+``output_text`` / ``output_audio``, and the session object in the GA shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.realtime_events import RATE, EventError
+
+RENAMED = {
+    "response.text.delta": "response.output_text.delta",
+    "response.text.done": "response.output_text.done",
+    "response.audio.delta": "response.output_audio.delta",
+    "response.audio.done": "response.output_audio.done",
+    "response.audio_transcript.delta": "response.output_audio_transcript.delta",
+    "response.audio_transcript.done": "response.output_audio_transcript.done",
+    "conversation.item.created": "conversation.item.added",
+}
+PART_TYPES = {"text": "output_text", "audio": "output_audio"}
+PCM = {"type": "audio/pcm", "rate": RATE}
+
+
+def is_ga(session: Any) -> bool:
+    """Whether a ``session.update``'s session object is in the GA shape."""
+    if isinstance(session, dict) and session.get("type") == "transcription":
+        raise EventError("transcription sessions are not supported; use type 'realtime'", param="session.type")
+    return isinstance(session, dict) and session.get("type") == "realtime"
+
+
+def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
+    """The beta ``session`` patch for a GA one (the fields mmserve honours; others are ignored)."""
+    out = {k: ga[k] for k in ("instructions", "temperature") if k in ga}
+    if "output_modalities" in ga:
+        mods = ga["output_modalities"]
+        if mods not in (["text"], ["audio"]):
+            raise EventError("output_modalities must be ['text'] or ['audio']", param="session.output_modalities")
+        out["modalities"] = ["text"] if mods == ["text"] else ["text", "audio"]  # audio comes with its transcript
+    if "max_output_tokens" in ga:
+        out["max_response_output_tokens"] = ga["max_output_tokens"]
+    audio = ga.get("audio") or {}
+    if not isinstance(audio, dict):
+        raise EventError("audio must be an object", param="session.audio")
+    for side in ("input", "output"):
+        conf = audio.get(side) or {}
+        if not isinstance(conf, dict):
+            raise EventError(f"audio.{side} must be an object", param=f"session.audio.{side}")
+        fmt = conf.get("format")
+        if fmt is not None and (not isinstance(fmt, dict) or {**PCM, **fmt} != PCM):
+            raise EventError(
+                f"audio.{side}.format {fmt!r} is not supported; use {PCM}", param=f"session.audio.{side}.format"
+            )
+    if "turn_detection" in (audio.get("input") or {}):
+        out["turn_detection"] = audio["input"]["turn_detection"]
+    if "voice" in (audio.get("output") or {}):
+        out["voice"] = audio["output"]["voice"]
+    return out
+
+
+def session_object(beta: dict[str, Any]) -> dict[str, Any]:
+    """The GA session object of a beta one (``SessionConfig.to_dict``)."""
+    return {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": beta["id"],
+        "model": beta["model"],
+        "output_modalities": ["audio"] if "audio" in beta["modalities"] else ["text"],
+        "instructions": beta["instructions"],
+        "audio": {
+            "input": {
+                "format": dict(PCM),
+                "transcription": beta["input_audio_transcription"],
+                "turn_detection": beta["turn_detection"],
+                "noise_reduction": None,
+            },
+            "output": {"format": dict(PCM), "voice": beta["voice"], "speed": 1.0},
+        },
+        "tools": beta["tools"],
+        "tool_choice": beta["tool_choice"],
+        "max_output_tokens": beta["max_response_output_tokens"],
+    }
+
+
+def _item(item: dict[str, Any]) -> dict[str, Any]:
+    if item.get("role") != "assistant":
+        return item
+    return {**item, "content": [_part(p) for p in item.get("content", [])]}
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    return {**part, "type": PART_TYPES.get(part["type"], part["type"])}
+
+
+def translate(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """The GA events (one, or two for an item) for a beta server event, without event ids."""
+    out = {**event, "type": RENAMED.get(event["type"], event["type"])}
+    if "session" in out:
+        out["session"] = session_object(out["session"])
+    if "item" in out:
+        out["item"] = _item(out["item"])
+    if "part" in out:
+        out["part"] = _part(out["part"])
+    if "response" in out:
+        out["response"] = {**out["response"], "output": [_item(i) for i in out["response"]["output"]]}
+    done = out["type"] == "response.output_item.done" or (
+        out["type"] == "conversation.item.added" and out["item"].get("status") == "completed"
+    )
+    if done:  # GA says when an item is complete: a user's at once, a reply's when it ends
+        return [out, {"type": "conversation.item.done", "item": out["item"]}]
+    return [out]
