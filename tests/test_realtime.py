@@ -251,6 +251,22 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
     run(go())
 
 
+def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> None:
+    """Server VAD over a single append holding the question and its trailing silence."""
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": 4})
+            await c.send("input_audio_buffer.append", audio=base64.b64encode(server["question"]).decode())
+            done = await c.until("conversation.item.input_audio_transcription.completed")
+            assert "capital" in done["transcript"].lower() and "france" in done["transcript"].lower()
+            await c.until("response.done")
+
+    run(go())
+
+
 def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> None:
     llm, tts = server["llm"], server["tts"]
 
