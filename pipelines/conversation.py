@@ -12,6 +12,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from modalities.llm.chat import render_chat
+
 DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two short sentences."
 
 
@@ -60,13 +62,9 @@ class Conversation:
         instructions and the latest item stay, so it may still be too long: the engine says so).
         Items once left out stay out, so later turns keep one prefix (the prefix cache)."""
         while True:
-            ids: Any = tokenizer.apply_chat_template(
-                self.messages(self._first), add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
+            ids = render_chat(tokenizer, self.messages(self._first))
             if limit is None or len(ids) <= limit or self._first >= len(self.items) - 1:
-                return [int(t) for t in ids]
+                return ids
             self._first += 1
 
 

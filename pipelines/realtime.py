@@ -191,8 +191,13 @@ class RealtimeSession:
 
     async def _ev_session_update(self, event: dict[str, Any]) -> None:
         patch = event.get("session", {})
-        self.ga = self.ga or realtime_ga.is_ga(patch)  # the client speaks GA from here on
-        self.config.update(realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch)
+        self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
+        try:
+            self.config.update(realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch)
+        except EventError as exc:
+            if self.ga:
+                exc.param = realtime_ga.ga_param(exc.param)
+            raise
         if "audio" in self.config.modalities and self.services.tts is None:
             self.config.modalities = ["text"]
         self._apply_config()
@@ -321,6 +326,7 @@ class RealtimeSession:
                 item_id=frame.item_id,
                 content_index=0,
                 transcript=frame.text,
+                usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
             )
         elif isinstance(frame, Interrupt):
             await self._interrupted(frame)

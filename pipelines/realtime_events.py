@@ -170,13 +170,12 @@ def message_text(item: Any) -> tuple[str, str]:
     if not isinstance(content, list) or not content:
         raise EventError("item.content must be a non-empty list", param="item.content")
     texts = []
+    kinds = ("input_text", "text", "output_text") if role == "assistant" else ("input_text", "text")
     for part in content:
-        if (
-            not isinstance(part, dict)
-            or part.get("type") not in ("input_text", "text", "output_text")
-            or not isinstance(part.get("text"), str)
-        ):
-            raise EventError("item.content parts must be {'type': 'input_text', 'text': str}", param="item.content")
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            raise EventError(
+                f"item.content parts must be {{'type': one of {list(kinds)}, 'text': str}}", param="item.content"
+            )
         texts.append(part["text"])
     return role, " ".join(texts)
 

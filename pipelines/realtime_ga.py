@@ -6,8 +6,12 @@ official ``openai`` SDK's ``client.realtime.connect`` does). From then on, clien
 objects are read in the GA shape (``output_modalities``, ``audio.input.format``,
 ``audio.input.turn_detection``, ``audio.output.voice``, ``max_output_tokens``) and every server
 event leaves translated: the output events renamed (``response.output_audio.delta``, ...),
-``conversation.item.added`` then ``conversation.item.done`` for items, assistant content parts as
-``output_text`` / ``output_audio``, and the session object in the GA shape.
+``conversation.item.added`` then ``conversation.item.done`` for items, an assistant item's
+content as ``output_text`` / ``output_audio`` (a ``response.content_part.*`` part keeps ``text`` /
+``audio``, as in GA), and the session object in the GA shape.
+
+The dialect is chosen by that ``session.update`` alone: a GA client that never sends one gets the
+beta event names (``session.created`` is always sent in the beta shape, before any update).
 """
 
 from __future__ import annotations
@@ -34,6 +38,23 @@ def is_ga(session: Any) -> bool:
     if isinstance(session, dict) and session.get("type") == "transcription":
         raise EventError("transcription sessions are not supported; use type 'realtime'", param="session.type")
     return isinstance(session, dict) and session.get("type") == "realtime"
+
+
+# Beta parameter paths in ``SessionConfig.update``'s errors -> the GA field a client sent.
+GA_PARAMS = {
+    "session.modalities": "session.output_modalities",
+    "session.max_response_output_tokens": "session.max_output_tokens",
+    "session.turn_detection": "session.audio.input.turn_detection",
+    "session.voice": "session.audio.output.voice",
+}
+
+
+def ga_param(param: str | None) -> str | None:
+    """The GA path of a beta ``session`` parameter path (unchanged if it has none)."""
+    for beta, ga in GA_PARAMS.items():
+        if param is not None and (param == beta or param.startswith(beta + ".")):
+            return ga + param[len(beta) :]
+    return param
 
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +127,6 @@ def translate(event: dict[str, Any]) -> list[dict[str, Any]]:
         out["session"] = session_object(out["session"])
     if "item" in out:
         out["item"] = _item(out["item"])
-    if "part" in out:
-        out["part"] = _part(out["part"])
     if "response" in out:
         out["response"] = {**out["response"], "output": [_item(i) for i in out["response"]["output"]]}
     done = out["type"] == "response.output_item.done" or (

@@ -67,7 +67,8 @@ class VADSegmenter:
         self.origin = 0  # input sample of the stream's time 0
 
     def _vad(self) -> VadStream | None:
-        """The detector, made at the first chunk of a turn (before ``pos`` counts that chunk)."""
+        """The detector, made at the first chunk after ``take`` (before ``pos`` counts that
+        chunk); it lasts across the turns it ends itself."""
         c = self.config
         if not c.server_vad:
             self.stream = None
@@ -137,6 +138,7 @@ class VADSegmenter:
                 utterance = self.buf[self.start - self.buf_start : at - self.buf_start].copy()
                 out.append(VADEvent("stop", self._ms(at), utterance, self._ms(self.start), key))
                 self._keep_from(at)
+                self.paused_key = None  # the turn is over: a pause of it is not resumed
         out += self._pauses()
         if not vad.speaking:  # idle: keep only what a padded start may reach back to
             keep = (self.config.prefix_padding_ms + self.config.min_speech_ms + 100) * ASR_RATE // 1000
@@ -148,6 +150,6 @@ class VADSegmenter:
         """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
         audio, start = self.buf, self.buf_start
         self.chunks, self.size, self.buf_start = [], 0, self.pos
-        self.stream = None  # a fresh detector for the next turn
+        self.stream = None  # a fresh detector after a commit or a clear
         self.paused_key = None
         return audio, self._ms(start), self._ms(self.pos)

@@ -14,6 +14,7 @@ voice turn's first audio came 486-565 ms after the end of speech with it, 659-71
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ import numpy as np
 from engine.foreground import INTERACTIVE
 from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
-from pipelines.frames import AudioFrame, End, ErrorFrame, Frame, LLMDone, TTSAudio, TTSDone
+from pipelines.frames import AudioFrame, End, ErrorFrame, Frame, LLMDone, Transcript, TTSAudio, TTSDone
 from pipelines.processor import Pipeline
 from pipelines.services import ServiceMissing, Services
 from pipelines.speculation import SpeechPrefetch
@@ -34,7 +35,7 @@ from pipelines.vad import VADConfig
 logger = logging.getLogger("mmserve.pipelines")
 
 WARM_UP_QUESTION = "Hello, can you hear me?"
-WARM_UP_TIMEOUT_S = 120.0
+WARM_UP_TIMEOUT_S = 60.0
 
 
 def voice_pipeline(
@@ -57,12 +58,19 @@ def voice_pipeline(
 
 async def warm_up(engines: dict[str, Any]) -> bool:
     """One spoken turn through ``voice_pipeline`` with the default session settings, if an LLM,
-    an ASR and a TTS engine are served (else nothing: False). Raises if the turn fails."""
+    an ASR and a TTS engine are served (else nothing: False). Raises if the turn fails, hears
+    nothing or takes over ``WARM_UP_TIMEOUT_S``."""
     try:
         services = Services.from_engines(engines)
     except ServiceMissing:
         return False
     t0 = time.monotonic()
+    await asyncio.wait_for(_turn(services), WARM_UP_TIMEOUT_S)
+    logger.info("warm-up voice turn: %.2f s", time.monotonic() - t0)
+    return True
+
+
+async def _turn(services: Services) -> None:
     tts = TTSOptions(priority=INTERACTIVE)
     question = [c async for c in services.speak(WARM_UP_QUESTION, None, tts.sample_rate, INTERACTIVE)]
     audio = np.concatenate([*question, np.zeros(tts.sample_rate, np.float32)])  # then 1 s of silence
@@ -78,20 +86,17 @@ async def warm_up(engines: dict[str, Any]) -> bool:
         await over.wait()
         yield End()
 
-    async def turn() -> int:
-        spoken = 0
-        async for frame in pipeline.stream(source()):
+    spoken = 0
+    async with contextlib.aclosing(pipeline.stream(source())) as frames:  # a raise stops the stages
+        async for frame in frames:
             if isinstance(frame, ErrorFrame):
                 raise RuntimeError(f"warm-up turn failed in {frame.stage}: {frame.message}")
             if isinstance(frame, LLMDone) and frame.error:
                 raise RuntimeError(f"warm-up turn failed in the LLM: {frame.error}")
+            if isinstance(frame, Transcript) and not frame.text:  # no reply would follow
+                raise RuntimeError("the warm-up question was not heard")
             spoken += isinstance(frame, TTSAudio)
             if isinstance(frame, TTSDone):
                 over.set()
-        return spoken
-
-    spoken = await asyncio.wait_for(turn(), WARM_UP_TIMEOUT_S)
     if not spoken:
         raise RuntimeError("warm-up turn produced no audio")
-    logger.info("warm-up voice turn: %.2f s", time.monotonic() - t0)
-    return True

@@ -572,7 +572,7 @@ def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:
 
 def test_realtime_ga_session_patch_and_event_translation() -> None:
     from pipelines.realtime_events import EventError
-    from pipelines.realtime_ga import is_ga, session_patch, translate
+    from pipelines.realtime_ga import ga_param, is_ga, session_patch, translate
 
     assert is_ga({"type": "realtime"}) and not is_ga({"modalities": ["text"]})
     with pytest.raises(EventError):
@@ -596,3 +596,5 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
     assert translate({"type": "response.audio.delta", "delta": "AA"}) == [
         {"type": "response.output_audio.delta", "delta": "AA"}
     ]
+    assert ga_param("session.turn_detection.threshold") == "session.audio.input.turn_detection.threshold"
+    assert ga_param("session.output_modalities") == "session.output_modalities"

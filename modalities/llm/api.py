@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request, Response
 from engine.outputs import CompletionOutput
 from gateway.errors import APIError
 from gateway.streaming import sse
+from modalities.llm.chat import render_chat
 from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
 from modalities.llm.serving import (
     Tracker,
@@ -147,21 +148,15 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     if body.tools is not None:
         kwargs["tools"] = body.tools
     try:
-        ids: Any = tokenizer.apply_chat_template(
+        return render_chat(
+            tokenizer,
             messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            tokenize=True,
-            return_dict=False,
             **kwargs,
         )
     except Exception as exc:  # template errors (e.g. roles must alternate) are the caller's input
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    if ids and isinstance(ids[0], list):
-        ids = ids[0]
-    return [int(t) for t in ids]
 
 
 def _chat_choice_chunk(co: CompletionOutput, tokenizer: Any, cache: dict[int, str], want_lp: bool) -> dict[str, Any]:

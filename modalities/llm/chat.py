@@ -1,0 +1,19 @@
+"""Chat messages to prompt token ids with the model's chat template (transformers 5 returns a
+list, a nested list or a ``BatchEncoding`` depending on the call; this is the one place that
+flattens it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """``tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)`` as a flat id list
+    (``add_generation_prompt`` defaults to True). Template errors propagate."""
+    kwargs.setdefault("add_generation_prompt", True)
+    ids: Any = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    if ids and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(t) for t in ids]
