@@ -108,9 +108,11 @@ class Transcript(Frame):
 
 @dataclass
 class ResponseRequest(Frame):
-    """Ask the LLM for a reply to the conversation so far (``response.create``)."""
+    """Ask the LLM for a reply to the conversation so far (``response.create``); ``audio``:
+    whether it is spoken (None: as the session says)."""
 
     instructions: str | None = None
+    audio: bool | None = None
 
 
 @dataclass
@@ -123,9 +125,10 @@ class ReplyFrame(Frame):
 @dataclass
 class LLMStarted(ReplyFrame):
     """A reply began (``response_id`` names it in every later frame of that reply); its text
-    goes into conversation item ``item_id``."""
+    goes into conversation item ``item_id``; ``audio`` False: text only, whatever the session says."""
 
     item_id: str = ""
+    audio: bool | None = None
 
 
 @dataclass

@@ -60,6 +60,7 @@ from pipelines.realtime_events import (
     decode_audio_b64,
     item_event,
     message_text,
+    response_audio,
     response_event,
 )
 from pipelines.services import Services
@@ -259,11 +260,15 @@ class RealtimeSession:
                 "the conversation already has an active response", code="conversation_already_has_active_response"
             )
         response = event.get("response") or {}
-        instructions = response.get("instructions") if isinstance(response, dict) else None
+        if not isinstance(response, dict):
+            raise EventError("response must be an object", param="response")
+        instructions = response.get("instructions")
         if instructions is not None:
             check_instructions(instructions, "response.instructions")
+        key = "output_modalities" if self.ga else "modalities"
+        audio = None if response.get(key) is None else response_audio(response[key], self.ga, f"response.{key}")
         self.requested = True
-        await self.inbox.put(ResponseRequest(instructions))
+        await self.inbox.put(ResponseRequest(instructions, audio))
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:
@@ -375,7 +380,7 @@ class RealtimeSession:
 
     async def _started(self, frame: LLMStarted) -> None:
         self.requested = False
-        audio = self.tts_options.enabled
+        audio = self.tts_options.enabled and frame.audio is not False
         self.reply = r = Reply(frame.response_id, frame.item_id, audio)
         await self.send("response.created", response=response_event(r, "in_progress", []))
         item = item_event(r.item_id, "assistant", [], status="in_progress")

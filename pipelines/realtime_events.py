@@ -131,6 +131,15 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
     return out
 
 
+def response_audio(mods: Any, ga: bool, param: str) -> bool:
+    """Whether a ``response.create`` asks for audio: beta ``modalities`` ``["text"]`` or
+    ``["text", "audio"]``, GA ``output_modalities`` ``["text"]`` or ``["audio"]``."""
+    allowed = (["text"], ["audio"]) if ga else (["text"], ["text", "audio"], ["audio", "text"])
+    if mods not in allowed:
+        raise EventError(f"{param.split('.')[-1]} must be one of {list(allowed)}", param=param)
+    return "audio" in mods
+
+
 def check_instructions(value: Any, param: str) -> str:
     """``value`` if it is a string of at most ``MAX_INSTRUCTIONS_CHARS`` characters."""
     if not isinstance(value, str):

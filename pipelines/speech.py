@@ -207,7 +207,7 @@ class LLM(Processor):
             else:
                 self.close()
         elif isinstance(frame, ResponseRequest):
-            async for out in self._reply(frame.instructions):
+            async for out in self._reply(frame.instructions, frame.audio):
                 yield out
         else:
             yield frame
@@ -256,14 +256,14 @@ class LLM(Processor):
         spec = LLMSpeculation(ids, self._params(), Buffered(self._generate("spec", ids), first_sentence))
         self.speculation = spec
 
-    async def _reply(self, instructions: str | None) -> AsyncIterator[Frame]:
+    async def _reply(self, instructions: str | None, audio: bool | None = None) -> AsyncIterator[Frame]:
         conv = self.conversation
         response_id = conv.new_id("resp")
         if instructions:
             conv.instructions = instructions
         item = conv.add("assistant")
         self.active = response_id
-        yield LLMStarted(response_id, item_id=item.id)
+        yield LLMStarted(response_id, item_id=item.id, audio=audio)
         final, error = None, None
         ids: list[int] = []
         spec, self.speculation = self.speculation, None
@@ -357,9 +357,18 @@ class TTS(Processor):
         self.services = services
         self.options = options or TTSOptions()
         self.prefetch = prefetch
+        self.silent: set[str] = set()  # replies asked for as text only (``LLMStarted.audio`` False)
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
-        if isinstance(frame, Sentence):
+        if isinstance(frame, LLMStarted):
+            if frame.audio is False:
+                self.silent.add(frame.response_id)
+            yield frame
+        elif isinstance(frame, Sentence):
+            if frame.response_id in self.silent:
+                if self.prefetch is not None and frame.index == 0:
+                    self.prefetch.cancel()  # a speculative first sentence nobody will hear
+                return
             if not (self.options.enabled and self.services.tts is not None):
                 return
             early = self.prefetch.take(frame.text) if self.prefetch is not None and frame.index == 0 else None
@@ -381,12 +390,14 @@ class TTS(Processor):
                 if early is not None:
                     early.cancel()  # a barge-in left the replay: stop the synthesis too
         elif isinstance(frame, LLMDone):
+            self.silent.discard(frame.response_id)
             yield frame
             yield TTSDone(frame.response_id)
         else:
             yield frame
 
     async def on_interrupt(self) -> None:
+        self.silent.clear()  # the cut replies' LLMDone may never come
         self.close()
 
     def close(self) -> None:

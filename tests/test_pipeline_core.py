@@ -598,3 +598,24 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
     ]
     assert ga_param("session.turn_detection.threshold") == "session.audio.input.turn_detection.threshold"
     assert ga_param("session.output_modalities") == "session.output_modalities"
+
+
+def test_tts_stage_leaves_a_text_only_reply_unspoken() -> None:
+    from pipelines.frames import LLMDone, LLMStarted, Sentence, TTSAudio, TTSDone
+    from pipelines.services import Services
+    from pipelines.speech import TTS
+
+    spoken: list[str] = []
+
+    class Voice(Services):
+        async def speak(self, text: str, *_: object, **__: object) -> AsyncIterator[np.ndarray]:
+            spoken.append(text)
+            yield np.ones(240, np.float32)
+
+    def reply(rid: str, audio: bool | None) -> list[Frame]:
+        return [LLMStarted(rid, audio=audio), Sentence(rid, f"{rid} said.", 0), LLMDone(rid, f"{rid} said.")]
+
+    out = asyncio.run(Pipeline([TTS(Voice(tts=object()))]).run_all([*reply("a", False), *reply("b", None)]))
+    assert spoken == ["b said."]
+    assert [f.response_id for f in out if isinstance(f, TTSAudio)] == ["b"]
+    assert [f.response_id for f in out if isinstance(f, TTSDone)] == ["a", "b"]

@@ -221,15 +221,25 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
             [part] = done.response.output[0].content
             assert part.type == "output_audio" and said and part.transcript == said
 
-            events.clear()
-            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
-            await until("session.updated")
+            events.clear()  # a text-only response in the audio session, then a text-only session
             item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]}
             await conn.conversation.item.create(item=item)
-            await conn.response.create()
+            await conn.response.create(response={"output_modalities": ["text"]})
             done = await until("response.done")
             types = [e.type for e in events]
             assert "response.output_text.delta" in types and "response.output_audio.delta" not in types, types
+            assert [c.type for c in done.response.output[0].content] == ["output_text"]
+            events.clear()
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            await until("session.updated")
+            await conn.conversation.item.create(item=item)
+            await conn.response.create()
+            await until("response.done")
+            types = [e.type for e in events]
+            assert "response.output_text.delta" in types and "response.output_audio.delta" not in types, types
+            await conn.response.create(response={"output_modalities": ["text", "audio"]})
+            err = await until("response.done")
+            assert err.type == "error" and err.error.param == "response.output_modalities"
 
             fmt = {"type": "audio/pcmu"}
             await conn.session.update(session={"type": "realtime", "audio": {"output": {"format": fmt}}})
