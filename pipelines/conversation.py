@@ -45,6 +45,15 @@ class Conversation:
     def get(self, item_id: str) -> Item | None:
         return next((i for i in self.items if i.id == item_id), None)
 
+    def remove(self, item_id: str) -> bool:
+        """Delete item ``item_id`` (False if there is none): later prompts leave it out."""
+        for k, item in enumerate(self.items):
+            if item.id == item_id:
+                del self.items[k]
+                self._first -= k < self._first  # the items left out stay the same ones
+                return True
+        return False
+
     def answering(self, user_text: str) -> Conversation:
         """A copy as it will be when the user's ``user_text`` is added and its reply begins (a
         speculative prompt: ``prompt_ids`` of the copy leaves this conversation unchanged)."""

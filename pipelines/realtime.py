@@ -254,6 +254,14 @@ class RealtimeSession:
             item=item_event(item.id, role, [{"type": "input_text" if role != "assistant" else "text", "text": text}]),
         )
 
+    async def _ev_conversation_item_delete(self, event: dict[str, Any]) -> None:
+        item_id = event.get("item_id")
+        if self.active and self.reply is not None and item_id == self.reply.item_id:
+            raise EventError("the active response's item cannot be deleted; cancel it first", param="item_id")
+        if not isinstance(item_id, str) or not self.conv.remove(item_id):
+            raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        await self.send("conversation.item.deleted", item_id=item_id)
+
     async def _ev_response_create(self, event: dict[str, Any]) -> None:
         if self.active:
             raise EventError(

@@ -619,3 +619,15 @@ def test_tts_stage_leaves_a_text_only_reply_unspoken() -> None:
     assert spoken == ["b said."]
     assert [f.response_id for f in out if isinstance(f, TTSAudio)] == ["b"]
     assert [f.response_id for f in out if isinstance(f, TTSDone)] == ["a", "b"]
+
+
+def test_conversation_remove_keeps_the_items_left_out() -> None:
+    from pipelines.conversation import Conversation
+
+    conv = Conversation("sys")
+    ids = [conv.add("user" if k % 2 == 0 else "assistant", f"m{k}").id for k in range(4)]
+    conv._first = 2  # m0 and m1 no longer fit
+    assert conv.remove(ids[0]) and not conv.remove(ids[0])
+    assert [m["content"] for m in conv.messages(conv._first)] == ["sys", "m2", "m3"]
+    assert conv.remove(ids[3])
+    assert [m["content"] for m in conv.messages(conv._first)] == ["sys", "m2"]

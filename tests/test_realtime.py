@@ -265,6 +265,31 @@ def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> 
     run(go())
 
 
+def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": 4})
+            text = "Remember the secret word: pineapple. " * 8
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+            await c.send("conversation.item.create", item=item)
+            created = await c.until("conversation.item.created")
+            await c.send("conversation.item.delete", item_id=created["item"]["id"])
+            deleted = await c.until("conversation.item.deleted")
+            assert deleted["item_id"] == created["item"]["id"]
+            await c.send("conversation.item.delete", item_id=created["item"]["id"])
+            err = await c.until("error")
+            assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "item_id"
+            short = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}
+            await c.send("conversation.item.create", item=short)
+            await c.send("response.create")
+            done = await c.until("response.done")
+            assert done["response"]["usage"]["input_tokens"] < 40  # the long item is not in the prompt
+
+    run(go())
+
+
 def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> None:
     llm, tts = server["llm"], server["tts"]
 
