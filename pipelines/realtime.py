@@ -60,8 +60,8 @@ from pipelines.realtime_events import (
     decode_audio_b64,
     item_event,
     message_text,
-    response_audio,
     response_event,
+    wants_audio,
 )
 from pipelines.services import Services
 from pipelines.speech import LLMOptions, TTSOptions
@@ -274,7 +274,7 @@ class RealtimeSession:
         if instructions is not None:
             check_instructions(instructions, "response.instructions")
         key = "output_modalities" if self.ga else "modalities"
-        audio = None if response.get(key) is None else response_audio(response[key], self.ga, f"response.{key}")
+        audio = None if response.get(key) is None else wants_audio(response[key], self.ga, f"response.{key}")
         self.requested = True
         await self.inbox.put(ResponseRequest(instructions, audio))
 

@@ -131,9 +131,10 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
     return out
 
 
-def response_audio(mods: Any, ga: bool, param: str) -> bool:
-    """Whether a ``response.create`` asks for audio: beta ``modalities`` ``["text"]`` or
-    ``["text", "audio"]``, GA ``output_modalities`` ``["text"]`` or ``["audio"]``."""
+def wants_audio(mods: Any, ga: bool, param: str) -> bool:
+    """Whether output modalities ask for audio: a ``response.create``'s beta ``modalities``
+    ``["text"]`` or ``["text", "audio"]``, or GA ``output_modalities`` (response or session)
+    ``["text"]`` or ``["audio"]``."""
     allowed = (["text"], ["audio"]) if ga else (["text"], ["text", "audio"], ["audio", "text"])
     if mods not in allowed:
         raise EventError(f"{param.split('.')[-1]} must be one of {list(allowed)}", param=param)

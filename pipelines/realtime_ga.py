@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.realtime_events import RATE, EventError
+from pipelines.realtime_events import RATE, EventError, wants_audio
 
 RENAMED = {
     "response.text.delta": "response.output_text.delta",
@@ -61,17 +61,15 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     """The beta ``session`` patch for a GA one (the fields mmserve honours; others are ignored)."""
     out = {k: ga[k] for k in ("instructions", "temperature") if k in ga}
     if "output_modalities" in ga:
-        mods = ga["output_modalities"]
-        if mods not in (["text"], ["audio"]):
-            raise EventError("output_modalities must be ['text'] or ['audio']", param="session.output_modalities")
-        out["modalities"] = ["text"] if mods == ["text"] else ["text", "audio"]  # audio comes with its transcript
+        audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")
+        out["modalities"] = ["text", "audio"] if audio_out else ["text"]  # audio comes with its transcript
     if "max_output_tokens" in ga:
         out["max_response_output_tokens"] = ga["max_output_tokens"]
     audio = ga.get("audio") or {}
     if not isinstance(audio, dict):
         raise EventError("audio must be an object", param="session.audio")
-    for side in ("input", "output"):
-        conf = audio.get(side) or {}
+    sides = {side: audio.get(side) or {} for side in ("input", "output")}
+    for side, conf in sides.items():
         if not isinstance(conf, dict):
             raise EventError(f"audio.{side} must be an object", param=f"session.audio.{side}")
         fmt = conf.get("format")
@@ -79,10 +77,10 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
             raise EventError(
                 f"audio.{side}.format {fmt!r} is not supported; use {PCM}", param=f"session.audio.{side}.format"
             )
-    if "turn_detection" in (audio.get("input") or {}):
-        out["turn_detection"] = audio["input"]["turn_detection"]
-    if "voice" in (audio.get("output") or {}):
-        out["voice"] = audio["output"]["voice"]
+    if "turn_detection" in sides["input"]:
+        out["turn_detection"] = sides["input"]["turn_detection"]
+    if "voice" in sides["output"]:
+        out["voice"] = sides["output"]["voice"]
     return out
 
 
