@@ -111,6 +111,17 @@ def assert_voice_turn(c: Client, done: dict[str, Any]) -> None:
     assert done["response"]["status"] == "completed"
 
 
+def user_item(text: str) -> dict[str, Any]:
+    """A ``conversation.item.create`` text message from the user."""
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def text_session(c: Client, max_tokens: int) -> None:
+    """After ``session.created``: text-only replies of at most ``max_tokens``."""
+    await c.until("session.created")
+    await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": max_tokens})
+
+
 def _get(ev: dict[str, Any], path: str) -> Any:
     for key in path.split("__"):
         ev = ev.get(key) if isinstance(ev, dict) else None  # type: ignore[assignment]
@@ -154,7 +165,7 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
 
             # Second turn: the conversation so far is a cached prefix of the new prompt.
             hits = server["llm"].stats()["prefix_cache_hits"]
-            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]}
+            item = user_item("And of Italy?")
             await c.send("conversation.item.create", item=item)
             await c.send("response.create")
             done2 = await c.until("response.done")
@@ -222,7 +233,7 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
             assert part.type == "output_audio" and said and part.transcript == said
 
             events.clear()  # a text-only response in the audio session, then a text-only session
-            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]}
+            item = user_item("And of Italy?")
             await conn.conversation.item.create(item=item)
             await conn.response.create(response={"output_modalities": ["text"]})
             done = await until("response.done")
@@ -255,8 +266,7 @@ def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> 
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
             c = Client(ws)
-            await c.until("session.created")
-            await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": 4})
+            await text_session(c, 4)
             await c.send("input_audio_buffer.append", audio=base64.b64encode(server["question"]).decode())
             done = await c.until("conversation.item.input_audio_transcription.completed")
             assert "capital" in done["transcript"].lower() and "france" in done["transcript"].lower()
@@ -269,10 +279,9 @@ def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> N
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
             c = Client(ws)
-            await c.until("session.created")
-            await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": 4})
+            await text_session(c, 4)
             text = "Remember the secret word: pineapple. " * 8
-            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+            item = user_item(text)
             await c.send("conversation.item.create", item=item)
             created = await c.until("conversation.item.created")
             await c.send("conversation.item.delete", item_id=created["item"]["id"])
@@ -281,7 +290,7 @@ def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> N
             await c.send("conversation.item.delete", item_id=created["item"]["id"])
             err = await c.until("error")
             assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "item_id"
-            short = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi!"}]}
+            short = user_item("Hi!")
             await c.send("conversation.item.create", item=short)
             await c.send("response.create")
             done = await c.until("response.done")
@@ -299,7 +308,7 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
             await c.until("session.created")
             await c.send("session.update", session={"temperature": 0, "max_response_output_tokens": 400})
             story = "Tell me a very long story about a dragon and a knight."
-            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": story}]}
+            item = user_item(story)
             await c.send("conversation.item.create", item=item)
             await c.send("response.create")
             first = await c.until("response.audio.delta")
@@ -406,7 +415,7 @@ def test_a_refused_reply_fails_and_the_next_turn_works(server: dict[str, Any]) -
             assert failed["response"]["status"] == "failed"
             await c.send("session.update", session={"instructions": "Answer briefly."})
             await c.until("session.updated")
-            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}
+            item = user_item(QUESTION)
             await c.send("conversation.item.create", item=item)
             await c.until("conversation.item.created")
             await c.send("response.create")
