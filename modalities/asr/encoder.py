@@ -24,6 +24,7 @@ import numpy as np
 
 from engine import openmp
 from engine.foreground import FOREGROUND, Turns
+from modalities.asr.features import LogMel
 from modalities.asr.model import WhisperModel
 
 RATE = 16_000
@@ -58,6 +59,7 @@ class EncoderBatcher:
         # more per pass here.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asr-encoder")
         self._arrivals = itertools.count()
+        self._log_mel = LogMel(whisper.feature_extractor)
         self.num_batches = 0
         self.num_abandoned = 0
 
@@ -188,9 +190,8 @@ class EncoderBatcher:
         import torch.nn.functional as F
 
         model, enc = self.whisper.model, self.whisper.model.model.encoder
-        feats = self.whisper.feature_extractor([a for a, _ in jobs], sampling_rate=RATE, return_tensors="pt")
         with torch.inference_mode():
-            x = feats.input_features.to(model.device, model.dtype)
+            x = self._log_mel([a for a, _ in jobs]).to(model.device, model.dtype)
             x = F.gelu(enc.conv2(F.gelu(enc.conv1(x)))).permute(0, 2, 1)
             positions = torch.arange(enc.embed_positions.num_embeddings, device=x.device)
             return x + enc.embed_positions(positions)
