@@ -28,6 +28,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cpu_linear import onednn_available, onednn_linear, prepack_onednn_weight
 from engine.gguf_blocks import BlockWeight, cat_blocks
 from engine.model_adapter import ModelAdapter
+from engine.native import rms_norm, rms_norm_kernel
 from engine.sampler import VocabSubset
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -91,6 +92,10 @@ class FastDecoderLM(ModelAdapter):
         self.final_norm = base.norm.weight
         lm_head = model.get_output_embeddings().weight
         onednn = use_onednn and onednn_available() and lm_head.dtype == torch.float32
+        # On a CPU, fp32 norms in one native call (torch's rms_norm is ~6 small ops, 61 a step).
+        self._native_rms = (
+            lm_head.device.type == "cpu" and lm_head.dtype == torch.float32 and rms_norm_kernel() is not None
+        )
         self.dense_linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
         dense = prepack_onednn_weight if onednn and prepack else _same
         found = {id(b.dense): b for b in (blocks or {}).values()}
@@ -133,8 +138,10 @@ class FastDecoderLM(ModelAdapter):
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' LlamaRMSNorm (fp32 statistics); torch's rms_norm gives the same bits in
-        # one call instead of six (~3 us less each, 61 calls a step).
+        # one call instead of six, the native kernel the same up to the order of its sum of squares.
         if x.dtype == torch.float32:
+            if self._native_rms and x.is_contiguous():
+                return rms_norm(x, weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

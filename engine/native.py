@@ -117,6 +117,28 @@ def paged_decode(
 
 
 @functools.cache
+def rms_norm_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C RMSNorm function (AVX2 + FMA; no fast-math: the order of operations is fixed), or
+    None when it cannot run here."""
+    fn = _load("rms_norm", ["-mavx2", "-mfma"], ("avx2", "fma"))
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    return fn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm of ``x`` [..., n] (fp32, contiguous) with ``weight`` [n] (fp32,
+    contiguous), one call for all rows."""
+    fn = rms_norm_kernel()
+    assert fn is not None
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    fn(y.data_ptr(), x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps)
+    return y
+
+
+@functools.cache
 def prefill_attn_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C causal prefill-attention function (AVX-512F), or None when it cannot run here."""
     fn = _load("prefill_attn", _PREFILL_FLAGS, ("avx512f", "avx512dq", "fma"))
