@@ -1,7 +1,8 @@
 """Whisper's decoder as an engine ``ModelAdapter``: self-attention through the engine's paged KV
 backend, cross-attention over each sequence's encoder output.
 
-The weights are transformers' ``WhisperForConditionalGeneration`` (read, never copied), and the
+The weights are transformers' ``WhisperForConditionalGeneration``'s (the layers' linears run
+through ``fast_linear``: prepacked, or an fp16 copy where the weights are fp16 values), and the
 math follows its modules op for op (q scaled after the projection, attention with scale 1), so
 greedy tokens match ``generate()``. Cross-attention K/V depend only on the encoder output: they
 are computed once per sequence, on its first step, with one fused matmul for all layers, and kept
