@@ -24,7 +24,6 @@ import numpy as np
 
 from engine import openmp
 from engine.foreground import FOREGROUND, Turns
-from modalities.asr.features import LogMel
 from modalities.asr.model import WhisperModel
 
 RATE = 16_000
@@ -59,6 +58,8 @@ class EncoderBatcher:
         # more per pass here.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asr-encoder")
         self._arrivals = itertools.count()
+        from modalities.asr.features import LogMel  # torch: not at import (the CLI starts light)
+
         self._log_mel = LogMel(whisper.feature_extractor)
         self.num_batches = 0
         self.num_abandoned = 0
