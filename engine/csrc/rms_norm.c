@@ -3,7 +3,6 @@
  * order than torch's). One call for a decode step's few rows: torch's rms_norm runs ~6 ops of a
  * few microseconds each on such rows, and a decode step normalises 2 * layers + 1 times.
  * AVX2 + FMA; any n. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -28,13 +27,7 @@ void rms_norm_f32(float *y, const float *x, const float *w, int64_t rows, int64_
         for (; i < n; i++) ss += xr[i] * xr[i];
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
         const vec vinv = vset1(inv);
-        for (i = 0; i + LANES <= n; i += LANES) {
-#if defined(__AVX512F__)
-            _mm512_storeu_ps(yr + i, vmul(vload(w + i), vmul(vload(xr + i), vinv)));
-#else
-            _mm256_storeu_ps(yr + i, vmul(vload(w + i), vmul(vload(xr + i), vinv)));
-#endif
-        }
+        for (i = 0; i + LANES <= n; i += LANES) vstore(yr + i, vmul(vload(w + i), vmul(vload(xr + i), vinv)));
         for (; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
     }
 }

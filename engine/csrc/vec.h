@@ -11,6 +11,7 @@ typedef __m512 vec;
 #define vzero _mm512_setzero_ps
 #define vset1 _mm512_set1_ps
 #define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
 #define vadd _mm512_add_ps
 #define vmul _mm512_mul_ps
 #define vfmadd _mm512_fmadd_ps
@@ -21,6 +22,7 @@ typedef __m256 vec;
 #define vzero _mm256_setzero_ps
 #define vset1 _mm256_set1_ps
 #define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
 #define vadd _mm256_add_ps
 #define vmul _mm256_mul_ps
 #define vfmadd _mm256_fmadd_ps
