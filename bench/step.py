@@ -3,9 +3,11 @@
 Builds one engine per ``--variants`` entry on the same loaded weights, one per variant of the
 lean Llama-family forward (``packed``: oneDNN weights prepacked once, the default; ``unpacked``:
 plain weights that oneDNN reorders on every call; ``gguf``: packed plus the GGUF file's own
-blocks for decode-sized batches, ``quantization="auto"``), feeds each the same batch, then
-times the prefill and the decode steps alternating between them, round by round. Same-run
-ratios stay meaningful on a machine shared with other jobs; absolute times do not.
+blocks for decode-sized batches and short prefills, ``quantization="auto"``), feeds each the same
+batch, then times the prefill and the decode steps alternating between them, round by round.
+``--turn-tokens`` then times what a chat turn pays: the prefill of that many new tokens after the
+batch's first prompt, which is in the prefix cache. Same-run ratios stay meaningful on a machine
+shared with other jobs; absolute times do not.
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmserve bench step", description=__doc__.splitlines()[0])
     add_batch_args(ap, batch=6, prompt_len=128, steps=10, rounds=5, threads=os.cpu_count() or 1)
     ap.add_argument("--variants", default="unpacked,packed", help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--turn-tokens",
+        default="",
+        help="comma list: also time the prefill of this many new tokens after a cached prompt (a turn)",
+    )
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
     if not args.variants or set(args.variants) - set(VARIANTS):
         ap.error(f"--variants: choose from {', '.join(VARIANTS)}")
+    try:
+        args.turn_tokens = [int(n) for n in args.turn_tokens.split(",") if n]
+    except ValueError:
+        ap.error("--turn-tokens: a comma list of token counts")
     run_step_ab(args)
     return 0
 
@@ -58,15 +69,20 @@ def engine_config(args: argparse.Namespace) -> Any:
     )
 
 
-def fill_batch(engine: Any, args: argparse.Namespace, decode_steps: int) -> None:
-    """Add ``args.batch`` random prompts (seeded) that outlive ``decode_steps`` decode steps."""
-    from engine.sampling_params import SamplingParams
-
+def batch_prompts(engine: Any, args: argparse.Namespace) -> list[list[int]]:
+    """``args.batch`` random prompts of ``args.prompt_len`` tokens (seeded: the same every time)."""
     rng = random.Random(0)
     vocab = engine.adapter.vocab_size
+    return [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+
+
+def fill_batch(engine: Any, args: argparse.Namespace, decode_steps: int) -> None:
+    """Add ``batch_prompts`` as requests that outlive ``decode_steps`` decode steps."""
+    from engine.sampling_params import SamplingParams
+
     sp = SamplingParams(temperature=0, max_tokens=decode_steps + 8, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(f"r{i}", [rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)], sp)
+    for i, prompt in enumerate(batch_prompts(engine, args)):
+        engine.add_request(f"r{i}", prompt, sp)
 
 
 def prefill(engine: Any) -> None:
@@ -127,4 +143,36 @@ def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             f"(rounds {spread})   speed-up vs {first} {base / med:.2f}x"
         )
         out[name] = {"prefill_s": prefill_s[name], "decode_step_s": med}
+    for n in args.turn_tokens:
+        turn = _turn_prefills(engines, batch_prompts(engines[first], args)[0], n, args.rounds)
+        for name, times in turn.items():
+            med = statistics.median(times)
+            print(
+                f"  {name:9s} turn of {n:4d} new tokens: prefill median {med * 1e3:7.1f} ms "
+                f"(rounds {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f})   speed-up vs {first} "
+                f"{statistics.median(turn[first]) / med:.2f}x"
+            )
+            out[name][f"turn_{n}_prefill_s"] = med
     return out
+
+
+def _turn_prefills(engines: dict[str, Any], base: list[int], n: int, rounds: int) -> dict[str, list[float]]:
+    """Per engine, ``rounds`` timings (alternating) of a prefill of ``n`` new tokens after ``base``
+    (the batch's first prompt: prefix-cached), each with its own random tokens (no hit on them)."""
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(n)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for eng in engines.values():
+        while eng.scheduler.running or eng.scheduler.waiting:  # the batch's last tokens
+            eng.step()
+    for r in range(rounds):
+        for name, eng in engines.items():
+            new = [rng.randrange(100, eng.adapter.vocab_size - 100) for _ in range(n)]
+            eng.add_request(f"turn-{n}-{r}", base + new, one)
+            t0 = time.perf_counter()
+            while eng.scheduler.running or eng.scheduler.waiting:
+                eng.step()
+            times[name].append(time.perf_counter() - t0)
+    return times

@@ -10,8 +10,9 @@ oneDNN reorders it on every call, which doubled the weight traffic of a memory-b
 step (forward 1.35-1.5x faster packed, see docs/BENCHMARKS.md).
 
 Given ``blocks`` (``engine.gguf_blocks.match_blocks``: a GGUF file's own quantized weights, each
-proven equal to its fp32 weight), small batches read those instead (``native.blockq_linear``;
-the caller passes blocks only where ``native.blockq_linear_kernel()`` runs).
+proven equal to its fp32 weight), batches of up to ``native.blockq_max_rows()`` rows read those
+instead (``native.blockq_linear``; the caller passes blocks only where ``native.blockq_linear_kernel()``
+runs).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.cpu_linear import onednn_available, onednn_linear, prepack_onednn_weight
 from engine.gguf_blocks import BlockWeight, cat_blocks
 from engine.model_adapter import ModelAdapter
-from engine.native import rms_norm, rms_norm_kernel
+from engine.native import blockq_max_rows, rms_norm, rms_norm_kernel
 from engine.sampler import VocabSubset
 
 SUPPORTED = {"llama", "qwen2", "qwen3", "mistral"}
@@ -99,6 +100,7 @@ class FastDecoderLM(ModelAdapter):
         self.dense_linear: Callable[..., torch.Tensor] = onednn_linear if onednn else F.linear
         dense = prepack_onednn_weight if onednn and prepack else _same
         found = {id(b.dense): b for b in (blocks or {}).values()}
+        self.block_rows = blockq_max_rows() if found else 0  # batches up to this many rows read blocks
 
         def pack(*weights: torch.Tensor) -> torch.Tensor | BlockWeight:
             """The fused weight, prepacked; with its blocks where every part has them."""
@@ -129,7 +131,7 @@ class FastDecoderLM(ModelAdapter):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(w, BlockWeight):
-            if x.shape[0] <= w.max_rows:
+            if x.shape[0] <= self.block_rows:
                 from engine.native import blockq_linear
 
                 return blockq_linear(x, w, b)

@@ -7,8 +7,9 @@ tensor (under the identity row order or llama.cpp's rotary permutation of q/k ro
 loader undid). Every weight served from blocks is thus proven equal to the fp32 one: the two
 paths differ only in summation order. A weight with no exact match stays fp32.
 
-``BlockWeight`` keeps both forms: ``blockq_linear`` (the C kernel) for up to ``max_rows`` rows
-(decode steps), the dense fp32 weight above that (prefill is compute-bound, where oneDNN wins).
+``BlockWeight`` keeps both forms: ``blockq_linear`` (the C kernel) for decode steps and short
+prefills (up to ``native.blockq_max_rows()`` rows: reading fewer bytes wins there), the dense fp32
+weight above that (a long prefill is compute-bound, where oneDNN wins).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ logger = logging.getLogger(__name__)
 QK = 32  # weights per block
 FORMATS = {"Q8_0": 0, "Q4_1": 1}  # name -> the kernel's fmt code
 _BLOCK_BYTES = {0: 2 + QK, 1: 4 + QK // 2}  # fp16 d (and m), then the quants
-MAX_ROWS = 8  # measured: the kernel beats oneDNN fp32 up to ~8 rows on 2 cores (docs/BENCHMARKS.md)
 
 
 @dataclass
@@ -43,7 +43,6 @@ class BlockWeight:
     d: torch.Tensor
     m: torch.Tensor | None
     dense: torch.Tensor
-    max_rows: int = MAX_ROWS
 
     @property
     def shape(self) -> tuple[int, int]:

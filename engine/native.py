@@ -181,6 +181,12 @@ BLOCKQ_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx512": ([*_DECODE_FLAGS, "-mavx512f"], ("avx2", "fma", "avx512f")),
     "avx2": (_DECODE_FLAGS, ("avx2", "fma")),
 }
+# Rows up to which each build of the block kernel beats oneDNN's fp32 matmul on 2 cores: a short
+# prefill reads the blocks (6.4x fewer bytes than fp32 for Q4_1) through the kernel's staged path.
+# Measured in SmolLM2 prefills on an AVX-512 VM: AVX-512 ahead up to 128 rows (even with hot
+# caches up to ~64), the AVX2 build ahead up to 20 and even at 30 against AVX-512 oneDNN; an
+# AVX2-only CPU's oneDNN is slower than that (docs/BENCHMARKS.md).
+BLOCKQ_MAX_ROWS = {"avx512": 64, "avx2": 32}
 F16_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "avx512": ([*_DECODE_FLAGS, "-mf16c", "-mavx512f"], ("avx2", "fma", "f16c", "avx512f")),
     "avx2": ([*_DECODE_FLAGS, "-mf16c"], ("avx2", "fma", "f16c")),
@@ -205,6 +211,15 @@ def _widest(
 def blockq_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C linear on GGUF Q4_1/Q8_0 blocks, a build of ``BLOCKQ_ISAS`` (``_widest``)."""
     return _widest("blockq_linear", BLOCKQ_ISAS, isa, [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2)
+
+
+@functools.cache
+def blockq_max_rows(isa: str | None = None) -> int:
+    """``BLOCKQ_MAX_ROWS`` of the build ``blockq_linear_kernel(isa)`` runs (0: none runs here)."""
+    for key in [isa] if isa else BLOCKQ_ISAS:
+        if _load("blockq_linear", *BLOCKQ_ISAS[key]) is not None:
+            return BLOCKQ_MAX_ROWS[key]
+    return 0
 
 
 @functools.cache

@@ -100,10 +100,20 @@ def test_smollm2_matches_transformers(smollm2_dir) -> None:
 
 
 @pytest.mark.skipif(blockq_linear_kernel() is None, reason="no AVX2/FMA or no C compiler: no block kernel")
-def test_smollm2_on_its_gguf_blocks_matches_transformers(smollm2_dir) -> None:
-    """Decode steps read the GGUF file's own Q4_1/Q8_0 blocks (the fp32 weights transformers
-    runs, stored as the file has them); only the summation order differs."""
+def test_smollm2_on_its_gguf_blocks_matches_transformers(smollm2_dir, monkeypatch) -> None:
+    """Decode steps and short prefills read the GGUF file's own Q4_1/Q8_0 blocks (the fp32 weights
+    transformers runs, stored as the file has them); only the summation order differs."""
+    import engine.native
     from engine.gguf_blocks import BlockWeight
+
+    rows_on_blocks: set[int] = set()
+    kernel = engine.native.blockq_linear
+
+    def counted(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        rows_on_blocks.add(x.shape[0])
+        return kernel(x, *args, **kwargs)
+
+    monkeypatch.setattr(engine.native, "blockq_linear", counted)
 
     prompts = _prompts(49152, seed=4, lengths=[150, 37, 80])
     max_new = [20, 16, 12, 10, 14]
@@ -113,8 +123,10 @@ def test_smollm2_on_its_gguf_blocks_matches_transformers(smollm2_dir) -> None:
     assert all(isinstance(w, BlockWeight) for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
     params = [SamplingParams(temperature=0, max_tokens=k, ignore_eos=True) for k in max_new]
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == expected
-    # One at a time: every decode step is a one-row batch on the blocks.
+    # One at a time: every decode step is a one-row batch on the blocks; the prompts hit the
+    # prefix cache, and the prefills of 9, 11 and 16 new tokens take the kernel's staged path.
     assert [engine.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params, strict=True)] == expected
+    assert {1, 9, 11, 16} <= rows_on_blocks
     # Logits of a few columns (allowed_token_ids) read the same head blocks: the same numbers.
     from engine.sampler import vocab_subset
 

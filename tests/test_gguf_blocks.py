@@ -32,19 +32,44 @@ def _random_blocks(fmt: int, n: int, k: int, seed: int) -> BlockWeight:
     return w
 
 
+ISAS = [isa for isa in BLOCKQ_ISAS if blockq_linear_kernel(isa) is not None]
+SMALL_M = 8  # the kernel's per-block path up to this many rows, its staged path above
+
+
 @needs_kernel
-@pytest.mark.parametrize("isa", [isa for isa in BLOCKQ_ISAS if blockq_linear_kernel(isa) is not None])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", [0, 1])
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 30])
 def test_kernel_equals_the_dequantized_matmul(fmt: int, rows: int, isa: str) -> None:
-    """Every build this CPU runs (AVX-512 and AVX2 on an AVX-512 machine)."""
-    w = _random_blocks(fmt, 200, 96, seed=rows)
+    """Every build this CPU runs (AVX-512 and AVX2 on an AVX-512 machine), both paths; 202 output
+    rows: the staged path's last group is partial."""
+    w = _random_blocks(fmt, 202, 96, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7))
-    bias = torch.randn(200)
+    bias = torch.randn(202)
     torch.testing.assert_close(blockq_linear(x, w, bias, isa), x @ w.dense.T + bias, rtol=1e-5, atol=1e-5)
-    # A row's result does not depend on the rows batched with it.
-    alone = torch.cat([blockq_linear(x[i : i + 1], w, isa=isa) for i in range(rows)])
-    assert torch.equal(alone, blockq_linear(x, w, isa=isa))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(fmt: int, isa: str) -> None:
+    """Within each path: single rows against batches of up to SMALL_M, and slices of more than
+    SMALL_M rows (any offset, any remainder of the row groups) against the whole batch."""
+    w = _random_blocks(fmt, 202, 96, seed=11)
+    x = torch.randn(41, 96, generator=torch.Generator().manual_seed(3))
+    small = blockq_linear(x[:SMALL_M], w, isa=isa)
+    assert torch.equal(torch.cat([blockq_linear(x[i : i + 1], w, isa=isa) for i in range(SMALL_M)]), small)
+    whole = blockq_linear(x, w, isa=isa)
+    for a, b in [(0, 9), (5, 17), (3, 33), (30, 41)]:
+        assert torch.equal(blockq_linear(x[a:b], w, isa=isa), whole[a:b])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_the_staged_path_multiplies_by_the_exact_dequantized_weights(fmt: int, isa: str) -> None:
+    """The identity as input returns the staged weights themselves: bit for bit the loader's fp32
+    weights (Q4_1's d * q + m rounded after the product, as torch computes it)."""
+    w = _random_blocks(fmt, 202, 96, seed=5)
+    assert torch.equal(blockq_linear(torch.eye(96), w, isa=isa), w.dense.T)
 
 
 def test_blocks_are_the_exact_fp32_weights(smollm2_dir) -> None:

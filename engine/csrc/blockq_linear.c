@@ -13,9 +13,15 @@
  * 16-lane vectors instead of four 8-lane ones (1.4x on a SmolLM2 step where AVX-512 runs at full
  * width; docs/BENCHMARKS.md).
  *
- * Every output element is computed by the same sequence of operations whatever M is, so a row's
- * result does not depend on the rows batched with it (for a given build). AVX2 + FMA, or
- * AVX-512F when compiled for it; K % 32 == 0. */
+ * Above SMALL_M rows (a prefill chunk, a large decode batch) the per-block unpacking would be
+ * repeated for every MR rows, so the kernel stages NR weight rows at a time, dequantized to fp32
+ * (exactly the loader's weights), in a small per-thread buffer that stays in L1, and streams every
+ * row of x past them with one accumulator per (row, weight row) over the whole of K. On 2 cores a
+ * short prefill is bound by reading the weights: fp32 weights are 6.4x the bytes of Q4_1 blocks.
+ *
+ * In each regime (M <= SMALL_M, M > SMALL_M) every output element is computed by the same
+ * sequence of operations whatever M is, so a row's result does not depend on the rows batched
+ * with it (for a given build). AVX2 + FMA, or AVX-512F when compiled for it; K % 32 == 0. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -24,6 +30,13 @@
 #define QK 32
 #define MR 4                 /* rows of x per pass over a weight row (the weight row stays in L1) */
 #define PREFETCH_BYTES 4096 /* how far ahead in the quants (measured: 2-8 KiB all good) */
+#define SMALL_M (2 * MR)     /* up to this many rows: per-block dots (row_block) */
+#define NR 4                 /* weight rows staged at once (staged path) */
+#if defined(__AVX512F__)
+#define RR 4 /* rows of x per pass over the staged weights: RR * NR accumulators + NR weights */
+#else
+#define RR 2 /* 16 registers: 8 accumulators, 4 weights, x */
+#endif
 
 #if defined(__AVX512F__)
 /* The 32 quants of one block as two vectors of 16 (dequantized up to d and m). */
@@ -100,8 +113,86 @@ static inline __attribute__((always_inline)) void row_block(float *y, const floa
     }
 }
 
+/* Weight rows n0..n0+nr-1 as fp32 in buf[NR][K] (rows past nr zero). The values are exactly the
+ * loader's dequantized weights: d * q, and for Q4_1 + m rounded after the product, as torch
+ * computes it (so no contraction into an FMA here). */
+__attribute__((optimize("fp-contract=off"))) static void stage_rows(float *buf, const uint8_t *q, const float *d,
+                                                                    const float *m, int64_t n0, int64_t nr, int64_t K,
+                                                                    int fmt) {
+    const int64_t nb = K / QK, bytes = fmt == 1 ? QK / 2 : QK;
+    for (int64_t j = 0; j < NR; j++) {
+        float *out = buf + j * K;
+        if (j >= nr) {
+            for (int64_t k = 0; k < K; k += LANES) vstore(out + k, vzero());
+            continue;
+        }
+        const int64_t row = (n0 + j) * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            vec w[NV];
+            load_block(q + (row + b) * bytes, fmt, w);
+            const vec db = vset1(d[row + b]), mb = fmt == 1 ? vset1(m[row + b]) : vzero();
+            for (int v = 0; v < NV; v++) {
+                vec t = vmul(w[v], db);
+                if (fmt == 1) t = vadd(t, mb);
+                vstore(out + b * QK + v * LANES, t);
+            }
+        }
+    }
+}
+
+/* y[r0..r0+ROWS-1, n0..n0+nr-1] from the staged rows: for each (row, weight row) one accumulator,
+ * FMAs over K in order, then a horizontal sum; ROWS is a constant at each call. */
+static inline __attribute__((always_inline)) void staged_rows(float *y, const float *x, const float *buf,
+                                                              const float *bias, int64_t n0, int64_t nr, int64_t r0,
+                                                              const int ROWS, int64_t N, int64_t K) {
+    vec acc[RR][NR];
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < NR; j++) acc[r][j] = vzero();
+    for (int64_t k = 0; k < K; k += LANES) {
+        vec w[NR];
+        for (int j = 0; j < NR; j++) w[j] = vload(buf + j * K + k);
+        for (int r = 0; r < ROWS; r++) {
+            const vec xv = vload(x + (r0 + r) * K + k);
+            for (int j = 0; j < NR; j++) acc[r][j] = vfmadd(w[j], xv, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < nr; j++) {
+            const float s = hsum(acc[r][j]);
+            y[(r0 + r) * N + n0 + j] = bias ? s + bias[n0 + j] : s;
+        }
+}
+
+static void staged_linear(float *y, const float *x, const uint8_t *q, const float *d, const float *m,
+                          const float *bias, int64_t M, int64_t N, int64_t K, int fmt, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = aligned_alloc(64, sizeof(float) * NR * K); /* K % 32 == 0: a multiple of 64 bytes */
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += NR) {
+            const int64_t nr = N - n0 < NR ? N - n0 : NR;
+            stage_rows(buf, q, d, m, n0, nr, K, fmt);
+            for (int64_t r0 = 0; r0 < M; r0 += RR) {
+                switch (M - r0 < RR ? (int)(M - r0) : RR) {
+                case 1: staged_rows(y, x, buf, bias, n0, nr, r0, 1, N, K); break;
+#if RR > 2
+                case 2: staged_rows(y, x, buf, bias, n0, nr, r0, 2, N, K); break;
+                case 3: staged_rows(y, x, buf, bias, n0, nr, r0, 3, N, K); break;
+#endif
+                default: staged_rows(y, x, buf, bias, n0, nr, r0, RR, N, K); break;
+                }
+            }
+        }
+        free(buf);
+    }
+}
+
 void blockq_linear_f32(float *y, const float *x, const uint8_t *q, const float *d, const float *m, const float *bias,
                        int64_t M, int64_t N, int64_t K, int fmt, int nthreads) {
+    if (M > SMALL_M) {
+        staged_linear(y, x, q, d, m, bias, M, N, K, fmt, nthreads);
+        return;
+    }
     const int64_t nb = K / QK;
     float *xsum = NULL;
     if (fmt == 1) {
