@@ -19,12 +19,16 @@ DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two 
 
 @dataclass
 class Item:
-    """One conversation item (OpenAI Realtime ``message``); ``truncated`` freezes ``text``."""
+    """One conversation item (OpenAI Realtime ``message``); ``truncated`` freezes ``text``;
+    ``audio``: its content is audio (a user's speech, a spoken reply) and ``text`` its transcript;
+    ``status``: "incomplete" once a reply is cancelled."""
 
     id: str
     role: str
     text: str = ""
     truncated: bool = False
+    audio: bool = False
+    status: str = "completed"
 
 
 @dataclass
@@ -37,8 +41,8 @@ class Conversation:
     def new_id(self, kind: str = "item") -> str:
         return f"{kind}_{next(self._ids):06d}"
 
-    def add(self, role: str, text: str = "", item_id: str | None = None) -> Item:
-        item = Item(item_id or self.new_id(), role, text)
+    def add(self, role: str, text: str = "", item_id: str | None = None, audio: bool = False) -> Item:
+        item = Item(item_id or self.new_id(), role, text, audio=audio)
         self.items.append(item)
         return item
 

@@ -57,6 +57,7 @@ from pipelines.realtime_events import (
     Reply,
     SessionConfig,
     check_instructions,
+    content_part,
     decode_audio_b64,
     item_event,
     message_text,
@@ -251,8 +252,18 @@ class RealtimeSession:
         await self.send(
             "conversation.item.created",
             previous_item_id=previous,
-            item=item_event(item.id, role, [{"type": "input_text" if role != "assistant" else "text", "text": text}]),
+            item=item_event(item.id, role, [content_part(role, False, text)]),
         )
+
+    async def _ev_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
+        item_id = event.get("item_id")
+        item = self.conv.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        r = self.reply
+        status = "in_progress" if r is not None and r.item_id == item.id and not r.done else item.status
+        content = [content_part(item.role, item.audio, item.text)]
+        await self.send("conversation.item.retrieved", item=item_event(item.id, item.role, content, status))
 
     async def _ev_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
@@ -310,7 +321,7 @@ class RealtimeSession:
     async def _user_item_created(self, item_id: str) -> None:
         previous = self.conv.items[-1].id if self.conv.items else None
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
-        content = [{"type": "input_audio", "transcript": None}]
+        content = [content_part("user", True, None)]
         await self.send(
             "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
         )
@@ -390,18 +401,18 @@ class RealtimeSession:
         self.requested = False
         audio = self.tts_options.enabled and frame.audio is not False
         self.reply = r = Reply(frame.response_id, frame.item_id, audio)
+        if (reply_item := self.conv.get(r.item_id)) is not None:
+            reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
         item = item_event(r.item_id, "assistant", [], status="in_progress")
         await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
         previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
         await self.send("conversation.item.created", previous_item_id=previous, item=item)
-        part = {"type": "audio", "transcript": ""} if audio else {"type": "text", "text": ""}
-        await self.send("response.content_part.added", **self._where(r), part=part)
+        await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", audio, ""))
 
     def _part(self, r: Reply) -> dict[str, Any]:
         item = self.conv.get(r.item_id)
-        text = item.text if item is not None else r.text
-        return {"type": "audio", "transcript": text} if r.audio else {"type": "text", "text": text}
+        return content_part("assistant", r.audio, item.text if item is not None else r.text)
 
     async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
         r.done = True
@@ -415,6 +426,8 @@ class RealtimeSession:
                 await self.send("response.text.done", **where, text=part["text"])
             await self.send("response.content_part.done", **where, part=part)
         item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
+        if (conv_item := self.conv.get(r.item_id)) is not None:
+            conv_item.status = item["status"]
         await self.send("response.output_item.done", response_id=r.id, output_index=0, item=item)
         await self.send("response.done", response=response_event(r, status, [item], reason))
 

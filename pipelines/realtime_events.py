@@ -214,6 +214,14 @@ class Reply:
         return self.audio and self.played_ms() < self.audio_ms
 
 
+def content_part(role: str, audio: bool, text: str | None) -> dict[str, Any]:
+    """A message item's content part: the user's ``input_audio`` (its transcript) or
+    ``input_text``, the assistant's ``audio`` (its transcript) or ``text``."""
+    if role == "assistant":
+        return {"type": "audio", "transcript": text} if audio else {"type": "text", "text": text}
+    return {"type": "input_audio", "transcript": text} if audio else {"type": "input_text", "text": text}
+
+
 def item_event(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
     return {
         "id": item_id,

@@ -199,7 +199,7 @@ class LLM(Processor):
         elif isinstance(frame, SpeechResumed):
             self.close()
         elif isinstance(frame, Transcript):
-            self.conversation.add("user", frame.text, frame.item_id or None)
+            self.conversation.add("user", frame.text, frame.item_id or None, audio=True)
             yield frame
             if frame.respond and frame.text:  # nothing was said (noise): no reply
                 async for out in self._reply(None):

@@ -163,6 +163,22 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             cut = await c.until("conversation.item.truncated")
             assert cut["item_id"] == item_id and cut["audio_end_ms"] == 300
 
+            # Items read back: the reply as heard (cut), the user's speech as its transcript.
+            await c.send("conversation.item.retrieve", item_id=item_id)
+            got = (await c.until("conversation.item.retrieved"))["item"]
+            assert got["id"] == item_id and got["role"] == "assistant" and got["status"] == "completed"
+            heard = got["content"][0]
+            words = heard["transcript"].split()
+            assert heard["type"] == "audio" and words == said.split()[: len(words)] and len(words) < len(said.split())
+            user_id = next(e for e in c.events if e["type"].endswith("transcription.completed"))["item_id"]
+            await c.send("conversation.item.retrieve", item_id=user_id)
+            got = (await c.until("conversation.item.retrieved"))["item"]
+            assert got["role"] == "user" and got["content"][0]["type"] == "input_audio"
+            assert "france" in got["content"][0]["transcript"].lower()
+            await c.send("conversation.item.retrieve", item_id="item_nope")
+            err = await c.until("error")
+            assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "item_id"
+
             # Second turn: the conversation so far is a cached prefix of the new prompt.
             hits = server["llm"].stats()["prefix_cache_hits"]
             item = user_item("And of Italy?")
@@ -326,6 +342,9 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
             heard = cancelled["response"]["output"][0]["content"][0]["transcript"]
             streamed = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")
             assert len(heard) < len(streamed) and streamed.startswith(heard.split(" ")[0] if heard else "")
+            await c.send("conversation.item.retrieve", item_id=item_id)
+            got = (await c.until("conversation.item.retrieved"))["item"]
+            assert got["status"] == "incomplete" and got["content"][0]["transcript"] == heard
             await asyncio.sleep(0.5)
             stats = llm.stats()
             assert stats["num_running"] == 0  # the decode was aborted inside the engine
