@@ -193,18 +193,28 @@ F16_ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
 }
 
 
-def _widest(
-    name: str, isas: dict[str, tuple[list[str], tuple[str, ...]]], isa: str | None, argtypes: list[Any]
-) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """Function ``<name>_f32``: the widest build of ``isas`` this CPU runs (or the one ``isa``
-    names), or None when none can run here."""
+def _widest_build(
+    name: str, isas: dict[str, tuple[list[str], tuple[str, ...]]], isa: str | None
+) -> tuple[str, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    """``(key, function <name>_f32)`` of the widest build of ``isas`` this CPU runs (or the one
+    ``isa`` names), or None when none can run here."""
     for key in [isa] if isa else isas:
         flags, features = isas[key]
         fn = _load(name, flags, features)
         if fn is not None:
-            fn.argtypes = argtypes
-            return fn
+            return key, fn
     return None
+
+
+def _widest(
+    name: str, isas: dict[str, tuple[list[str], tuple[str, ...]]], isa: str | None, argtypes: list[Any]
+) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The function of ``_widest_build``, with ``argtypes`` set, or None."""
+    found = _widest_build(name, isas, isa)
+    if found is None:
+        return None
+    found[1].argtypes = argtypes
+    return found[1]
 
 
 @functools.cache
@@ -216,10 +226,8 @@ def blockq_linear_kernel(isa: str | None = None) -> ctypes._CFuncPtr | None:  # 
 @functools.cache
 def blockq_max_rows(isa: str | None = None) -> int:
     """``BLOCKQ_MAX_ROWS`` of the build ``blockq_linear_kernel(isa)`` runs (0: none runs here)."""
-    for key in [isa] if isa else BLOCKQ_ISAS:
-        if _load("blockq_linear", *BLOCKQ_ISAS[key]) is not None:
-            return BLOCKQ_MAX_ROWS[key]
-    return 0
+    found = _widest_build("blockq_linear", BLOCKQ_ISAS, isa)
+    return 0 if found is None else BLOCKQ_MAX_ROWS[found[0]]
 
 
 @functools.cache
