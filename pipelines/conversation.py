@@ -64,6 +64,18 @@ class Conversation:
         pending = [Item("", "user", user_text), Item("", "assistant")]
         return dataclasses.replace(self, items=[*self.items, *pending])
 
+    def context(self, items: list[Item] | None, reply: Item, instructions: str | None) -> Conversation:
+        """What a response with its own context renders (``response.input``, an out-of-band
+        reply): ``items`` (default: this conversation's), then ``reply``, under ``instructions``
+        (default: this conversation's). A copy: rendering it changes nothing here."""
+        base = [i for i in self.items if i is not reply] if items is None else items
+        return dataclasses.replace(
+            self,
+            items=[*base, reply],
+            instructions=instructions or self.instructions,
+            _first=self._first if items is None else 0,
+        )
+
     def messages(self, first: int = 0) -> list[dict[str, str]]:
         """Chat messages: the instructions as system message, then every non-empty item from ``first``."""
         msgs = [{"role": "system", "content": self.instructions}] if self.instructions else []

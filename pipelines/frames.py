@@ -109,10 +109,13 @@ class Transcript(Frame):
 @dataclass
 class ResponseRequest(Frame):
     """Ask the LLM for a reply to the conversation so far (``response.create``); ``audio``:
-    whether it is spoken (None: as the session says)."""
+    whether it is spoken (None: as the session says); ``input``: (role, text) messages to reply
+    to instead of the conversation; ``out_of_band``: the reply stays out of the conversation."""
 
     instructions: str | None = None
     audio: bool | None = None
+    input: list[tuple[str, str]] | None = None
+    out_of_band: bool = False
 
 
 @dataclass
@@ -129,6 +132,7 @@ class LLMStarted(ReplyFrame):
 
     item_id: str = ""
     audio: bool | None = None
+    out_of_band: bool = False  # the item is not in the conversation
 
 
 @dataclass

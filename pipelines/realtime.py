@@ -94,6 +94,7 @@ class RealtimeSession:
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
         self.ga = False  # the GA dialect (pipelines.realtime_ga), once a session.update says so
+        self.next_metadata: dict[str, Any] | None = None  # of the response.create queued
 
     # -- configuration ------------------------------------------------------------------------
     def _apply_config(self) -> None:
@@ -121,10 +122,11 @@ class RealtimeSession:
         return self.requested or (self.reply is not None and not self.reply.done)
 
     # -- sending ------------------------------------------------------------------------------
-    async def send(self, type_: str, **fields: Any) -> None:
+    async def send(self, type_: str, in_conversation: bool = True, **fields: Any) -> None:
+        """One server event (``in_conversation`` False: its item is an out-of-band reply's)."""
         events = [{"type": type_, **fields}]
         if self.ga:
-            events = realtime_ga.translate(events[0])
+            events = realtime_ga.translate(events[0], in_conversation)
         async with self._send_lock:
             for event in events:
                 await self.ws.send_text(json.dumps({"event_id": f"event_{next(self._event_ids):06d}", **event}))
@@ -286,8 +288,39 @@ class RealtimeSession:
             check_instructions(instructions, "response.instructions")
         key = "output_modalities" if self.ga else "modalities"
         audio = None if response.get(key) is None else wants_audio(response[key], self.ga, f"response.{key}")
-        self.requested = True
-        await self.inbox.put(ResponseRequest(instructions, audio))
+        conversation = response.get("conversation", "auto")
+        if conversation not in ("auto", "none"):
+            raise EventError("response.conversation must be 'auto' or 'none'", param="response.conversation")
+        metadata = response.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise EventError("response.metadata must be an object", param="response.metadata")
+        request = ResponseRequest(
+            instructions, audio, self._response_input(response.get("input")), conversation == "none"
+        )
+        self.requested = True  # only once the request is valid: a refused one leaves none queued
+        self.next_metadata = metadata
+        await self.inbox.put(request)
+
+    def _response_input(self, raw: Any) -> list[tuple[str, str]] | None:
+        """``response.input`` as (role, text) messages: text messages, and references to
+        conversation items (``{"type": "item_reference", "id": ...}``)."""
+        if raw is None:
+            return None
+        if not isinstance(raw, list):
+            raise EventError("response.input must be a list of items", param="response.input")
+        out = []
+        for k, entry in enumerate(raw):
+            where = f"response.input[{k}]"
+            if isinstance(entry, dict) and entry.get("type") == "item_reference":
+                item = self.conv.get(entry.get("id")) if isinstance(entry.get("id"), str) else None
+                if item is None:
+                    raise EventError(
+                        f"no item {entry.get('id')!r} in the conversation", "item_not_found", where + ".id"
+                    )
+                out.append((item.role, item.text))
+            else:
+                out.append(message_text(entry, where))
+        return out
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:
@@ -400,14 +433,18 @@ class RealtimeSession:
     async def _started(self, frame: LLMStarted) -> None:
         self.requested = False
         audio = self.tts_options.enabled and frame.audio is not False
-        self.reply = r = Reply(frame.response_id, frame.item_id, audio)
+        metadata, self.next_metadata = self.next_metadata, None
+        self.reply = r = Reply(
+            frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=metadata
+        )
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
         item = item_event(r.item_id, "assistant", [], status="in_progress")
         await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
-        previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
-        await self.send("conversation.item.created", previous_item_id=previous, item=item)
+        if not r.out_of_band:
+            previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
+            await self.send("conversation.item.created", previous_item_id=previous, item=item)
         await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", audio, ""))
 
     def _part(self, r: Reply) -> dict[str, Any]:
@@ -428,7 +465,7 @@ class RealtimeSession:
         item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
         if (conv_item := self.conv.get(r.item_id)) is not None:
             conv_item.status = item["status"]
-        await self.send("response.output_item.done", response_id=r.id, output_index=0, item=item)
+        await self.send("response.output_item.done", not r.out_of_band, response_id=r.id, output_index=0, item=item)
         await self.send("response.done", response=response_event(r, status, [item], reason))
 
     async def _interrupted(self, frame: Interrupt) -> None:
@@ -437,11 +474,11 @@ class RealtimeSession:
         if r is None:
             return
         if not r.done:
-            if r.audio:
+            if r.audio and not r.out_of_band:
                 await self._truncate(r, r.played_ms())
             elif (item := self.conv.get(r.item_id)) is not None:
                 item.truncated = True  # text only: the client saw every delta sent
             reason = "turn_detected" if frame.reason == "speech_started" else "client_cancelled"
             await self._finish(r, "cancelled", reason)
-        elif r.playing():  # finished sending but still playing on the client: cut what is unheard
+        elif r.playing() and not r.out_of_band:  # finished sending but still playing: cut what is unheard
             await self._truncate(r, r.played_ms())

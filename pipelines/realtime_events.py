@@ -169,22 +169,24 @@ def decode_audio_b64(value: Any) -> bytes:
     return data
 
 
-def message_text(item: Any) -> tuple[str, str]:
-    """``(role, text)`` of a ``conversation.item.create`` text message."""
+def message_text(item: Any, where: str = "item") -> tuple[str, str]:
+    """``(role, text)`` of a text message (``conversation.item.create``'s item, or one of
+    ``response.input``'s at ``where``)."""
     if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise EventError("only items of type 'message' are supported", param="item")
+        raise EventError("only items of type 'message' are supported", param=where)
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
-        raise EventError("item.role must be 'user', 'assistant' or 'system'", param="item.role")
+        raise EventError(f"{where}.role must be 'user', 'assistant' or 'system'", param=f"{where}.role")
     content = item.get("content")
     if not isinstance(content, list) or not content:
-        raise EventError("item.content must be a non-empty list", param="item.content")
+        raise EventError(f"{where}.content must be a non-empty list", param=f"{where}.content")
     texts = []
     kinds = ("input_text", "text", "output_text") if role == "assistant" else ("input_text", "text")
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
             raise EventError(
-                f"item.content parts must be {{'type': one of {list(kinds)}, 'text': str}}", param="item.content"
+                f"{where}.content parts must be {{'type': one of {list(kinds)}, 'text': str}}",
+                param=f"{where}.content",
             )
         texts.append(part["text"])
     return role, " ".join(texts)
@@ -203,6 +205,8 @@ class Reply:
     first_audio: float | None = None  # monotonic time the first audio delta was sent
     done: bool = False
     usage: dict[str, Any] = field(default_factory=dict)
+    out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
+    metadata: dict[str, Any] | None = None  # response.metadata, echoed
 
     def played_ms(self) -> float:
         """How much the client can have played: real-time clock since the first chunk, capped."""
@@ -242,4 +246,5 @@ def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: 
         "status_details": details,
         "output": output,
         "usage": r.usage or None,
+        "metadata": r.metadata,
     }

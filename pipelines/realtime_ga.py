@@ -118,8 +118,10 @@ def _part(part: dict[str, Any]) -> dict[str, Any]:
     return {**part, "type": PART_TYPES.get(part["type"], part["type"])}
 
 
-def translate(event: dict[str, Any]) -> list[dict[str, Any]]:
-    """The GA events (one, or two for an item) for a beta server event, without event ids."""
+def translate(event: dict[str, Any], in_conversation: bool = True) -> list[dict[str, Any]]:
+    """The GA events (one, or two for an item) for a beta server event, without event ids;
+    ``in_conversation`` False: the event's item is not in the conversation (an out-of-band
+    reply's), so no ``conversation.item.done`` follows it."""
     out = {**event, "type": RENAMED.get(event["type"], event["type"])}
     if "session" in out:
         out["session"] = session_object(out["session"])
@@ -127,8 +129,9 @@ def translate(event: dict[str, Any]) -> list[dict[str, Any]]:
         out["item"] = _item(out["item"])
     if "response" in out:
         out["response"] = {**out["response"], "output": [_item(i) for i in out["response"]["output"]]}
-    done = out["type"] == "response.output_item.done" or (
-        out["type"] == "conversation.item.added" and out["item"].get("status") == "completed"
+    done = in_conversation and (
+        out["type"] == "response.output_item.done"
+        or (out["type"] == "conversation.item.added" and out["item"].get("status") == "completed")
     )
     if done:  # GA says when an item is complete: a user's at once, a reply's when it ends
         return [out, {"type": "conversation.item.done", "item": out["item"]}]

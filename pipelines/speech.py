@@ -20,7 +20,7 @@ from typing import Any
 
 from modalities.audio import ASR_RATE, Resampler
 from modalities.tts.text import SentenceSplitter
-from pipelines.conversation import Conversation
+from pipelines.conversation import Conversation, Item
 from pipelines.frames import (
     AudioFrame,
     ClearFrame,
@@ -207,7 +207,7 @@ class LLM(Processor):
             else:
                 self.close()
         elif isinstance(frame, ResponseRequest):
-            async for out in self._reply(frame.instructions, frame.audio):
+            async for out in self._reply(frame.instructions, frame.audio, frame.input, frame.out_of_band):
                 yield out
         else:
             yield frame
@@ -256,19 +256,36 @@ class LLM(Processor):
         spec = LLMSpeculation(ids, self._params(), Buffered(self._generate("spec", ids), first_sentence))
         self.speculation = spec
 
-    async def _reply(self, instructions: str | None, audio: bool | None = None) -> AsyncIterator[Frame]:
+    async def _reply(
+        self,
+        instructions: str | None,
+        audio: bool | None = None,
+        input: list[tuple[str, str]] | None = None,
+        out_of_band: bool = False,
+    ) -> AsyncIterator[Frame]:
+        """A reply to the conversation, or to ``input``; an ``out_of_band`` one is not added to
+        the conversation and leaves a speculative reply for the next turn alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
-        if instructions:
-            conv.instructions = instructions
-        item = conv.add("assistant")
+        if out_of_band:
+            item = Item(conv.new_id(), "assistant")
+        else:
+            if instructions:
+                conv.instructions = instructions
+            item = conv.add("assistant")
+        prompt = conv
+        if out_of_band or input is not None:
+            items = None if input is None else [Item("", role, text) for role, text in input]
+            prompt = conv.context(items, item, instructions)
         self.active = response_id
-        yield LLMStarted(response_id, item_id=item.id, audio=audio)
+        yield LLMStarted(response_id, item_id=item.id, audio=audio, out_of_band=out_of_band)
         final, error = None, None
         ids: list[int] = []
-        spec, self.speculation = self.speculation, None
+        spec = None
+        if not out_of_band:
+            spec, self.speculation = self.speculation, None
         try:
-            ids = self._prompt(conv)
+            ids = self._prompt(prompt)
             if spec is not None and not spec.matches(ids, self._params()):
                 spec.cancel()
                 spec = None

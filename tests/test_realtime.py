@@ -315,6 +315,52 @@ def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> N
     run(go())
 
 
+def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str, Any]) -> None:
+    from pipelines.conversation import DEFAULT_INSTRUCTIONS, Conversation
+
+    tokenizer = server["llm"].tokenizer
+
+    def prompt_tokens(instructions: str, *user_texts: str) -> int:
+        conv = Conversation(instructions)
+        for text in user_texts:
+            conv.add("user", text)
+        return len(conv.prompt_ids(tokenizer))
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await text_session(c, 6)
+            said = "My favourite colour is green."
+            await c.send("conversation.item.create", item=user_item(said))
+            ref = {"type": "item_reference", "id": (await c.until("conversation.item.created"))["item"]["id"]}
+            question = "Did I name a colour?"
+            response = {"conversation": "none", "metadata": {"purpose": "check"}, "instructions": "Answer yes or no."}
+            await c.send("response.create", response={**response, "input": [ref, user_item(question)]})
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "completed" and done["response"]["metadata"] == {"purpose": "check"}
+            # Its prompt: its own instructions and input, nothing else.
+            assert done["response"]["usage"]["input_tokens"] == prompt_tokens("Answer yes or no.", said, question)
+            oob = done["response"]["output"][0]
+            assert oob["content"][0]["text"]
+            assert not any(e["type"] == "conversation.item.created" and e["item"]["id"] == oob["id"] for e in c.events)
+            await c.send("conversation.item.retrieve", item_id=oob["id"])
+            assert (await c.until("error"))["error"]["code"] == "item_not_found"
+
+            await c.send("response.create", response={"conversation": "elsewhere"})
+            assert (await c.until("error"))["error"]["param"] == "response.conversation"
+            await c.send("response.create", response={"input": [{"type": "item_reference", "id": "item_nope"}]})
+            err = await c.until("error")
+            assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "response.input[0].id"
+
+            # The conversation did not change: the next reply's prompt is the user's item alone.
+            await c.send("response.create")
+            done = await c.until("response.done")
+            assert done["response"]["usage"]["input_tokens"] == prompt_tokens(DEFAULT_INSTRUCTIONS, said)
+            assert done["response"]["metadata"] is None
+
+    run(go())
+
+
 def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> None:
     llm, tts = server["llm"], server["tts"]
 
