@@ -22,6 +22,7 @@
  * In each regime (M <= SMALL_M, M > SMALL_M) every output element is computed by the same
  * sequence of operations whatever M is, so a row's result does not depend on the rows batched
  * with it (for a given build). AVX2 + FMA, or AVX-512F when compiled for it; K % 32 == 0. */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -163,11 +164,14 @@ static inline __attribute__((always_inline)) void staged_rows(float *y, const fl
         }
 }
 
-static void staged_linear(float *y, const float *x, const uint8_t *q, const float *d, const float *m,
-                          const float *bias, int64_t M, int64_t N, int64_t K, int fmt, int nthreads) {
+/* Returns 0 when its buffers cannot be had (the caller takes the per-block path). */
+static int staged_linear(float *y, const float *x, const uint8_t *q, const float *d, const float *m,
+                         const float *bias, int64_t M, int64_t N, int64_t K, int fmt, int nthreads) {
+    float *bufs = aligned_alloc(64, sizeof(float) * NR * K * nthreads); /* K % 32 == 0: 64-byte rows */
+    if (bufs == NULL) return 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *buf = aligned_alloc(64, sizeof(float) * NR * K); /* K % 32 == 0: a multiple of 64 bytes */
+        float *buf = bufs + (int64_t)omp_get_thread_num() * NR * K;
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += NR) {
             const int64_t nr = N - n0 < NR ? N - n0 : NR;
@@ -183,16 +187,14 @@ static void staged_linear(float *y, const float *x, const uint8_t *q, const floa
                 }
             }
         }
-        free(buf);
     }
+    free(bufs);
+    return 1;
 }
 
 void blockq_linear_f32(float *y, const float *x, const uint8_t *q, const float *d, const float *m, const float *bias,
                        int64_t M, int64_t N, int64_t K, int fmt, int nthreads) {
-    if (M > SMALL_M) {
-        staged_linear(y, x, q, d, m, bias, M, N, K, fmt, nthreads);
-        return;
-    }
+    if (M > SMALL_M && staged_linear(y, x, q, d, m, bias, M, N, K, fmt, nthreads)) return;
     const int64_t nb = K / QK;
     float *xsum = NULL;
     if (fmt == 1) {
