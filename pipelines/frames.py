@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -116,6 +117,7 @@ class ResponseRequest(Frame):
     audio: bool | None = None
     input: list[tuple[str, str]] | None = None
     out_of_band: bool = False
+    metadata: dict[str, Any] | None = None  # the client's, echoed with the reply
 
 
 @dataclass
@@ -133,6 +135,7 @@ class LLMStarted(ReplyFrame):
     item_id: str = ""
     audio: bool | None = None
     out_of_band: bool = False  # the item is not in the conversation
+    metadata: dict[str, Any] | None = None  # of the ResponseRequest that asked for it
 
 
 @dataclass

@@ -87,6 +87,8 @@ class RealtimeSession:
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = voice_pipeline(services, self.conv, self.vad_config, self.llm_options, self.tts_options)
         self.reply: Reply | None = None  # the latest response (active until done)
+        self.in_band: Reply | None = None  # the latest response in the conversation (truncation)
+        self.unheard: set[str] = set()  # user audio items created, their transcript still to come
         self.turn_ended: float | None = None  # when the VAD ended the user's last turn (monotonic)
         self.metrics = getattr(ws.app.state, "metrics", None)
         self.requested = False  # a response.create is queued
@@ -94,7 +96,6 @@ class RealtimeSession:
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
         self.ga = False  # the GA dialect (pipelines.realtime_ga), once a session.update says so
-        self.next_metadata: dict[str, Any] | None = None  # of the response.create queued
 
     # -- configuration ------------------------------------------------------------------------
     def _apply_config(self) -> None:
@@ -260,6 +261,10 @@ class RealtimeSession:
     async def _ev_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
         item = self.conv.get(item_id) if isinstance(item_id, str) else None
+        if item is None and isinstance(item_id, str) and item_id in self.unheard:  # no transcript yet
+            user_audio = item_event(item_id, "user", [content_part("user", True, None)])
+            await self.send("conversation.item.retrieved", item=user_audio)
+            return
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         r = self.reply
@@ -295,10 +300,9 @@ class RealtimeSession:
         if metadata is not None and not isinstance(metadata, dict):
             raise EventError("response.metadata must be an object", param="response.metadata")
         request = ResponseRequest(
-            instructions, audio, self._response_input(response.get("input")), conversation == "none"
+            instructions, audio, self._response_input(response.get("input")), conversation == "none", metadata
         )
         self.requested = True  # only once the request is valid: a refused one leaves none queued
-        self.next_metadata = metadata
         await self.inbox.put(request)
 
     def _response_input(self, raw: Any) -> list[tuple[str, str]] | None:
@@ -328,7 +332,7 @@ class RealtimeSession:
         await self.inbox.put(Interrupt("client_cancelled"))
 
     async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
-        reply, end_ms = self.reply, event.get("audio_end_ms")
+        reply, end_ms = self.in_band, event.get("audio_end_ms")
         if reply is None or event.get("item_id") != reply.item_id:
             raise EventError("item_id must be the latest assistant item", code="item_not_found", param="item_id")
         if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
@@ -355,6 +359,7 @@ class RealtimeSession:
         previous = self.conv.items[-1].id if self.conv.items else None
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         content = [content_part("user", True, None)]
+        self.unheard.add(item_id)
         await self.send(
             "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
         )
@@ -378,6 +383,7 @@ class RealtimeSession:
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
             await self._user_item_created(frame.item_id)
         elif isinstance(frame, Transcript):
+            self.unheard.discard(frame.item_id)
             await self.send(
                 "conversation.item.input_audio_transcription.completed",
                 item_id=frame.item_id,
@@ -407,7 +413,8 @@ class RealtimeSession:
             r.audio_ms += ms
             if r.first_audio is None:
                 r.first_audio = time.monotonic()
-                self._observe_turn(r.first_audio)
+                if not r.out_of_band:  # a turn's reply, not a side request
+                    self._observe_turn(r.first_audio)
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
             await self.send(
@@ -433,10 +440,11 @@ class RealtimeSession:
     async def _started(self, frame: LLMStarted) -> None:
         self.requested = False
         audio = self.tts_options.enabled and frame.audio is not False
-        metadata, self.next_metadata = self.next_metadata, None
         self.reply = r = Reply(
-            frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=metadata
+            frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=frame.metadata
         )
+        if not r.out_of_band:
+            self.in_band = r
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
@@ -469,16 +477,18 @@ class RealtimeSession:
         await self.send("response.done", response=response_event(r, status, [item], reason))
 
     async def _interrupted(self, frame: Interrupt) -> None:
-        r = self.reply
+        """Cancel the active response; the conversation keeps what the user heard of the latest
+        reply in it (an out-of-band response may have come after that reply)."""
+        r, talk = self.reply, self.in_band
         self.requested = False
-        if r is None:
-            return
-        if not r.done:
-            if r.audio and not r.out_of_band:
-                await self._truncate(r, r.played_ms())
-            elif (item := self.conv.get(r.item_id)) is not None:
-                item.truncated = True  # text only: the client saw every delta sent
+        if r is not None and not r.done:
+            if r is talk:
+                if r.audio:
+                    await self._truncate(r, r.played_ms())
+                elif (item := self.conv.get(r.item_id)) is not None:
+                    item.truncated = True  # text only: the client saw every delta sent
+                talk = None  # cut here
             reason = "turn_detected" if frame.reason == "speech_started" else "client_cancelled"
             await self._finish(r, "cancelled", reason)
-        elif r.playing() and not r.out_of_band:  # finished sending but still playing: cut what is unheard
-            await self._truncate(r, r.played_ms())
+        if talk is not None and talk.playing():  # finished sending but still playing: cut what is unheard
+            await self._truncate(talk, talk.played_ms())

@@ -207,7 +207,9 @@ class LLM(Processor):
             else:
                 self.close()
         elif isinstance(frame, ResponseRequest):
-            async for out in self._reply(frame.instructions, frame.audio, frame.input, frame.out_of_band):
+            async for out in self._reply(
+                frame.instructions, frame.audio, frame.input, frame.out_of_band, frame.metadata
+            ):
                 yield out
         else:
             yield frame
@@ -262,6 +264,7 @@ class LLM(Processor):
         audio: bool | None = None,
         input: list[tuple[str, str]] | None = None,
         out_of_band: bool = False,
+        metadata: dict[str, Any] | None = None,
     ) -> AsyncIterator[Frame]:
         """A reply to the conversation, or to ``input``; an ``out_of_band`` one is not added to
         the conversation and leaves a speculative reply for the next turn alone."""
@@ -278,7 +281,7 @@ class LLM(Processor):
             items = None if input is None else [Item("", role, text) for role, text in input]
             prompt = conv.context(items, item, instructions)
         self.active = response_id
-        yield LLMStarted(response_id, item_id=item.id, audio=audio, out_of_band=out_of_band)
+        yield LLMStarted(response_id, item_id=item.id, audio=audio, out_of_band=out_of_band, metadata=metadata)
         final, error = None, None
         ids: list[int] = []
         spec = None

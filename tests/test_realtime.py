@@ -358,6 +358,16 @@ def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str,
             assert done["response"]["usage"]["input_tokens"] == prompt_tokens(DEFAULT_INSTRUCTIONS, said)
             assert done["response"]["metadata"] is None
 
+            # After another out-of-band reply, the latest reply in the conversation is still the
+            # one a client truncates; the out-of-band item is not.
+            in_band = done["response"]["output"][0]["id"]
+            await c.send("response.create", response={"conversation": "none"})
+            oob = (await c.until("response.done"))["response"]["output"][0]["id"]
+            await c.send("conversation.item.truncate", item_id=oob, content_index=0, audio_end_ms=0)
+            assert (await c.until("error"))["error"]["code"] == "item_not_found"
+            await c.send("conversation.item.truncate", item_id=in_band, content_index=0, audio_end_ms=0)
+            assert (await c.until("conversation.item.truncated"))["item_id"] == in_band
+
     run(go())
 
 
