@@ -266,18 +266,14 @@ class LLM(Processor):
         out_of_band: bool = False,
         metadata: dict[str, Any] | None = None,
     ) -> AsyncIterator[Frame]:
-        """A reply to the conversation, or to ``input``; an ``out_of_band`` one is not added to
-        the conversation and leaves a speculative reply for the next turn alone."""
+        """A reply to the conversation, or to ``input``, under ``instructions`` if given (for this
+        reply only); an ``out_of_band`` one is not added to the conversation and leaves a
+        speculative reply for the next turn alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
-        if out_of_band:
-            item = Item(conv.new_id(), "assistant")
-        else:
-            if instructions:
-                conv.instructions = instructions
-            item = conv.add("assistant")
+        item = Item(conv.new_id(), "assistant") if out_of_band else conv.add("assistant")
         prompt = conv
-        if out_of_band or input is not None:
+        if out_of_band or input is not None or instructions:
             items = None if input is None else [Item("", role, text) for role, text in input]
             prompt = conv.context(items, item, instructions)
         self.active = response_id

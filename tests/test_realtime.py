@@ -316,6 +316,7 @@ def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> N
 
 
 def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str, Any]) -> None:
+    """Out-of-band replies and per-response context (input, instructions) leave the conversation as it was."""
     from pipelines.conversation import DEFAULT_INSTRUCTIONS, Conversation
 
     tokenizer = server["llm"].tokenizer
@@ -352,11 +353,13 @@ def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str,
             err = await c.until("error")
             assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "response.input[0].id"
 
-            # The conversation did not change: the next reply's prompt is the user's item alone.
-            await c.send("response.create")
+            # The conversation did not change: the next reply's prompt is the user's item alone,
+            # under that reply's own instructions.
+            await c.send("response.create", response={"instructions": "Answer in one word."})
             done = await c.until("response.done")
-            assert done["response"]["usage"]["input_tokens"] == prompt_tokens(DEFAULT_INSTRUCTIONS, said)
+            assert done["response"]["usage"]["input_tokens"] == prompt_tokens("Answer in one word.", said)
             assert done["response"]["metadata"] is None
+            reply = done["response"]["output"][0]["content"][0]["text"]
 
             # After another out-of-band reply, the latest reply in the conversation is still the
             # one a client truncates; the out-of-band item is not.
@@ -367,6 +370,14 @@ def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str,
             assert (await c.until("error"))["error"]["code"] == "item_not_found"
             await c.send("conversation.item.truncate", item_id=in_band, content_index=0, audio_end_ms=0)
             assert (await c.until("conversation.item.truncated"))["item_id"] == in_band
+
+            # Those instructions were that reply's only: the next one is under the session's.
+            await c.send("response.create")
+            done = await c.until("response.done")
+            expected = Conversation(DEFAULT_INSTRUCTIONS)
+            expected.add("user", said)
+            expected.add("assistant", reply)
+            assert done["response"]["usage"]["input_tokens"] == len(expected.prompt_ids(tokenizer))
 
     run(go())
 
