@@ -202,14 +202,12 @@ class LLM(Processor):
             self.conversation.add("user", frame.text, frame.item_id or None, audio=True)
             yield frame
             if frame.respond and frame.text:  # nothing was said (noise): no reply
-                async for out in self._reply(None):
+                async for out in self._reply(ResponseRequest()):
                     yield out
             else:
                 self.close()
         elif isinstance(frame, ResponseRequest):
-            async for out in self._reply(
-                frame.instructions, frame.audio, frame.input, frame.out_of_band, frame.metadata
-            ):
+            async for out in self._reply(frame):
                 yield out
         else:
             yield frame
@@ -258,30 +256,25 @@ class LLM(Processor):
         spec = LLMSpeculation(ids, self._params(), Buffered(self._generate("spec", ids), first_sentence))
         self.speculation = spec
 
-    async def _reply(
-        self,
-        instructions: str | None,
-        audio: bool | None = None,
-        input: list[tuple[str, str]] | None = None,
-        out_of_band: bool = False,
-        metadata: dict[str, Any] | None = None,
-    ) -> AsyncIterator[Frame]:
-        """A reply to the conversation, or to ``input``, under ``instructions`` if given (for this
-        reply only); an ``out_of_band`` one is not added to the conversation and leaves a
+    async def _reply(self, req: ResponseRequest) -> AsyncIterator[Frame]:
+        """A reply to the conversation, or to ``req.input``, under ``req.instructions`` if given
+        (for this reply only); an out-of-band one is not added to the conversation and leaves a
         speculative reply for the next turn alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
-        item = Item(conv.new_id(), "assistant") if out_of_band else conv.add("assistant")
+        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add("assistant")
         prompt = conv
-        if out_of_band or input is not None or instructions:
-            items = None if input is None else [Item("", role, text) for role, text in input]
-            prompt = conv.context(items, item, instructions)
+        if req.out_of_band or req.input is not None or req.instructions:
+            items = None if req.input is None else [Item("", role, text) for role, text in req.input]
+            prompt = conv.context(items, item, req.instructions)
         self.active = response_id
-        yield LLMStarted(response_id, item_id=item.id, audio=audio, out_of_band=out_of_band, metadata=metadata)
+        yield LLMStarted(
+            response_id, item_id=item.id, audio=req.audio, out_of_band=req.out_of_band, metadata=req.metadata
+        )
         final, error = None, None
         ids: list[int] = []
         spec = None
-        if not out_of_band:
+        if not req.out_of_band:
             spec, self.speculation = self.speculation, None
         try:
             ids = self._prompt(prompt)
