@@ -57,10 +57,10 @@ class FailingDiffusion(DiffusionEngine):
 class FailingPiper(PiperEngine):
     """The real voice; text starting with "Boom" fails in synthesis."""
 
-    def _synthesize(self, voice: object, text: str, length_scale: float) -> Any:
+    def _synthesize(self, voice: object, text: str, length_scale: float, first: bool) -> Any:
         if text.startswith("Boom"):
             raise RuntimeError("simulated synthesis failure")
-        return super()._synthesize(voice, text, length_scale)
+        return super()._synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

