@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 from pathlib import Path
 from typing import Any
+
+
+class Playback:
+    """A listener that plays streamed audio at ``pace`` x real time from its first chunk:
+    ``stall`` is how long the player ran dry waiting for audio, ``end`` when what it has ends."""
+
+    def __init__(self, pace: float = 1.0) -> None:
+        self.pace = pace
+        self.end = math.nan
+        self.stall = 0.0
+
+    def add(self, now: float, seconds: float) -> None:
+        """``seconds`` of audio arrived at ``now``."""
+        if math.isnan(self.end):  # the first chunk starts playing
+            self.end = now
+        elif now > self.end:  # the player ran dry
+            self.stall += now - self.end
+            self.end = now
+        self.end += seconds * self.pace
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

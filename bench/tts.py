@@ -4,8 +4,9 @@ For each backend (``piper``: the packaged voice; ``ar``: the AR TTS on the share
 tiny random model unless ``--ar-model`` names one) and each concurrency ``c``, ``--rounds``
 rounds each start ``c`` requests at once (multi-sentence texts) and time, per request, the first
 audio chunk and the last. Reported: P50/P99 TTFA and their ratio to the ``c=1`` figures (the
-target is within 2x at 8), P50 per-request real-time factor (wall time / audio seconds) and the
-aggregate audio seconds produced per second. ``--url`` measures the same through a running
+target is within 2x at 8), P99 playback stall (how long a listener playing each request's audio
+at real time from its first chunk waited for more), P50 per-request real-time factor (wall time /
+audio seconds) and the aggregate audio seconds produced per second. ``--url`` measures the same through a running
 server's ``/v1/audio/speech`` (time to the first body byte) instead of the engine in-process.
 """
 
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.report import Playback
 
 TEXTS = [
     "Sure, I can help with that. The meeting is at three o'clock in the main conference room. "
@@ -58,12 +61,15 @@ async def _one_engine(engine: Any, text: str, voice: str | None) -> dict[str, fl
     start = time.perf_counter()
     first = None
     samples = 0
+    player = Playback()
     async for chunk in engine.stream(TTSRequest(text, voice)):
+        now = time.perf_counter()
         if first is None:
-            first = time.perf_counter() - start
+            first = now - start
         samples += chunk.size
+        player.add(now, chunk.size / engine.sample_rate)
     total = time.perf_counter() - start
-    return {"ttfa": first or total, "total": total, "audio_s": samples / engine.sample_rate}
+    return {"ttfa": first or total, "total": total, "audio_s": samples / engine.sample_rate, "stall": player.stall}
 
 
 async def _one_http(client: Any, url: str, text: str, model: str | None, voice: str | None) -> dict[str, float]:
@@ -72,14 +78,17 @@ async def _one_http(client: Any, url: str, text: str, model: str | None, voice: 
     start = time.perf_counter()
     first = None
     size = 0
+    player = Playback()
     async with client.stream("POST", f"{url.rstrip('/')}/v1/audio/speech", json=body) as resp:
         resp.raise_for_status()
         async for data in resp.aiter_bytes():
+            now = time.perf_counter()
             if first is None and data:
-                first = time.perf_counter() - start
+                first = now - start
             size += len(data)
+            player.add(now, len(data) / 2 / 24_000)
     total = time.perf_counter() - start
-    return {"ttfa": first or total, "total": total, "audio_s": size / 2 / 24_000}
+    return {"ttfa": first or total, "total": total, "audio_s": size / 2 / 24_000, "stall": player.stall}
 
 
 async def _measure(one: Any, concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
@@ -99,6 +108,7 @@ async def _measure(one: Any, concurrencies: list[int], rounds: int) -> list[dict
                 "requests": len(runs),
                 "ttfa_p50_ms": round(_pct(ttfa, 50) * 1000, 1),
                 "ttfa_p99_ms": round(_pct(ttfa, 99) * 1000, 1),
+                "stall_p99_ms": round(_pct([x["stall"] for x in runs], 99) * 1000, 1),
                 "rtf_p50": round(_pct([x["total"] / x["audio_s"] for x in runs if x["audio_s"]], 50), 3),
                 "audio_s_per_s": round(sum(x["audio_s"] for x in runs) / wall, 2),
             }

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.report import Playback
+
 RATE = 24_000
 QUESTIONS = [
     "What is the capital of France?",
@@ -129,7 +131,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             pcm, end_s = clips[turn % len(clips)]
             marks: dict[str, float] = {}
             reply: list[str] = []
-            play_end, stall = math.nan, 0.0  # when the audio received so far ends playing
+            player = Playback(args.pace)
             done = asyncio.Event()
 
             sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
@@ -145,13 +147,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         reply.append(ev.get("delta", ""))
                     elif kind == "response.audio.delta":
                         marks.setdefault("first_audio", now)
-                        seconds = len(base64.b64decode(ev["delta"])) / 2 / RATE
-                        if math.isnan(play_end):  # the first chunk starts playing
-                            play_end = now
-                        elif now > play_end:  # the player ran dry
-                            stall += now - play_end
-                            play_end = now
-                        play_end += seconds * args.pace
+                        player.add(now, len(base64.b64decode(ev["delta"])) / 2 / RATE)
                     elif kind == "error":
                         print(f"server error: {ev['error']}", file=sys.stderr)
                     elif kind == "response.done":
@@ -159,13 +155,13 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         break
                 # A listener speaks again once the reply has played (earlier would be a barge-in,
                 # which truncates the reply to what was heard).
-                await asyncio.sleep(0.0 if math.isnan(play_end) else max(0.0, play_end - time.monotonic()))
+                await asyncio.sleep(0.0 if math.isnan(player.end) else max(0.0, player.end - time.monotonic()))
             finally:
                 done.set()
                 await sender
             end = marks.get("end", math.nan)
             times = {k: marks[k] - end for k in ("transcript", "first_token", "first_audio", "done") if k in marks}
-            results.append({**times, "stall": stall, "reply": "".join(reply)})
+            results.append({**times, "stall": player.stall, "reply": "".join(reply)})
     return results
 
 

@@ -136,7 +136,7 @@ def test_tts_disconnect_aborts_on_worker(gateway: str) -> None:
     deadline = time.monotonic() + 20
     while True:
         stats = _stats(TTS_WORKER, model)
-        if stats["tts_requests_active"] == 0 and stats["tts_pieces_queued"] == 0:
+        if stats["tts_requests_active"] == 0 and stats["tts_requests_queued"] == 0:
             break
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)

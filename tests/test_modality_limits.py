@@ -57,10 +57,10 @@ class FailingDiffusion(DiffusionEngine):
 class FailingPiper(PiperEngine):
     """The real voice; text starting with "Boom" fails in synthesis."""
 
-    def _synthesize(self, voice: object, text: str, length_scale: float, first: bool) -> Any:
-        if text.startswith("Boom"):
+    def _make(self, voice: Any, item: Any) -> Any:
+        if item.job.pieces[item.piece].startswith("Boom"):
             raise RuntimeError("simulated synthesis failure")
-        return super()._synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
+        return super()._make(voice, item)
 
 
 @pytest.fixture(scope="module")

@@ -44,22 +44,23 @@ def reference() -> np.ndarray:
     return _reference(default_voice_path(), TEXT)
 
 
-def test_a_piece_streamed_in_chunks_equals_the_uncut_voice(reference: np.ndarray) -> None:
+def test_a_piece_decoded_in_stretches_equals_the_uncut_voice(reference: np.ndarray) -> None:
     model = _model(default_voice_path())
-    assert model.decoder is not None
-    head, rest = model.begin(TEXT, 1.0, first_frames=24)
-    assert rest is not None and len(rest.frames) == 2 and rest.done == 24
-    assert head.size == 24 * 256 and head.dtype == np.float32
-    audio = np.concatenate([head, model.finish(rest)])
-    assert audio.shape == reference.shape
+    assert model.cut
+    latents = model.latents(TEXT, 1.0)
+    assert len(latents) == 2  # one per sentence
+    first = latents[0].shape[2]
+    stretches = [(0, 24), (24, 40), (40, 90), (90, first)]  # as a request's segments would be
+    parts = [model.decode(latents[0], a, b) for a, b in stretches] + [model.decode(latents[1], 0, latents[1].shape[2])]
+    assert [p.size for p in parts[:4]] == [(b - a) * 256 for a, b in stretches]
+    audio = np.concatenate(parts)
+    assert audio.shape == reference.shape and audio.dtype == np.float32
     assert np.abs(audio - reference).max() < 1e-5
     assert np.abs(reference).max() > 0.1  # real speech, not silence
 
 
-def test_a_piece_decoded_whole_is_bit_for_bit_the_uncut_voice(reference: np.ndarray) -> None:
-    audio, rest = _model(default_voice_path()).begin(TEXT, 1.0, first_frames=None)
-    assert rest is None
-    assert np.array_equal(audio, reference)
+def test_a_text_spoken_whole_is_bit_for_bit_the_uncut_voice(reference: np.ndarray) -> None:
+    assert np.array_equal(_model(default_voice_path()).whole(TEXT, 1.0), reference)
 
 
 def test_a_graph_without_the_decoder_node_runs_uncut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,7 +77,5 @@ def test_a_graph_without_the_decoder_node_runs_uncut(tmp_path: Path, monkeypatch
     shutil.copy(f"{src}.json", f"{path}.json")
     assert not (cut_voice(path) / "decoder.onnx").exists()
     voice = _model(path)
-    assert voice.decoder is None
-    audio, rest = voice.begin("Hello there.", 1.0, first_frames=24)
-    assert rest is None
-    assert np.array_equal(audio, _reference(path, "Hello there."))
+    assert not voice.cut
+    assert np.array_equal(voice.whole("Hello there.", 1.0), _reference(path, "Hello there."))

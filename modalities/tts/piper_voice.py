@@ -14,7 +14,6 @@ graph has no ``dec.conv_pre`` node (not a VITS export of Piper's) runs uncut, on
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,18 +51,10 @@ def _cut(path: Path, out: Path) -> None:
     (out / "done").touch()
 
 
-@dataclass
-class Latents:
-    """What is left of a piece: its sentences' latent frames (``[1, C, T]`` each) and how many
-    frames of the first are already decoded."""
-
-    frames: list[np.ndarray]
-    done: int = 0
-
-
 class PiperVoiceModel:
-    """One voice's ONNX sessions and phonemiser: ``begin`` gives a piece's first audio and what
-    is left, ``finish`` the rest. Audio is float32 in [-1, 1], scaled by ``gain``."""
+    """One voice's ONNX sessions and phonemiser. A cut voice gives a text's ``latents`` and
+    ``decode``s any stretch of them; ``whole`` speaks a text in one go. Audio is float32 in
+    [-1, 1], scaled by ``gain``."""
 
     def __init__(self, path: Path, config: dict[str, Any], threads: int, gain: float, seed: int | None) -> None:
         import onnxruntime as ort
@@ -87,23 +78,30 @@ class PiperVoiceModel:
         self.gain = gain
         self.hop = self.piper.config.hop_length
 
-    def begin(self, text: str, length_scale: float, first_frames: int | None) -> tuple[np.ndarray, Latents | None]:
-        """The audio of ``text``'s first ``first_frames`` latent frames (all of it where that is
-        ``None``, the voice is uncut, or the first sentence is not much longer) and the latents
-        still to decode (``None`` when nothing is left)."""
-        fronts = [self._front(ids, length_scale) for ids in self._phoneme_ids(text)]
-        if self.decoder is None:
-            return self._scale(np.concatenate([f.reshape(-1) for f in fronts] or [np.zeros(0, np.float32)])), None
-        rest = Latents(fronts)
-        if first_frames is None or not fronts or fronts[0].shape[2] <= first_frames + 2 * CONTEXT_FRAMES:
-            return self.finish(rest), None
-        rest.done = first_frames
-        return self._decode(fronts[0], 0, first_frames), rest
+    @property
+    def cut(self) -> bool:
+        return self.decoder is not None
 
-    def finish(self, rest: Latents) -> np.ndarray:
-        """The audio of every latent frame in ``rest`` not decoded yet."""
-        parts = [self._decode(z, rest.done if i == 0 else 0, z.shape[2]) for i, z in enumerate(rest.frames)]
+    def latents(self, text: str, length_scale: float) -> list[np.ndarray]:
+        """``text``'s latent frames, ``[1, C, T]`` for each sentence the phonemiser finds."""
+        assert self.cut
+        return [self._front(ids, length_scale) for ids in self._phoneme_ids(text)]
+
+    def whole(self, text: str, length_scale: float) -> np.ndarray:
+        """``text``'s audio in one go (how an uncut voice speaks)."""
+        if self.cut:
+            parts = [self.decode(z, 0, z.shape[2]) for z in self.latents(text, length_scale)]
+        else:
+            parts = [self._scale(self._front(ids, length_scale).reshape(-1)) for ids in self._phoneme_ids(text)]
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def decode(self, z: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Audio of frames ``[start, stop)`` of ``z``, decoded with ``CONTEXT_FRAMES`` on each side."""
+        assert self.decoder is not None
+        lo, hi = max(0, start - CONTEXT_FRAMES), min(z.shape[2], stop + CONTEXT_FRAMES)
+        feed = self._feed(self.decoder, **{self.decoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})
+        audio = self.decoder.run(None, feed)[0].reshape(-1)
+        return self._scale(audio[(start - lo) * self.hop : (stop - lo) * self.hop])
 
     def _phoneme_ids(self, text: str) -> list[list[int]]:
         return [self.piper.phonemes_to_ids(p) for p in self.piper.phonemize(text) if p]
@@ -124,14 +122,6 @@ class PiperVoiceModel:
             scales=scales,
         )
         return self.front.run(None, feed)[0]
-
-    def _decode(self, z: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Audio of frames ``[start, stop)`` of ``z``, decoded with their context."""
-        assert self.decoder is not None
-        lo, hi = max(0, start - CONTEXT_FRAMES), min(z.shape[2], stop + CONTEXT_FRAMES)
-        feed = self._feed(self.decoder, **{self.decoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})
-        audio = self.decoder.run(None, feed)[0].reshape(-1)
-        return self._scale(audio[(start - lo) * self.hop : (stop - lo) * self.hop])
 
     def _scale(self, audio: np.ndarray) -> np.ndarray:
         # Piper's own post-processing with a fixed volume and no peak normalisation (elementwise,
