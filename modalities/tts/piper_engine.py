@@ -5,7 +5,7 @@ Concurrency without serialising requests: text is split into pieces (``text.spli
 ``workers`` threads, each with its own ONNX sessions of ``threads`` intra-op threads, make each
 request's audio in segments (``modalities.tts.piece_queue``): a piece's front run (its latent
 frames, ``modalities.tts.piper_voice``) with the decode of its first frames, then decodes of the
-following frames, each as long as the audio the request has in hand. The next segment is always
+following frames, each twice as long as the audio the request has in hand. The next segment is always
 the one of the request whose listener runs out of audio first, so a new request's first audio
 goes ahead of the later audio of requests with audio in hand, and no listener waits while another
 has seconds buffered. A request's first segment is ``FIRST_FRAMES`` latent frames (~0.28 s of
@@ -172,7 +172,7 @@ class PiperEngine:
             with self._cv:
                 self._queue.finish(item, seconds, time.monotonic())
                 self._cv.notify()  # a front may have made more work
-            if audio is not None:  # (one without a segment may have ended the request: no more audio)
+            if audio is not None:  # also a front ahead, without audio: it may have ended the request
                 self._deliver(item.job, item.segment, audio)
 
     def _run(self, voice: PiperVoiceModel, item: Item) -> np.ndarray | None:

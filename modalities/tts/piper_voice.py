@@ -124,6 +124,7 @@ class PiperVoiceModel:
         return self.front.run(None, feed)[0]
 
     def _scale(self, audio: np.ndarray) -> np.ndarray:
-        # Piper's own post-processing with a fixed volume and no peak normalisation (elementwise,
-        # so chunks scale exactly as the whole would).
+        # Piper's own post-processing with a fixed volume, not its per-sentence peak normalisation:
+        # loudness must not jump between pieces (a short first piece would be scaled up to twice
+        # the next), and stretches must scale exactly as the whole would.
         return np.clip(audio * self.gain, -1.0, 1.0).astype(np.float32)
