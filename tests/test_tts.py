@@ -110,6 +110,38 @@ def test_a_piece_with_nothing_to_say_is_skipped(engine: GatedPiper, text: str) -
     assert (samples > 0) == ("Hello" in text), samples
 
 
+def test_a_failed_piece_fails_the_request_once_and_is_not_retried() -> None:
+    """A piece whose synthesis raises ends its request with the error; nothing of that request
+    is made again meanwhile, even while its client does not read."""
+    eng = GatedPiper(workers=1, threads=1)
+    fronts: list[str] = []
+    make = eng._make
+
+    def failing(voice: Any, item: Item) -> np.ndarray:
+        text = item.job.pieces[item.piece]
+        if item.front:
+            fronts.append(text)
+        if text.startswith("Boom"):
+            raise RuntimeError("simulated synthesis failure")
+        return make(voice, item)
+
+    eng._make = failing  # type: ignore[method-assign]
+
+    async def go() -> None:
+        stream = eng.stream(TTSRequest("Hello there, this is the first piece. Boom. And more text after it."))
+        assert (await stream.__anext__()).size
+        await asyncio.sleep(0.5)  # the client pauses; the failed piece must not be retried
+        with pytest.raises(RuntimeError, match="simulated"):
+            async for _ in stream:
+                pass
+        await eng.shutdown()
+
+    run(go())
+    assert fronts.count("Boom.") == 1, fronts
+    assert "And more text after it." not in fronts[fronts.index("Boom.") + 1 :], fronts
+    assert eng.stats()["tts_requests_queued"] == 0
+
+
 def test_engine_rejects_bad_input_before_audio(engine: GatedPiper) -> None:
     async def first(req: TTSRequest) -> None:
         async for _ in engine.stream(req):

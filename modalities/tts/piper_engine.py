@@ -184,7 +184,9 @@ class PiperEngine:
                 audio = self._make(v, item)
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
             logger.exception("piper synthesis failed")
-            self._deliver(job, item.segment or 0, exc)
+            with self._cv:
+                self._queue.drop(job)  # nothing more is made for it (its failed item is not retried)
+            self._deliver(job, item.segment, exc)
             return None
         self._synth_s += time.perf_counter() - t0
         self._audio_s += len(audio) / self.sample_rate
@@ -211,7 +213,7 @@ class PiperEngine:
 
     @staticmethod
     def _deliver(job: PieceJob, segment: int | None, audio: np.ndarray | BaseException) -> None:
-        if not job.loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # its loop has closed: nobody is listening
             job.loop.call_soon_threadsafe(job.deliver, segment, audio)
 
     @contextlib.contextmanager
