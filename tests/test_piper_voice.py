@@ -1,18 +1,22 @@
-"""The Piper voice cut at its decoder (``modalities.tts.piper_voice``) against Piper's own
-synthesis with the uncut graph, on the packaged voice: streamed in chunks it equals the whole to
-float rounding, decoded whole it is bit for bit the same, and a graph it can't cut runs uncut."""
+"""The Piper voice cut at its flow and its decoder (``modalities.tts.piper_voice``) against Piper's
+own synthesis with the uncut graph, on the packaged voice: streamed in chunks it equals the whole
+to float rounding, decoded whole it is bit for bit the same, a first chunk through the flow on its
+first frames alone is bit for bit what the whole flow gives, and graphs it can't cut run with
+fewer cuts."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from modalities.tts import piper_voice
 from modalities.tts.piper_engine import OUTPUT_GAIN, default_voice_path
-from modalities.tts.piper_voice import PiperVoiceModel, cut_voice
+from modalities.tts.piper_voice import FLOW_CONTEXT, PiperVoiceModel, cut_voice
 
 TEXT = "Hello there, how are you? I hope the weather is fine."  # two sentences for the phonemiser
 
@@ -63,18 +67,60 @@ def test_a_text_spoken_whole_is_bit_for_bit_the_uncut_voice(reference: np.ndarra
     assert np.array_equal(_model(default_voice_path()).whole(TEXT, 1.0), reference)
 
 
-def test_a_graph_without_the_decoder_node_runs_uncut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_first_chunk_through_the_flow_on_its_first_frames_is_bit_for_bit_the_whole_flows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _model(default_voice_path())
+    assert model.flow is not None
+    head = model.latents("The train to the airport leaves every fifteen minutes.", 1.0)[0]
+    frames = head.shape[2]
+    assert frames >= 2 * (24 + 12 + FLOW_CONTEXT)  # long enough for the flow to run on a part
+    whole = piper_voice.Latent(head.prior, model._run_flow)
+    z = whole.upto(frames)
+    assert z.shape[2] == frames
+    chunk = model.decode(head, 0, 24)  # the flow runs on its first 24 + 12 + FLOW_CONTEXT frames
+    assert head._z is not None and head._z.shape[2] == 24 + 12 + FLOW_CONTEXT
+    assert np.array_equal(chunk, model.decode(whole, 0, 24))
+    assert np.array_equal(model.decode(head, 24, 60), model.decode(whole, 24, 60))  # now over all frames
+    assert head._z.shape[2] == frames
+    short = model.latents("Hello there.", 1.0)[0]  # a part would be over half of it: all at once
+    model.decode(short, 0, 24)
+    assert short._z is not None and short._z.shape[2] == short.shape[2]
+    # The flow's reach is real: with less context its first frames differ.
+    monkeypatch.setattr(piper_voice, "FLOW_CONTEXT", 8)
+    short = piper_voice.Latent(head.prior, model._run_flow)
+    assert np.abs(short.upto(36)[:, :, :36] - z[:, :, :36]).max() > 1e-3
+
+
+def _renamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rename: Callable[[str], str]) -> Path:
+    """A copy of the packaged voice with its nodes renamed (and an empty cache)."""
     import onnx
 
     monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path / "cache"))
     src = default_voice_path()
     model = onnx.load(str(src))
     for node in model.graph.node:
-        if node.name == "/dec/conv_pre/Conv":
-            node.name = "renamed"
+        node.name = rename(node.name)
     path = tmp_path / "voice.onnx"
     onnx.save(model, str(path))
     shutil.copy(f"{src}.json", f"{path}.json")
+    return path
+
+
+def test_a_graph_without_the_flow_names_runs_its_flow_in_the_front(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: np.ndarray
+) -> None:
+    path = _renamed(tmp_path, monkeypatch, lambda name: name.replace("/flow/", "/other/"))
+    assert (cut_voice(path) / "decoder.onnx").exists() and not (cut_voice(path) / "flow.onnx").exists()
+    voice = _model(path)
+    assert voice.cut and voice.flow is None
+    assert np.array_equal(voice.whole(TEXT, 1.0), reference)
+    fresh = _model(path)  # its noise starts from the seed again
+    assert np.abs(fresh.decode(fresh.latents(TEXT, 1.0)[0], 0, 24) - reference[: 24 * 256]).max() < 1e-5
+
+
+def test_a_graph_without_the_decoder_node_runs_uncut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _renamed(tmp_path, monkeypatch, lambda name: "renamed" if name == "/dec/conv_pre/Conv" else name)
     assert not (cut_voice(path) / "decoder.onnx").exists()
     voice = _model(path)
     assert not voice.cut

@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 
+from engine.errors import EngineDeadError
 from engine.foreground import FOREGROUND, INTERACTIVE
 from modalities.audio import decode_audio, from_pcm16
 from modalities.tts.piece_queue import Item
@@ -290,6 +291,34 @@ def test_closing_the_stream_drops_queued_pieces() -> None:
 
     run(go())
     assert eng.stats()["tts_pieces_done"] <= 3
+
+
+def test_shutdown_fails_the_requests_it_leaves_unfinished() -> None:
+    """A request mid-synthesis and one not started get ``EngineDeadError`` at shutdown instead of
+    waiting forever; the item in synthesis still finishes."""
+    eng = GatedPiper(workers=1, threads=1)
+
+    async def rest(stream: AsyncIterator[np.ndarray]) -> int:
+        return sum([c.size async for c in stream])
+
+    async def go() -> None:
+        eng.gate.clear()
+        stream, first = await _blocked_on(eng, "Later one. Two more words here.")
+        queued = eng.stream(TTSRequest("Hello there. And more."))
+        waiting = asyncio.ensure_future(rest(queued))
+        await asyncio.sleep(0.1)
+        stopping = asyncio.ensure_future(eng.shutdown())
+        await asyncio.sleep(0.1)
+        eng.gate.set()  # the worker finishes its item, then stops
+        await asyncio.wait_for(stopping, 30)
+        assert (await asyncio.wait_for(first, 5)).size  # the first segment was made
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(rest(stream), 5)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(waiting, 5)
+
+    run(go())
+    assert eng.stats()["tts_requests_queued"] == 0
 
 
 # -- HTTP ----------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from modalities.tts.piper_voice import CONTEXT_FRAMES
+from modalities.tts.piper_voice import CONTEXT_FRAMES, Latent
 
 MIN_FRAMES = 32  # of a segment after a request's first (each decodes up to 24 frames of context too)
 END = object()  # on a job's queue after its last audio
@@ -45,7 +45,7 @@ class PieceJob:
     first_frames: int  # of its first segment
     loop: asyncio.AbstractEventLoop
     arrival: float
-    latents: dict[int, list[np.ndarray]] = field(default_factory=dict)  # by piece: one per sentence
+    latents: dict[int, list[Latent]] = field(default_factory=dict)  # by piece: one per sentence
     fronting: set[int] = field(default_factory=set)  # pieces whose front runs
     cursor: tuple[int, int, int] = (0, 0, 0)  # the next audio to hand out: piece, sentence, frame
     segments: int = 0  # segments handed out (numbered from 0 in audio order)
@@ -96,7 +96,7 @@ class Item:
     start: int = 0
     stop: int = 0
     estimate_s: float = 0.0  # of its audio, while it runs
-    latent: np.ndarray | None = None  # the sentence's latent frames, to decode
+    latent: Latent | None = None  # the sentence's latent frames, to decode
 
 
 class PieceQueue:
@@ -186,7 +186,7 @@ class PieceQueue:
             job.cursor = (piece, 0, 0)
             job.exhausted = piece >= len(job.pieces)
 
-    def fronted(self, item: Item, latents: list[np.ndarray]) -> int:
+    def fronted(self, item: Item, latents: list[Latent]) -> int:
         """``item``'s front made ``latents``; returns the frames its segment decodes (0 for a front
         ahead of the cursor, or a piece with no sentence)."""
         job = item.job

@@ -9,7 +9,8 @@ following frames, each twice as long as the audio the request has in hand. The n
 the one of the request whose listener runs out of audio first, so a new request's first audio
 goes ahead of the later audio of requests with audio in hand, and no listener waits while another
 has seconds buffered. A request's first segment is ``FIRST_FRAMES`` latent frames (~0.28 s of
-audio): the first audio does not wait for the whole first piece. A live voice turn's first
+audio), through the flow and the decoder alone: the first audio does not wait for the whole first
+piece. A live voice turn's first
 segment (priority below 0) goes before other requests' and runs on one more session that spans
 every core while no other such segment uses it.
 Under load the first piece and the first segment are made shorter (``first_chars`` and
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.errors import EngineDeadError
 from engine.foreground import FOREGROUND
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
@@ -141,12 +143,18 @@ class PiperEngine:
         logger.info("piper voice %s: %d workers x %d threads", self.path.name, self.workers, self.threads)
 
     async def shutdown(self) -> None:
+        """Stop the workers (each finishes its item); requests with audio still to come fail
+        with ``EngineDeadError``."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         for t in self._threads:
             await asyncio.to_thread(t.join)
         self._threads.clear()
+        with self._cv:
+            for job in list(self._queue.jobs):
+                self._queue.drop(job)
+                self._deliver(job, None, EngineDeadError("the TTS engine was shut down"))
 
     def stats(self) -> dict[str, float]:
         return {
@@ -201,6 +209,9 @@ class PiperEngine:
             return voice.decode(item.latent, item.start, item.stop)
         if voice.cut:
             latents = voice.latents(text, item.job.length_scale)
+            if item.segment != 0:  # off the path to a first audio: the flow over all frames, once
+                for z in latents:
+                    z.upto(z.shape[2])
         else:
             latents, audio = [], voice.whole(text, item.job.length_scale)
         with self._cv:

@@ -1,19 +1,25 @@
-"""A Piper voice cut in two for streaming within a piece of text.
+"""A Piper voice cut in three for streaming within a piece of text.
 
 Piper's ONNX graph maps a sentence's phoneme ids to its audio in one run; about two thirds of
-that run is the HiFi-GAN decoder, whose cost grows with the audio's length. Cut at the
-decoder's input, the graph becomes two (``front``: phoneme ids → latent frames, ``decoder``:
-latent frames → audio, 256 samples a frame), made once under ``$MMSERVE_CACHE/piper``. Then a
-piece's first fraction of a second of audio needs only its first frames decoded. The decoder is
-convolutional: frames decoded with ``CONTEXT_FRAMES`` of latent on each side equal the whole
-decode's to float rounding (at most 2e-6 apart on the packaged voice; 8 frames of context left
-1e-3), and front → decoder over all frames equals the uncut graph bit for bit. A voice whose
-graph has no ``dec.conv_pre`` node (not a VITS export of Piper's) runs uncut, one chunk a piece.
+that run is the HiFi-GAN decoder, whose cost grows with the audio's length, and most of the rest
+is the flow, which also runs over every frame. Cut at the flow's and the decoder's inputs, the
+graph becomes three, made once under ``$MMSERVE_CACHE/piper``: ``front`` (phoneme ids → the
+prior's latent frames, with the voice's noise), ``flow`` (prior → latent frames) and ``decoder``
+(latent frames → audio, 256 samples a frame). Then a piece's first fraction of a second of audio
+needs only its first frames through the flow and the decoder. Both are convolutional: the flow
+run on a piece's first frames plus ``FLOW_CONTEXT`` equals the whole flow's on them bit for bit,
+and frames decoded with ``CONTEXT_FRAMES`` of latent on each side equal the whole decode's to
+float rounding (at most 2e-6 apart on the packaged voice; 8 frames of context left 1e-3). Run
+over all frames, the three equal the uncut graph bit for bit. A graph with no separable flow runs
+its prior and flow as one ``front``; one with no ``dec.conv_pre`` node (not a VITS export of
+Piper's) runs uncut, one chunk a piece.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +29,20 @@ from engine.cachedir import build_once
 from engine.model_loader import cache_root
 
 CONTEXT_FRAMES = 12  # latent frames decoded on each side of a chunk (the decoder's reach, measured)
+# The flow's reach: 4 couplings of 4 width-5 convolutions, 2 frames each side a convolution
+# (measured: 24 frames left 2e-5, 32 none).
+FLOW_CONTEXT = 32
 _DECODER_START = "/dec/conv_pre/Conv"  # the decoder's first node in Piper's exports
+_FLOW = "/flow/"  # the flow's node names in Piper's exports
+_CUT_VERSION = 2  # of the cache layout (1: front and decoder only)
 
 
 def cut_voice(path: Path) -> Path:
-    """The cache directory of ``path``'s two graphs (``front.onnx``, ``decoder.onnx``), made once;
-    it holds neither where the graph can't be cut."""
+    """The cache directory of ``path``'s graphs (``front.onnx``, ``flow.onnx``, ``decoder.onnx``),
+    made once; it holds no flow where the flow can't be cut off, and nothing where the decoder can't."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{_CUT_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:12]
     return build_once(cache_root() / "piper" / f"{path.stem}-{key}", "done", lambda tmp: _cut(path, tmp))
 
 
@@ -43,18 +55,80 @@ def _cut(path: Path, out: Path) -> None:
     start = next((n for n in graph.node if n.name == _DECODER_START), None)
     if start is not None:
         inputs = [i.name for i in graph.input]
+        speaker = [name for name in inputs if name == "sid"]  # a multi-speaker flow and decoder use it
         latent = start.input[0]
         extractor = Extractor(model)
+        flow = _flow_cut(graph, latent)
+        if flow is not None:
+            prior, mask = flow
+            sub = extractor.extract_model([prior, mask, *speaker], [latent])
+            if _closed(sub.graph):
+                onnx.save(sub, str(out / "flow.onnx"))
+                latent = prior
         onnx.save(extractor.extract_model(inputs, [latent]), str(out / "front.onnx"))
-        speaker = [name for name in inputs if name == "sid"]  # a multi-speaker decoder is conditioned on it
-        onnx.save(extractor.extract_model([latent, *speaker], [graph.output[0].name]), str(out / "decoder.onnx"))
+        onnx.save(
+            extractor.extract_model([start.input[0], *speaker], [graph.output[0].name]), str(out / "decoder.onnx")
+        )
     (out / "done").touch()
+
+
+def _flow_cut(graph: Any, latent: str) -> tuple[str, str] | None:
+    """The flow's input (the prior's frames) and its frame mask, in a graph whose decoder reads
+    ``latent`` = flow output x mask; ``None`` when the graph isn't laid out so."""
+    producer = {o: n for n in graph.node for o in n.output}
+    first = next((n for n in graph.node if n.name.startswith(_FLOW)), None)
+    masking = producer.get(latent)
+    if first is None or masking is None or masking.op_type != "Mul":
+        return None
+    mask = [i for i in masking.input if i in producer and not producer[i].name.startswith(_FLOW)]
+    return (first.input[0], mask[0]) if len(mask) == 1 else None
+
+
+def _closed(graph: Any) -> bool:
+    """Every tensor the graph's nodes read is made inside it (the cut's inputs reach all)."""
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    for node in graph.node:
+        if not set(node.input) <= known:
+            return False
+        known.update(node.output)
+    return True
+
+
+class Latent:
+    """One sentence's latent frames: the prior's (``shape`` [1, C, T]), through the flow on demand.
+    ``upto(n)`` gives frames whose first ``n`` are final: the first call runs the flow on as few
+    frames as that needs (a request's first audio) if that is at most half of them, any other
+    call on them all (a part that large saves little, and its frames would run twice).
+    Thread-safe: segments of one sentence may be decoded by several workers."""
+
+    def __init__(self, prior: np.ndarray, flow: Callable[[np.ndarray], np.ndarray] | None) -> None:
+        self.prior = prior
+        self._flow = flow
+        self._z: np.ndarray | None = None if flow is not None else prior
+        self._final = 0 if flow is not None else prior.shape[2]  # frames of ``_z`` that are final
+        self._lock = threading.Lock()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.prior.shape
+
+    def upto(self, n: int) -> np.ndarray:
+        frames = self.prior.shape[2]
+        with self._lock:
+            if self._final < min(n, frames):
+                assert self._flow is not None
+                stop = n + FLOW_CONTEXT if self._z is None else frames
+                stop = stop if 2 * stop <= frames else frames
+                self._z = self._flow(np.ascontiguousarray(self.prior[:, :, :stop]))
+                self._final = frames if stop == frames else n
+            assert self._z is not None
+            return self._z
 
 
 class PiperVoiceModel:
     """One voice's ONNX sessions and phonemiser. A cut voice gives a text's ``latents`` and
-    ``decode``s any stretch of them; ``whole`` speaks a text in one go. Audio is float32 in
-    [-1, 1], scaled by ``gain``."""
+    ``decode``s any stretch of them (the flow runs as the decodes need it); ``whole`` speaks a
+    text in one go. Audio is float32 in [-1, 1], scaled by ``gain``."""
 
     def __init__(self, path: Path, config: dict[str, Any], threads: int, gain: float, seed: int | None) -> None:
         import onnxruntime as ort
@@ -74,6 +148,7 @@ class PiperVoiceModel:
         split = (cut / "decoder.onnx").is_file()
         self.front = session(cut / "front.onnx" if split else path)
         self.decoder = session(cut / "decoder.onnx") if split else None
+        self.flow = session(cut / "flow.onnx") if (cut / "flow.onnx").is_file() else None
         self.piper = PiperVoice(config=PiperConfig.from_dict(config), session=self.front)  # phonemiser
         self.gain = gain
         self.hop = self.piper.config.hop_length
@@ -82,10 +157,12 @@ class PiperVoiceModel:
     def cut(self) -> bool:
         return self.decoder is not None
 
-    def latents(self, text: str, length_scale: float) -> list[np.ndarray]:
-        """``text``'s latent frames, ``[1, C, T]`` for each sentence the phonemiser finds."""
+    def latents(self, text: str, length_scale: float) -> list[Latent]:
+        """``text``'s latent frames, ``[1, C, T]`` for each sentence the phonemiser finds (their
+        flow not run yet)."""
         assert self.cut
-        return [self._front(ids, length_scale) for ids in self._phoneme_ids(text)]
+        flow = self._run_flow if self.flow is not None else None
+        return [Latent(self._front(ids, length_scale), flow) for ids in self._phoneme_ids(text)]
 
     def whole(self, text: str, length_scale: float) -> np.ndarray:
         """``text``'s audio in one go (how an uncut voice speaks)."""
@@ -95,10 +172,11 @@ class PiperVoiceModel:
             parts = [self._scale(self._front(ids, length_scale).reshape(-1)) for ids in self._phoneme_ids(text)]
         return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
-    def decode(self, z: np.ndarray, start: int, stop: int) -> np.ndarray:
-        """Audio of frames ``[start, stop)`` of ``z``, decoded with ``CONTEXT_FRAMES`` on each side."""
+    def decode(self, latent: Latent, start: int, stop: int) -> np.ndarray:
+        """Audio of frames ``[start, stop)`` of ``latent``, decoded with ``CONTEXT_FRAMES`` on each side."""
         assert self.decoder is not None
-        lo, hi = max(0, start - CONTEXT_FRAMES), min(z.shape[2], stop + CONTEXT_FRAMES)
+        lo, hi = max(0, start - CONTEXT_FRAMES), min(latent.shape[2], stop + CONTEXT_FRAMES)
+        z = latent.upto(hi)
         feed = self._feed(self.decoder, **{self.decoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})
         audio = self.decoder.run(None, feed)[0].reshape(-1)
         return self._scale(audio[(start - lo) * self.hop : (stop - lo) * self.hop])
@@ -122,6 +200,13 @@ class PiperVoiceModel:
             scales=scales,
         )
         return self.front.run(None, feed)[0]
+
+    def _run_flow(self, prior: np.ndarray) -> np.ndarray:
+        assert self.flow is not None
+        prior_in = self.front.get_outputs()[0].name  # the cut's tensor, named alike on both sides
+        mask_in = next(i.name for i in self.flow.get_inputs() if i.name not in (prior_in, "sid"))
+        mask = np.ones((1, 1, prior.shape[2]), dtype=np.float32)  # one sentence: every frame counts
+        return self.flow.run(None, self._feed(self.flow, **{prior_in: prior, mask_in: mask}))[0]
 
     def _scale(self, audio: np.ndarray) -> np.ndarray:
         # Piper's own post-processing with a fixed volume, not its per-sentence peak normalisation:
