@@ -72,24 +72,60 @@ def test_a_first_chunk_through_the_flow_on_its_first_frames_is_bit_for_bit_the_w
 ) -> None:
     model = _model(default_voice_path())
     assert model.flow is not None
-    head = model.latents("The train to the airport leaves every fifteen minutes.", 1.0)[0]
+    head = model.latents("The train to the airport leaves every fifteen minutes.", 1.0, first=True)[0]
     frames = head.shape[2]
     assert frames >= 2 * (24 + 12 + FLOW_CONTEXT)  # long enough for the flow to run on a part
-    whole = piper_voice.Latent(head.prior, model._run_flow)
-    z = whole.upto(frames)
+    assert head._z is None  # a first audio's flow runs at its decode
+    whole = piper_voice.Latent(head.prior)
+    z = whole.upto(frames, model._run_flow)
     assert z.shape[2] == frames
     chunk = model.decode(head, 0, 24)  # the flow runs on its first 24 + 12 + FLOW_CONTEXT frames
     assert head._z is not None and head._z.shape[2] == 24 + 12 + FLOW_CONTEXT
     assert np.array_equal(chunk, model.decode(whole, 0, 24))
     assert np.array_equal(model.decode(head, 24, 60), model.decode(whole, 24, 60))  # now over all frames
     assert head._z.shape[2] == frames
-    short = model.latents("Hello there.", 1.0)[0]  # a part would be over half of it: all at once
+    # Everything else runs the flow over all frames, once: the fronts of later audio at once, a
+    # first piece's later sentences and short first sentences at their first decode.
+    assert all(lat._final == lat.shape[2] for lat in model.latents(TEXT, 1.0))
+    later = model.latents(TEXT, 1.0, first=True)[1]
+    model.decode(later, 0, 8)
+    short = model.latents("Hello there.", 1.0, first=True)[0]  # a part would be over half of it
     model.decode(short, 0, 24)
-    assert short._z is not None and short._z.shape[2] == short.shape[2]
+    for lat in (later, short):
+        assert lat._z is not None and lat._z.shape[2] == lat.shape[2]
     # The flow's reach is real: with less context its first frames differ.
     monkeypatch.setattr(piper_voice, "FLOW_CONTEXT", 8)
-    short = piper_voice.Latent(head.prior, model._run_flow)
-    assert np.abs(short.upto(36)[:, :, :36] - z[:, :, :36]).max() > 1e-3
+    less = piper_voice.Latent(head.prior, partial=True)
+    assert np.abs(less.upto(36, model._run_flow)[:, :, :36] - z[:, :, :36]).max() > 1e-3
+
+
+def test_the_flow_runs_on_the_decoding_workers_session() -> None:
+    """A sentence fronted on one session (say the wide one of a live turn's first chunk) and
+    decoded on another runs its flow on the decoder's: each worker keeps to its own cores."""
+    fronting, decoding = _model(default_voice_path()), _model(default_voice_path())
+    calls: list[str] = []
+    for name, model in (("fronting", fronting), ("decoding", decoding)):
+        run = model._run_flow
+        model._run_flow = lambda prior, name=name, run=run: calls.append(name) or run(prior)  # type: ignore[method-assign]
+    latent = fronting.latents(TEXT, 1.0, first=True)[0]
+    decoding.decode(latent, 0, 24)
+    assert calls == ["decoding"]
+
+
+def test_the_flow_cut_skips_constants_inside_the_flow() -> None:
+    """The flow's input is the first tensor it reads from outside itself, whatever node comes
+    first; no decoder-side mask, no cut."""
+    from onnx import helper
+
+    nodes = [
+        helper.make_node("Constant", [], ["c"], name="/flow/flows.7/Constant", value_float=1.0),
+        helper.make_node("Mul", ["z_p", "c"], ["f"], name="/flow/flows.6/Mul"),
+        helper.make_node("Mul", ["f", "mask"], ["z"], name="/Mul_7"),
+        helper.make_node("Cast", ["lengths"], ["mask"], name="/Cast_2", to=1),
+    ]
+    graph = helper.make_graph(nodes, "g", [], [])
+    assert piper_voice._flow_cut(graph, "z") == ("z_p", "mask")
+    assert piper_voice._flow_cut(graph, "f") is None  # made by the flow itself: not the decoder's input
 
 
 def _renamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rename: Callable[[str], str]) -> Path:

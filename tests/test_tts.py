@@ -321,6 +321,21 @@ def test_shutdown_fails_the_requests_it_leaves_unfinished() -> None:
     assert eng.stats()["tts_requests_queued"] == 0
 
 
+def test_shutdown_during_the_first_start_leaves_the_engine_restartable() -> None:
+    eng = GatedPiper(workers=1, threads=1)
+
+    async def go() -> None:
+        starting = asyncio.ensure_future(eng.start())
+        await asyncio.sleep(0)  # the start holds its lock, loading the voice
+        await eng.shutdown()  # waits for the start, then stops its workers
+        await starting
+        assert not eng._threads
+        assert await asyncio.wait_for(_drain(eng, TTSRequest("Hello there.")), 30) > 0  # started again
+        await eng.shutdown()
+
+    run(go())
+
+
 # -- HTTP ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base_url(engine: GatedPiper) -> Iterator[str]:

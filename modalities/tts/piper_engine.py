@@ -145,16 +145,19 @@ class PiperEngine:
     async def shutdown(self) -> None:
         """Stop the workers (each finishes its item); requests with audio still to come fail
         with ``EngineDeadError``."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        for t in self._threads:
-            await asyncio.to_thread(t.join)
-        self._threads.clear()
-        with self._cv:
-            for job in list(self._queue.jobs):
-                self._queue.drop(job)
-                self._deliver(job, None, EngineDeadError("the TTS engine was shut down"))
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:  # not halfway through a start: its workers would stop at once
+            with self._cv:
+                self._stopping = True
+                self._cv.notify_all()
+            for t in self._threads:
+                await asyncio.to_thread(t.join)
+            self._threads.clear()
+            with self._cv:
+                for job in list(self._queue.jobs):
+                    self._queue.drop(job)
+                    self._deliver(job, None, EngineDeadError("the TTS engine was shut down"))
 
     def stats(self) -> dict[str, float]:
         return {
@@ -208,10 +211,7 @@ class PiperEngine:
             assert item.latent is not None
             return voice.decode(item.latent, item.start, item.stop)
         if voice.cut:
-            latents = voice.latents(text, item.job.length_scale)
-            if item.segment != 0:  # off the path to a first audio: the flow over all frames, once
-                for z in latents:
-                    z.upto(z.shape[2])
+            latents = voice.latents(text, item.job.length_scale, first=item.segment == 0)
         else:
             latents, audio = [], voice.whole(text, item.job.length_scale)
         with self._cv:

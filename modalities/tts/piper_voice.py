@@ -61,8 +61,11 @@ def _cut(path: Path, out: Path) -> None:
         flow = _flow_cut(graph, latent)
         if flow is not None:
             prior, mask = flow
-            sub = extractor.extract_model([prior, mask, *speaker], [latent])
-            if _closed(sub.graph):
+            try:
+                sub = extractor.extract_model([prior, mask, *speaker], [latent])
+            except Exception:  # noqa: BLE001 - an odd graph keeps its flow in the front
+                sub = None
+            if sub is not None and _closed(sub.graph):
                 onnx.save(sub, str(out / "flow.onnx"))
                 latent = prior
         onnx.save(extractor.extract_model(inputs, [latent]), str(out / "front.onnx"))
@@ -76,12 +79,15 @@ def _flow_cut(graph: Any, latent: str) -> tuple[str, str] | None:
     """The flow's input (the prior's frames) and its frame mask, in a graph whose decoder reads
     ``latent`` = flow output x mask; ``None`` when the graph isn't laid out so."""
     producer = {o: n for n in graph.node for o in n.output}
-    first = next((n for n in graph.node if n.name.startswith(_FLOW)), None)
+    flow = [n for n in graph.node if n.name.startswith(_FLOW)]
+    inside = {o for n in flow for o in n.output}
+    fixed = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    entering = [i for n in flow for i in n.input if i and i not in inside and i not in fixed]
     masking = producer.get(latent)
-    if first is None or masking is None or masking.op_type != "Mul":
+    if not entering or masking is None or masking.op_type != "Mul":
         return None
     mask = [i for i in masking.input if i in producer and not producer[i].name.startswith(_FLOW)]
-    return (first.input[0], mask[0]) if len(mask) == 1 else None
+    return (entering[0], mask[0]) if len(mask) == 1 else None
 
 
 def _closed(graph: Any) -> bool:
@@ -96,32 +102,32 @@ def _closed(graph: Any) -> bool:
 
 class Latent:
     """One sentence's latent frames: the prior's (``shape`` [1, C, T]), through the flow on demand.
-    ``upto(n)`` gives frames whose first ``n`` are final: the first call runs the flow on as few
-    frames as that needs (a request's first audio) if that is at most half of them, any other
-    call on them all (a part that large saves little, and its frames would run twice).
-    Thread-safe: segments of one sentence may be decoded by several workers."""
+    ``upto(n, flow)`` gives frames whose first ``n`` are final, running the caller's ``flow``
+    where they aren't yet: over all frames, except on the first call of a latent made ``partial``
+    (a request's first audio), which runs it on the first ``n + FLOW_CONTEXT`` frames if that is
+    at most half of them (a larger part saves little, and its frames would run twice). ``final``:
+    the prior needs no flow. Thread-safe: segments of one sentence may be decoded by several
+    workers."""
 
-    def __init__(self, prior: np.ndarray, flow: Callable[[np.ndarray], np.ndarray] | None) -> None:
+    def __init__(self, prior: np.ndarray, final: bool = False, partial: bool = False) -> None:
         self.prior = prior
-        self._flow = flow
-        self._z: np.ndarray | None = None if flow is not None else prior
-        self._final = 0 if flow is not None else prior.shape[2]  # frames of ``_z`` that are final
+        self.partial = partial
+        self._z: np.ndarray | None = prior if final else None
+        self._final = prior.shape[2] if final else 0  # frames of ``_z`` that are final
         self._lock = threading.Lock()
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.prior.shape
 
-    def upto(self, n: int) -> np.ndarray:
+    def upto(self, n: int, flow: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         frames = self.prior.shape[2]
         with self._lock:
-            if self._final < min(n, frames):
-                assert self._flow is not None
-                stop = n + FLOW_CONTEXT if self._z is None else frames
+            if self._z is None or self._final < min(n, frames):
+                stop = n + FLOW_CONTEXT if self._z is None and self.partial else frames
                 stop = stop if 2 * stop <= frames else frames
-                self._z = self._flow(np.ascontiguousarray(self.prior[:, :, :stop]))
+                self._z = flow(np.ascontiguousarray(self.prior[:, :, :stop]))
                 self._final = frames if stop == frames else n
-            assert self._z is not None
             return self._z
 
 
@@ -157,12 +163,20 @@ class PiperVoiceModel:
     def cut(self) -> bool:
         return self.decoder is not None
 
-    def latents(self, text: str, length_scale: float) -> list[Latent]:
-        """``text``'s latent frames, ``[1, C, T]`` for each sentence the phonemiser finds (their
-        flow not run yet)."""
+    def latents(self, text: str, length_scale: float, first: bool = False) -> list[Latent]:
+        """``text``'s latent frames, ``[1, C, T]`` for each sentence the phonemiser finds, through
+        the flow; with ``first`` (a request's first audio), not yet: the first sentence's flow may
+        then run on its first frames alone (``Latent``), the others' at their first decode."""
         assert self.cut
-        flow = self._run_flow if self.flow is not None else None
-        return [Latent(self._front(ids, length_scale), flow) for ids in self._phoneme_ids(text)]
+        final = self.flow is None
+        out = [
+            Latent(self._front(ids, length_scale), final, first and i == 0)
+            for i, ids in enumerate(self._phoneme_ids(text))
+        ]
+        if not first:
+            for z in out:
+                z.upto(z.shape[2], self._run_flow)
+        return out
 
     def whole(self, text: str, length_scale: float) -> np.ndarray:
         """``text``'s audio in one go (how an uncut voice speaks)."""
@@ -176,7 +190,7 @@ class PiperVoiceModel:
         """Audio of frames ``[start, stop)`` of ``latent``, decoded with ``CONTEXT_FRAMES`` on each side."""
         assert self.decoder is not None
         lo, hi = max(0, start - CONTEXT_FRAMES), min(latent.shape[2], stop + CONTEXT_FRAMES)
-        z = latent.upto(hi)
+        z = latent.upto(hi, self._run_flow)  # this worker's session, not the front's
         feed = self._feed(self.decoder, **{self.decoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})
         audio = self.decoder.run(None, feed)[0].reshape(-1)
         return self._scale(audio[(start - lo) * self.hop : (stop - lo) * self.hop])
