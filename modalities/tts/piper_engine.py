@@ -103,7 +103,7 @@ class PiperEngine:
         self.workers = max(1, workers)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.workers)
         self.max_chars, self.first_chars, self.min_first_chars = max_chars, first_chars, min_first_chars
-        self._start_lock: asyncio.Lock | None = None
+        self._start_lock = asyncio.Lock()  # binds to no loop until contended (Python >= 3.10)
         hop = int(self._config_dict.get("hop_length", 256))
         self._queue = PieceQueue(hop / self.sample_rate)
         self._wide: PiperVoiceModel | None = None  # sessions over every core, for live turns' first chunks
@@ -122,8 +122,6 @@ class PiperEngine:
         return PiperVoiceModel(self.path, self._config_dict, threads or self.threads, OUTPUT_GAIN, self.seed)
 
     async def start(self) -> None:
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:  # concurrent first requests load the sessions once
             if not self._threads:
                 await self._start()
@@ -145,8 +143,6 @@ class PiperEngine:
     async def shutdown(self) -> None:
         """Stop the workers (each finishes its item); requests with audio still to come fail
         with ``EngineDeadError``."""
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:  # not halfway through a start: its workers would stop at once
             with self._cv:
                 self._stopping = True
