@@ -432,6 +432,14 @@ def test_bad_input_is_openai_error_json(base_url: str, body: dict, status: int, 
     assert err["param"] == param and err["message"]
 
 
+def test_a_text_that_crashes_the_phonemiser_is_a_400_and_the_server_lives_on(base_url: str) -> None:
+    resp = httpx.post(f"{base_url}/v1/audio/speech", json={"input": "s'" * 220}, timeout=60)  # espeak-ng#2495
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "input"
+    resp = httpx.post(f"{base_url}/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm"}, timeout=60)
+    assert resp.status_code == 200 and len(resp.content) > 4000
+
+
 def test_openai_client_raises_bad_request_for_unknown_voice(base_url: str) -> None:
     with pytest.raises(openai.BadRequestError):
         _client(base_url).audio.speech.create(model="tts-1", voice="nobody", input="hi")  # type: ignore[arg-type]

@@ -39,9 +39,10 @@ from engine.errors import EngineDeadError
 from engine.foreground import FOREGROUND
 from modalities.audio import Resampler
 from modalities.tts.base import check_request
+from modalities.tts.phonemizer import Phonemizer
 from modalities.tts.piece_queue import END, Item, PieceJob, PieceQueue
 from modalities.tts.piper_voice import PiperVoiceModel, cut_voice
-from modalities.tts.protocol import TTSRequest
+from modalities.tts.protocol import TTSInputError, TTSRequest
 from modalities.tts.text import split_text
 
 logger = logging.getLogger("mmserve.tts")
@@ -108,6 +109,7 @@ class PiperEngine:
         self._queue = PieceQueue(hop / self.sample_rate)
         self._wide: PiperVoiceModel | None = None  # sessions over every core, for live turns' first chunks
         self._wide_lock = threading.Lock()
+        self._phonemizer = Phonemizer(self._config_dict)  # one child process for every session
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -119,7 +121,9 @@ class PiperEngine:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _load_voice(self, threads: int | None = None) -> PiperVoiceModel:
-        return PiperVoiceModel(self.path, self._config_dict, threads or self.threads, OUTPUT_GAIN, self.seed)
+        return PiperVoiceModel(
+            self.path, self._config_dict, threads or self.threads, OUTPUT_GAIN, self.seed, self._phonemizer
+        )
 
     async def start(self) -> None:
         async with self._start_lock:  # concurrent first requests load the sessions once
@@ -128,6 +132,7 @@ class PiperEngine:
 
     async def _start(self) -> None:
         self._stopping = False
+        self._phonemizer.start()  # its child loads while the sessions do
         await asyncio.to_thread(cut_voice, self.path)  # once, before the sessions that read it
         voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
         cores = os.cpu_count() or 1
@@ -150,6 +155,7 @@ class PiperEngine:
             for t in self._threads:
                 await asyncio.to_thread(t.join)
             self._threads.clear()
+            self._phonemizer.close()
             with self._cv:
                 for job in list(self._queue.jobs):
                     self._queue.drop(job)
@@ -190,7 +196,8 @@ class PiperEngine:
             with FOREGROUND.hold() if first else contextlib.nullcontext(), self._session(job, first, voice) as v:
                 audio = self._make(v, item)
         except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives on
-            logger.exception("piper synthesis failed")
+            if not isinstance(exc, TTSInputError):  # (a text that can't be spoken: logged where found)
+                logger.exception("piper synthesis failed")
             with self._cv:
                 self._queue.drop(job)  # nothing more is made for it (its failed item is not retried)
             self._deliver(job, item.segment, exc)

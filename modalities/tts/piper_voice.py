@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.cachedir import build_once
 from engine.model_loader import cache_root
+from modalities.tts.phonemizer import Phonemizer
 
 CONTEXT_FRAMES = 12  # latent frames decoded on each side of a chunk (the decoder's reach, measured)
 # The flow's reach: 4 couplings of 4 width-5 convolutions, 2 frames each side a convolution
@@ -132,11 +133,20 @@ class Latent:
 
 
 class PiperVoiceModel:
-    """One voice's ONNX sessions and phonemiser. A cut voice gives a text's ``latents`` and
-    ``decode``s any stretch of them (the flow runs as the decodes need it); ``whole`` speaks a
-    text in one go. Audio is float32 in [-1, 1], scaled by ``gain``."""
+    """One voice's ONNX sessions and phonemiser (``phonemizer``: shared by an engine's sessions,
+    else its own). A cut voice gives a text's ``latents`` and ``decode``s any stretch of them (the
+    flow runs as the decodes need it); ``whole`` speaks a text in one go. Audio is float32 in
+    [-1, 1], scaled by ``gain``."""
 
-    def __init__(self, path: Path, config: dict[str, Any], threads: int, gain: float, seed: int | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: dict[str, Any],
+        threads: int,
+        gain: float,
+        seed: int | None,
+        phonemizer: Phonemizer | None = None,
+    ) -> None:
         import onnxruntime as ort
         from piper import PiperConfig, PiperVoice
 
@@ -155,7 +165,8 @@ class PiperVoiceModel:
         self.front = session(cut / "front.onnx" if split else path)
         self.decoder = session(cut / "decoder.onnx") if split else None
         self.flow = session(cut / "flow.onnx") if (cut / "flow.onnx").is_file() else None
-        self.piper = PiperVoice(config=PiperConfig.from_dict(config), session=self.front)  # phonemiser
+        self.piper = PiperVoice(config=PiperConfig.from_dict(config), session=self.front)  # phoneme ids
+        self.phonemizer = phonemizer or Phonemizer(config)  # eSpeak NG, out of process: it can crash
         self.gain = gain
         self.hop = self.piper.config.hop_length
 
@@ -196,7 +207,7 @@ class PiperVoiceModel:
         return self._scale(audio[(start - lo) * self.hop : (stop - lo) * self.hop])
 
     def _phoneme_ids(self, text: str) -> list[list[int]]:
-        return [self.piper.phonemes_to_ids(p) for p in self.piper.phonemize(text) if p]
+        return [self.piper.phonemes_to_ids(p) for p in self.phonemizer.phonemize(text) if p]
 
     def _feed(self, session: Any, **values: np.ndarray) -> dict[str, np.ndarray]:
         cfg = self.piper.config

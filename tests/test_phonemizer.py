@@ -1,0 +1,69 @@
+"""Piper's phonemiser out of process (``modalities.tts.phonemizer``): the child gives Piper's own
+phonemes, and a text that crashes eSpeak NG (a known upstream overflow) or hangs it fails alone
+while the process and the next texts carry on."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from modalities.tts.phonemizer import Phonemizer, PhonemizerError
+from modalities.tts.piper_engine import default_voice_path
+from modalities.tts.protocol import TTSInputError
+
+CRASHES = "s'" * 220  # espeak-ng#2495: stacked suffixes overflow a stack buffer
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return json.loads(Path(f"{default_voice_path()}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def phonemizer(config: dict) -> Iterator[Phonemizer]:
+    p = Phonemizer(config)
+    yield p
+    p.close()
+
+
+def test_the_child_gives_pipers_own_phonemes(phonemizer: Phonemizer, config: dict) -> None:
+    from piper import PiperConfig, PiperVoice
+
+    voice = PiperVoice(config=PiperConfig.from_dict(config), session=None)
+    texts = ["Hello there, how are you? Fine.", "Naïve café, 12.5 km\nnext line", "[[ hɛloʊ ]] world", "😀 ..."]
+    for text in texts:
+        assert phonemizer.phonemize(text) == voice.phonemize(text)
+
+
+def test_a_text_that_crashes_espeak_fails_alone(phonemizer: Phonemizer) -> None:
+    before = phonemizer.phonemize("Before.")
+    with pytest.raises(PhonemizerError) as err:
+        phonemizer.phonemize(CRASHES)
+    assert isinstance(err.value, TTSInputError) and err.value.param == "input"
+    with pytest.raises(PhonemizerError):
+        phonemizer.phonemize("a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r.s.t.u.v.w.x.y.z." * 4)
+    assert phonemizer.phonemize("Before.") == before  # a fresh child serves the next text
+
+
+def test_a_hung_phonemiser_is_cut_off(config: dict) -> None:
+    p = Phonemizer(config, timeout_s=0.0)  # no answer comes within no time: as if it hung
+    try:
+        with pytest.raises(PhonemizerError):
+            p.phonemize("Hello.")
+        p.timeout_s = 10.0
+        assert p.phonemize("Hello.")
+    finally:
+        p.close()
+
+
+def test_a_child_that_died_between_calls_is_replaced(phonemizer: Phonemizer) -> None:
+    expected = phonemizer.phonemize("Hello.")
+    proc = phonemizer._proc
+    assert proc is not None
+    proc.kill()
+    proc.wait()
+    assert phonemizer.phonemize("Hello.") == expected
+    assert phonemizer._proc is not proc
