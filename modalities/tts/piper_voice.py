@@ -169,6 +169,10 @@ class PiperVoiceModel:
         self.phonemizer = phonemizer or Phonemizer(config)  # eSpeak NG, out of process: it can crash
         self.gain = gain
         self.hop = self.piper.config.hop_length
+        self._prior_in = self.front.get_outputs()[0].name  # the flow's, named alike on both sides of the cut
+        inputs = [i.name for i in self.flow.get_inputs()] if self.flow is not None else []
+        self._mask_in = next((name for name in inputs if name not in (self._prior_in, "sid")), "")
+        self._latent_in = self.decoder.get_inputs()[0].name if self.decoder is not None else ""
 
     @property
     def cut(self) -> bool:
@@ -202,7 +206,7 @@ class PiperVoiceModel:
         assert self.decoder is not None
         lo, hi = max(0, start - CONTEXT_FRAMES), min(latent.shape[2], stop + CONTEXT_FRAMES)
         z = latent.upto(hi, self._run_flow)  # this worker's session, not the front's
-        feed = self._feed(self.decoder, **{self.decoder.get_inputs()[0].name: np.ascontiguousarray(z[:, :, lo:hi])})
+        feed = self._feed(self.decoder, **{self._latent_in: np.ascontiguousarray(z[:, :, lo:hi])})
         audio = self.decoder.run(None, feed)[0].reshape(-1)
         return self._scale(audio[(start - lo) * self.hop : (stop - lo) * self.hop])
 
@@ -228,10 +232,8 @@ class PiperVoiceModel:
 
     def _run_flow(self, prior: np.ndarray) -> np.ndarray:
         assert self.flow is not None
-        prior_in = self.front.get_outputs()[0].name  # the cut's tensor, named alike on both sides
-        mask_in = next(i.name for i in self.flow.get_inputs() if i.name not in (prior_in, "sid"))
         mask = np.ones((1, 1, prior.shape[2]), dtype=np.float32)  # one sentence: every frame counts
-        return self.flow.run(None, self._feed(self.flow, **{prior_in: prior, mask_in: mask}))[0]
+        return self.flow.run(None, self._feed(self.flow, **{self._prior_in: prior, self._mask_in: mask}))[0]
 
     def _scale(self, audio: np.ndarray) -> np.ndarray:
         # Piper's own post-processing with a fixed volume, not its per-sentence peak normalisation:
