@@ -98,10 +98,13 @@ def run_server(app: Any, args: Any) -> None:
     """``mmserve serve``: uvicorn on the structured logs the caller configured (``--log-format``,
     before the engines loaded), no duplicate access log (``RequestLogMiddleware`` writes one line
     per request) and the drain above."""
+    from pipelines.realtime_events import WS_MAX_BYTES
+
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
+        ws_max_size=WS_MAX_BYTES,
         log_config=None,
         log_level=getattr(args, "log_level", "info"),
         access_log=False,

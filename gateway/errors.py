@@ -8,6 +8,7 @@ full queue 429 with ``Retry-After``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -60,7 +61,37 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+        return ErrorJSON(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: a message may quote the client's text, which can hold lone
+    surrogates (valid in JSON, unencodable as UTF-8)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """Where the first string in a parsed JSON value holds a lone surrogate (``"\\ud800"`` is
+    valid JSON but no character: UTF-8 can't encode it and tokenizers reject it), as a param path
+    (``messages[0].content``; ``""`` for the value itself); ``None`` if no string does. Iterative:
+    JSON nests as deep as the parser allows."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(item))))
+        elif isinstance(item, dict):
+            for key, x in reversed(list(item.items())):
+                stack.append((f"{path}.{key}" if path else str(key), x))
+                stack.append((path, key))  # a key can hold one too
+    return None
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -122,17 +153,20 @@ def from_engine_error(exc: BaseException, param: str | None = None) -> APIError 
     return None
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict"})
+
+
 def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     # Pydantic puts union-member / function-validator names into ``loc``; keep field names only.
-    parts = [p for p in parts if not p.startswith(("function-", "list[", "str", "int", "dict[", "float", "bool"))]
+    parts = [p for p in parts if p not in _TYPE_TAGS and "[" not in p and not p.startswith("function-")]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out or None
 
 
-def _is_json_content_type(value: str | None) -> bool:
+def is_json_content_type(value: str | None) -> bool:
     if not value:
         return True  # routes are non-strict: a missing content type is parsed as JSON
     main = value.split(";", 1)[0].strip().lower()
@@ -151,7 +185,7 @@ def validation_error(request: Request, exc: RequestValidationError) -> APIError:
     """Turn FastAPI/pydantic validation errors into one readable 400 (or 415 for non-JSON)."""
     errors = list(exc.errors())
     content_type = request.headers.get("content-type")
-    if not _is_json_content_type(content_type) and not _takes_form(request):  # form routes report the field
+    if not is_json_content_type(content_type) and not _takes_form(request):  # form routes report the field
         return APIError(415, f"unsupported media type {content_type!r}: send the body as application/json")
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid")

@@ -6,22 +6,48 @@ it. A route in ``route_limits`` (``"METHOD /path"`` -> bytes; uploads, e.g. ``PO
 its own limit instead and its body is passed through as it arrives, never held here: the route
 streams it (to a spooled temporary file, then to the result store), and the byte that crosses the
 limit ends the request with the 413.
+
+A JSON body read up front with a lone surrogate in a string (``"\\ud800"``: valid JSON, but no
+character) gets a 400 here too: no route can encode it, tokenize it or echo it back.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.errors import APIError, is_json_content_type, lone_surrogate
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
 def _too_large(limit: int) -> str:
     return f"request body exceeds the server's limit of {limit} bytes ({limit / (1 << 20):.1f} MiB)"
+
+
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a cheap filter before parsing
+
+
+def _unicode_error(scope: Scope, body: bytes) -> APIError | None:
+    """A 400 for a JSON body with a lone surrogate in a string, which no route could use (every
+    JSON route's body is read here first); ``None`` for anything else."""
+    content_type = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
+    if _MAYBE_SURROGATE.search(body) is None or not is_json_content_type(content_type):
+        return None
+    try:
+        where = lone_surrogate(json.loads(body))
+    except (ValueError, RecursionError):
+        return None  # not JSON (or too deep for this parser): the route says so
+    if where is None:
+        return None
+    at = f"'{where}'" if where else "the request body"
+    return APIError(
+        400, f"Invalid value for {at}: a lone surrogate is not a character", param=where or None, code="invalid_value"
+    )
 
 
 class BodyTooLarge(HTTPException):
@@ -71,6 +97,11 @@ class BodySizeLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
+
+        error = _unicode_error(scope, b"".join(m.get("body", b"") for m in buffered))
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
 
         async def replay() -> Message:
             return buffered.pop(0) if buffered else await receive()

@@ -84,11 +84,12 @@ class Conversation:
 
     def prompt_ids(self, tokenizer: Any, limit: int | None = None) -> list[int]:
         """The rendered prompt; with ``limit``, the oldest items are left out until it fits (the
-        instructions and the latest item stay, so it may still be too long: the engine says so).
-        Items once left out stay out, so later turns keep one prefix (the prefix cache)."""
+        instructions and the latest item with text stay, so it may still be too long: the engine
+        says so). Items once left out stay out, so later turns keep one prefix (the prefix cache)."""
+        last = max((k for k, item in enumerate(self.items) if item.text.strip()), default=0)
         while True:
             ids = render_chat(tokenizer, self.messages(self._first))
-            if limit is None or len(ids) <= limit or self._first >= len(self.items) - 1:
+            if limit is None or len(ids) <= limit or self._first >= last:
                 return ids
             self._first += 1
 

@@ -148,7 +148,8 @@ class TextDelta(ReplyFrame):
 @dataclass
 class LLMDone(ReplyFrame):
     """The reply's full text; ``cancelled`` when an interrupt cut it short; ``error`` when the
-    engine refused or failed the request (the reply is over, as failed)."""
+    engine refused or failed the request (the reply is over, as failed), with OpenAI's error
+    ``error_type`` and ``error_code`` for it (``context_length_exceeded``: a refusal)."""
 
     text: str
     cancelled: bool = False
@@ -156,6 +157,8 @@ class LLMDone(ReplyFrame):
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    error_type: str = "server_error"
+    error_code: str | None = None
 
 
 @dataclass

@@ -30,7 +30,9 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
+from gateway.errors import lone_surrogate
 from modalities.audio import from_pcm16, to_pcm16
+from modalities.tts.protocol import OPENAI_VOICES
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation, Spoken, heard_text
 from pipelines.frames import (
@@ -71,6 +73,21 @@ from pipelines.voice import voice_pipeline
 
 logger = logging.getLogger("mmserve.realtime")
 _sessions = itertools.count(1)
+# The client events handled (``_ev_<type with "." as "_">``).
+CLIENT_EVENTS = frozenset(
+    (
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+        "input_audio_buffer.clear",
+        "conversation.item.create",
+        "conversation.item.retrieve",
+        "conversation.item.delete",
+        "conversation.item.truncate",
+        "response.create",
+        "response.cancel",
+    )
+)
 INBOX_FRAMES = 256  # client events queued for the pipeline; beyond this the WebSocket reader waits
 
 
@@ -92,6 +109,7 @@ class RealtimeSession:
         self.turn_ended: float | None = None  # when the VAD ended the user's last turn (monotonic)
         self.metrics = getattr(ws.app.state, "metrics", None)
         self.requested = False  # a response.create is queued
+        self.cancel_pending = False  # ... and a response.cancel came before it started
         self.appended_ms = 0.0  # audio appended since the last turn boundary
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
@@ -146,8 +164,13 @@ class RealtimeSession:
         writer = asyncio.create_task(self._write())
         try:
             while True:
-                raw = await self.ws.receive_text()
-                await self._handle(raw)
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("text") is None:  # a binary frame: the protocol is JSON text
+                    await self.send_error("events are JSON text frames, not binary", code="invalid_json")
+                    continue
+                await self._handle(message["text"])
         except (WebSocketDisconnect, RuntimeError):
             pass  # client gone
         finally:
@@ -184,21 +207,32 @@ class RealtimeSession:
                 event = json.loads(raw)
             except json.JSONDecodeError as exc:
                 raise EventError(f"the event is not valid JSON: {exc.msg}", code="invalid_json") from exc
+            except RecursionError as exc:
+                raise EventError("the event is nested too deeply", code="invalid_json") from exc
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise EventError("an event must be a JSON object with a string 'type'", param="type")
             event_id = event.get("event_id")
-            handler = getattr(self, "_ev_" + event["type"].replace(".", "_"), None)
-            if handler is None:
-                raise EventError(f"unknown or unsupported event type {event['type']!r}", param="type")
-            await handler(event)
+            where = lone_surrogate(event)
+            if where is not None:
+                raise EventError("a lone surrogate is not a character", param=where or None)
+            kind = event["type"]
+            if kind not in CLIENT_EVENTS:
+                raise EventError(f"unknown or unsupported event type {kind!r}", param="type")
+            await getattr(self, "_ev_" + kind.replace(".", "_"))(event)
         except EventError as exc:
             await self.send_error(str(exc), exc.code, exc.param, event_id=event_id)
+        except Exception as exc:  # noqa: BLE001 - a bug in one handler must not end the session
+            logger.exception("realtime session %s failed on an event", self.id)
+            err = {"type": "server_error", "code": None, "message": f"{type(exc).__name__}: {exc}", "param": None}
+            await self.send("error", error={**err, "event_id": event_id})
 
     async def _ev_session_update(self, event: dict[str, Any]) -> None:
         patch = event.get("session", {})
         self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
         try:
-            self.config.update(realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch)
+            patch = realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch
+            self._check_voice(patch)
+            self.config.update(patch)
         except EventError as exc:
             if self.ga:
                 exc.param = realtime_ga.ga_param(exc.param)
@@ -207,6 +241,15 @@ class RealtimeSession:
             self.config.modalities = ["text"]
         self._apply_config()
         await self.send("session.updated", session=self.config.to_dict(self.id))
+
+    def _check_voice(self, patch: Any) -> None:
+        """A voice the TTS lacks is refused (OpenAI's names play the default voice), as
+        ``/v1/audio/speech`` refuses it."""
+        voice = patch.get("voice") if isinstance(patch, dict) else None
+        voices = getattr(self.services.tts, "voices", None)
+        if isinstance(voice, str) and voices and voice not in voices and voice.lower() not in OPENAI_VOICES:
+            known = ", ".join([*voices, *OPENAI_VOICES])
+            raise EventError(f"voice {voice!r} is not available; choose from {known}", param="session.voice")
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         data = decode_audio_b64(event.get("audio"))
@@ -329,6 +372,11 @@ class RealtimeSession:
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:
             raise EventError("there is no active response to cancel", code="response_cancel_not_active")
+        if self.reply is None or self.reply.done:
+            # Asked for but not started: its request may still be on its way through the stages
+            # before the LLM's, where an interrupt now would find nothing to cancel.
+            self.cancel_pending = True
+            return
         await self.inbox.put(Interrupt("client_cancelled"))
 
     async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
@@ -417,9 +465,8 @@ class RealtimeSession:
                     self._observe_turn(r.first_audio)
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
-            await self.send(
-                "error", error={"type": "server_error", "code": None, "message": frame.error, "param": None}
-            )
+            err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
+            await self.send("error", error=err)
             await self._finish(r, "failed", "error")
         elif isinstance(frame, LLMDone):
             r.text = frame.text
@@ -454,6 +501,9 @@ class RealtimeSession:
             previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
             await self.send("conversation.item.created", previous_item_id=previous, item=item)
         await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", audio, ""))
+        if self.cancel_pending:  # cancelled before it started
+            self.cancel_pending = False
+            await self.inbox.put(Interrupt("client_cancelled"))
 
     def _part(self, r: Reply) -> dict[str, Any]:
         item = self.conv.get(r.item_id)

@@ -16,6 +16,9 @@ from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
+# The WebSocket frame size the server takes: the largest append, base64, with its event around
+# it (a larger append then gets the session's error event, not a closed socket).
+WS_MAX_BYTES = MAX_APPEND_BYTES * 4 // 3 + (1 << 20)
 MAX_INSTRUCTIONS_CHARS = 16_384
 
 
@@ -70,7 +73,7 @@ class SessionConfig:
         new = dict(vars(self))
         if "modalities" in patch:
             mods = patch["modalities"]
-            if not isinstance(mods, list) or not mods or not set(mods) <= {"text", "audio"}:
+            if not isinstance(mods, list) or not mods or not all(m in ("text", "audio") for m in mods):
                 raise EventError(
                     "modalities must be a non-empty subset of ['text', 'audio']", param="session.modalities"
                 )
@@ -126,7 +129,9 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
             out[key] = v
     if "create_response" in td:
         if not isinstance(td["create_response"], bool):
-            raise EventError("turn_detection.create_response must be a boolean")
+            raise EventError(
+                "turn_detection.create_response must be a boolean", param="session.turn_detection.create_response"
+            )
         out["create_response"] = td["create_response"]
     return out
 

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import EngineError
+from gateway.errors import from_engine_error
 from modalities.audio import ASR_RATE, Resampler
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
@@ -271,7 +273,7 @@ class LLM(Processor):
         yield LLMStarted(
             response_id, item_id=item.id, audio=req.audio, out_of_band=req.out_of_band, metadata=req.metadata
         )
-        final, error = None, None
+        final, error, mapped = None, None, None
         ids: list[int] = []
         spec = None
         if not req.out_of_band:
@@ -291,6 +293,7 @@ class LLM(Processor):
                     yield TextDelta(response_id, delta)
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
+            mapped = from_engine_error(exc) if isinstance(exc, EngineError) else None
         finally:
             if spec is not None:
                 spec.outputs.cancel()  # a barge-in left the replay: stop the generation too
@@ -302,6 +305,8 @@ class LLM(Processor):
             completion_tokens=len(final.outputs[0].token_ids) if final else 0,
             cached_tokens=final.num_cached_tokens if final else 0,
             error=error,
+            error_type=mapped.type if mapped is not None else "server_error",
+            error_code=mapped.code if mapped is not None else None,
         )
 
     async def on_interrupt(self) -> None:

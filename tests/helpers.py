@@ -24,7 +24,9 @@ def serve_app(app: Any) -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    from pipelines.realtime_events import WS_MAX_BYTES  # as ``mmserve serve`` runs it
+
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", ws_max_size=WS_MAX_BYTES))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -220,3 +220,12 @@ def test_drain_finishes_in_flight_stream_then_stops_engines() -> None:
         caller.join(10)
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "shutting_down"
     assert not engines[LLM].is_running
+
+
+def test_error_json_escapes_what_utf8_cannot_encode() -> None:
+    from gateway.errors import APIError, lone_surrogate
+
+    body = APIError(404, "The model `\ud800` does not exist.").response().body
+    assert json.loads(body)["error"]["message"] == "The model `\ud800` does not exist."
+    assert lone_surrogate({"messages": [{"content": "ok"}, {"content": "bad \udc00"}]}) == "messages[1].content"
+    assert lone_surrogate({"fine": ["é", "😀", 1, None]}) is None

@@ -444,6 +444,12 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "response.cancel"}),
         json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0}),
         json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}}),
+        b"\x00\x01 a binary frame",
+        json.dumps({"type": "session_update", "session": {}}),  # no alias of session.update
+        json.dumps({"type": "session.update", "session": {"modalities": [["text"]]}}),
+        json.dumps({"type": "session.update", "session": {"voice": "nobody"}}),
+        json.dumps({"type": "session.update", "session": {"instructions": "Say \ud800"}}),
+        json.dumps({"type": "conversation.item.create", "item": user_item("Say \ud800 hello.")}),
     ]
 
     async def go() -> None:
@@ -460,6 +466,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
                 "modalities": ["text"],
                 "temperature": 0,
                 "max_response_output_tokens": 8,
+                "voice": "alloy",  # OpenAI's names play the default voice
             }
             await c.send("session.update", session=session)
             updated = await c.until("session.updated")
@@ -507,6 +514,61 @@ def test_a_refused_reply_fails_and_the_next_turn_works(server: dict[str, Any]) -
             await c.send("response.create")
             done = await c.until("response.done")
             assert done["response"]["status"] == "completed" and done["response"]["usage"]["output_tokens"] > 0
+
+    run(go())
+
+
+def test_a_response_cancelled_before_it_started_ends_cancelled(server: dict[str, Any]) -> None:
+    """response.cancel right behind response.create: the request is still on its way to the LLM."""
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await text_session(c, 200)
+            await c.send("conversation.item.create", item=user_item("Tell me a long story about a dragon."))
+            await c.send("response.create")
+            await c.send("response.cancel")
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "cancelled", done
+            assert done["response"]["status_details"]["reason"] == "client_cancelled"
+            assert "error" not in c.types()
+            await c.send("response.create")  # the session is not left with a response active
+            assert (await c.until("response.done"))["response"]["status"] == "completed"
+
+    run(go())
+
+
+def test_a_user_item_too_long_for_the_context_is_refused_not_dropped(server: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await text_session(c, 8)
+            await c.send("conversation.item.create", item=user_item("hello " * 12_000))  # > 8k tokens
+            await c.send("response.create")
+            err = await c.until("error")
+            assert err["error"]["code"] == "context_length_exceeded"
+            assert err["error"]["type"] == "invalid_request_error"
+            assert (await c.until("response.done"))["response"]["status"] == "failed"
+
+    run(go())
+
+
+def test_an_append_of_up_to_15_mib_fits_one_frame(server: dict[str, Any]) -> None:
+    """uvicorn's default frame limit (16 MiB) would close the socket at ~12 MiB of base64 audio."""
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("session.update", session={"turn_detection": None, "modalities": ["text"]})
+            await c.until("session.updated")
+            await c.send("input_audio_buffer.append", audio=base64.b64encode(bytes(14 << 20)).decode())
+            await c.send("input_audio_buffer.clear")
+            await c.until("input_audio_buffer.cleared")
+            await c.send("input_audio_buffer.append", audio=base64.b64encode(bytes(31 << 19)).decode())  # 15.5 MiB
+            err = await c.until("error")
+            assert err["error"]["param"] == "audio" and "too large" in err["error"]["message"]
+            assert [e["type"] for e in c.events].count("error") == 1
 
     run(go())
 

@@ -440,6 +440,37 @@ def test_a_text_that_crashes_the_phonemiser_is_a_400_and_the_server_lives_on(bas
     assert resp.status_code == 200 and len(resp.content) > 4000
 
 
+def test_unicode_edge_inputs(base_url: str) -> None:
+    """A NUL is spoken around (eSpeak's bridge takes none); a lone surrogate is no character (400,
+    even where the field is an unknown model's name); zero-width characters alone say nothing (400,
+    not an empty file)."""
+    url = f"{base_url}/v1/audio/speech"
+    resp = httpx.post(url, json={"input": "Hello\u0000world.", "response_format": "pcm"}, timeout=60)
+    assert resp.status_code == 200 and len(resp.content) > 8000
+    for raw, param in [
+        ('{"input": "Hello \\ud800 world"}', "input"),
+        ('{"input": "Hi", "model": "\\ud800"}', "model"),
+        ('{"input": "\\u200b\\ufeff", "response_format": "mp3"}', "input"),
+    ]:
+        resp = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert resp.status_code == 400, (raw, resp.text)
+        assert resp.json()["error"]["param"] == param and resp.json()["error"]["code"] == "invalid_value"
+    resp = httpx.post(url, json={"input": "Hi", "stream_format": "bogus"}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream_format"
+
+
+def test_a_later_sentence_that_cannot_be_spoken_ends_the_sse_stream_with_an_error(base_url: str) -> None:
+    import json
+
+    body = {"input": "Hello there. " + "s'" * 220, "response_format": "pcm", "stream_format": "sse"}
+    with httpx.stream("POST", f"{base_url}/v1/audio/speech", json=body, timeout=60) as resp:
+        assert resp.status_code == 200  # the first sentence's audio came first
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error" and "phonemiser" in events[-1]["error"]["message"]
+    assert "speech.audio.done" not in [e["type"] for e in events]
+
+
 def test_openai_client_raises_bad_request_for_unknown_voice(base_url: str) -> None:
     with pytest.raises(openai.BadRequestError):
         _client(base_url).audio.speech.create(model="tts-1", voice="nobody", input="hi")  # type: ignore[arg-type]

@@ -4,7 +4,9 @@ The handler waits for the first audio chunk before answering, so input and engin
 proper 4xx/5xx JSON; after that every chunk is encoded and sent as soon as the engine yields it
 (chunked transfer; ``stream_format: "sse"`` wraps the same bytes in ``speech.audio.delta``
 events). Time-to-first-audio is therefore the time to synthesise the first text piece. A client
-that disconnects closes the engine stream, which cancels the rest of the synthesis.
+that disconnects closes the engine stream, which cancels the rest of the synthesis. A failure
+after the first chunk (a later sentence the phonemiser can't take) ends an SSE stream with an
+``error`` event, and an audio stream without its closing chunk (the status line is gone).
 
 Rate limit (``audio_seconds``): admission charges an estimate from the text
 (``estimate_seconds``: about 15 characters of English per second of speech at speed 1); when
@@ -82,20 +84,23 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
         await gen.aclose()
         await ch.refund()
         raise
+    if first is None:  # (zero-width spaces, lone punctuation: an empty file is no answer)
+        await gen.aclose()
+        await ch.refund()
+        raise APIError(400, "input has nothing the voice can speak", param="input", code="invalid_value")
     encoder = StreamEncoder(fmt, rate)
-    samples = 0 if first is None else len(first)
+    samples = len(first)
 
     async def audio_bytes() -> AsyncIterator[bytes]:
         nonlocal samples
         failed = False
         try:
-            if first is not None:
-                yield encoder.encode(first)
-                async for chunk in gen:
-                    samples += len(chunk)
-                    data = encoder.encode(chunk)
-                    if data:
-                        yield data
+            yield encoder.encode(first)
+            async for chunk in gen:
+                samples += len(chunk)
+                data = encoder.encode(chunk)
+                if data:
+                    yield data
             yield encoder.close()
         except Exception:
             failed = True
@@ -110,9 +115,16 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
         return StreamingResponse(audio_bytes(), media_type=MEDIA_TYPES[fmt], headers=headers)
 
     async def events() -> AsyncIterator[str]:
-        async for data in audio_bytes():
-            if data:
-                yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+        try:
+            async for data in audio_bytes():
+                if data:
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band
+            mapped = _input_error(exc) if isinstance(exc, TTSInputError) else from_engine_error(exc, param="input")
+            message = mapped.message if mapped is not None else "internal error while synthesising"
+            kind = mapped.type if mapped is not None else "server_error"
+            yield sse({"type": "error", "error": {"message": message, "type": kind}})
+            return
         yield sse({"type": "speech.audio.done"})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

@@ -72,7 +72,7 @@ class Phonemizer:
             self._drop()
 
     def phonemize(self, text: str) -> list[list[str]]:
-        line = (json.dumps(text) + "\n").encode()
+        line = (json.dumps(text.replace("\0", " ")) + "\n").encode()  # Piper's C bridge takes no NUL
         with self._lock:
             for attempt in range(2):  # a child that died between calls is replaced, once
                 proc = self._child()

@@ -14,7 +14,10 @@ RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 PCM_RATE = 24_000  # OpenAI's raw ``pcm`` is 24 kHz mono PCM16
 
 # OpenAI's voice names: apps send them, so they play the server's default voice.
-OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+OPENAI_VOICES = (
+    *("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"),
+    *("marin", "cedar"),  # the Realtime API's newest
+)
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
 
