@@ -420,6 +420,7 @@ def test_pcm_is_24khz_and_sse_carries_the_same_audio(base_url: str) -> None:
         ({"input": "hi", "response_format": "ogg-vorbis"}, 400, "response_format"),
         ({"input": "hi", "speed": 0.1}, 400, "speed"),
         ({"input": "hi", "speed": "fast"}, 400, "speed"),
+        ({"input": "hi", "speed": True}, 400, "speed"),
         ({"input": "hi", "model": "no-such-model"}, 404, "model"),
         ({"voice": "joe"}, 400, "input"),
         ({"input": 5}, 400, "input"),

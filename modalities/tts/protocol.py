@@ -4,9 +4,9 @@ workers and the realtime pipeline can use it) and the OpenAI ``POST /v1/audio/sp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
@@ -70,6 +70,13 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
     sample_rate: int | None = Field(default=None)
+
+    @field_validator("speed", "sample_rate", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would take true as 1
+            raise ValueError("must be a number, not a boolean")
+        return value
 
     def to_engine(self, voice: str | None) -> TTSRequest:
         req = TTSRequest(self.input, voice, self.speed, self.sample_rate)
