@@ -14,10 +14,23 @@ from dataclasses import dataclass
 import numpy as np
 
 ASR_RATE = 16_000
+MAX_AUDIO_S = 3600.0  # the longest upload transcribed (``--asr-max-audio-s``)
 
 
 class AudioDecodeError(ValueError):
     """The bytes are not audio we can read (or contain no samples)."""
+
+
+class AudioTooLong(AudioDecodeError):
+    """The audio lasts longer than the caller takes (found from the header where it says, else
+    while decoding: a small compressed file can hold hours of silence)."""
+
+    def __init__(self, seconds: float, limit: float) -> None:
+        super().__init__(f"the audio is {seconds:.0f} s long; the limit is {limit:g} s")
+        self.seconds, self.limit = seconds, limit
+
+
+BLOCK_FRAMES = 1 << 20  # decoded per read: a many-channel file is mixed down a block at a time
 
 
 @dataclass
@@ -45,17 +58,35 @@ def _to_mono_f32(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data)
 
 
-def _decode_soundfile(data: bytes) -> Audio | None:
+def _check_length(samples: int, rate: float, max_seconds: float | None) -> None:
+    if max_seconds is not None and rate > 0 and samples / rate > max_seconds:
+        raise AudioTooLong(samples / rate, max_seconds)
+
+
+def _decode_soundfile(data: bytes, max_seconds: float | None) -> Audio | None:
     import soundfile as sf
 
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        f = sf.SoundFile(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - libsndfile cannot read it: let PyAV try
         return None
-    return Audio(_to_mono_f32(samples), int(rate))
+    with f:
+        rate = int(f.samplerate)
+        _check_length(max(f.frames, 0), rate, max_seconds)  # before decoding a sample
+        blocks, total = [], 0
+        try:
+            while (block := f.read(BLOCK_FRAMES, dtype="float32", always_2d=True)).shape[0]:
+                blocks.append(_to_mono_f32(block))
+                total += block.shape[0]
+                _check_length(total, rate, max_seconds)  # (a header may say less than there is)
+        except AudioTooLong:
+            raise
+        except Exception:  # noqa: BLE001 - a body libsndfile can't read after all: let PyAV try
+            return None
+    return Audio(np.concatenate(blocks) if blocks else np.zeros(0, np.float32), rate)
 
 
-def _decode_av(data: bytes) -> Audio:
+def _decode_av(data: bytes, max_seconds: float | None) -> Audio:
     import av
 
     try:
@@ -67,9 +98,12 @@ def _decode_av(data: bytes) -> Audio:
             rate = stream.codec_context.sample_rate or stream.rate
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
             chunks: list[np.ndarray] = []
+            total = 0
             for frame in container.decode(stream):
                 for out in resampler.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
+                    total += chunks[-1].size
+                _check_length(total, rate or 0, max_seconds)
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
     except AudioDecodeError:
@@ -113,12 +147,13 @@ class Resampler:
         return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
 
 
-def decode_audio(data: bytes, rate: int | None = ASR_RATE) -> Audio:
+def decode_audio(data: bytes, rate: int | None = ASR_RATE, max_seconds: float | None = None) -> Audio:
     """Decode an audio file's bytes to mono float32, resampled to ``rate`` (``None``: native
-    rate). Raises ``AudioDecodeError`` for unreadable or empty input."""
+    rate). Raises ``AudioDecodeError`` for unreadable or empty input, ``AudioTooLong`` past
+    ``max_seconds`` (before decoding all of it)."""
     if not data:
         raise AudioDecodeError("the audio file is empty")
-    audio = _decode_soundfile(data) or _decode_av(data)
+    audio = _decode_soundfile(data, max_seconds) or _decode_av(data, max_seconds)
     if audio.samples.size == 0:
         raise AudioDecodeError("the audio file contains no samples")
     if not np.isfinite(audio.samples).all():

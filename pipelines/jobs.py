@@ -97,7 +97,7 @@ async def _follow(
 
 
 async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
-    from modalities.audio import decode_audio, encode_audio
+    from modalities.audio import ASR_RATE, MAX_AUDIO_S, decode_audio, encode_audio
     from pipelines.chain import StageStore, result, run_local, shared_store
     from pipelines.services import Services
     from workers import runtime
@@ -106,7 +106,7 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     p = PipelineParams(**params)
     opts = p.options()
     data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(p.file_id))
-    audio = (await asyncio.to_thread(decode_audio, data)).samples
+    audio = (await asyncio.to_thread(decode_audio, data, ASR_RATE, MAX_AUDIO_S)).samples
     rt = runtime.current()
     chain_id = ctx.job_id
     if rt is None:  # local dispatch: this process has the engines

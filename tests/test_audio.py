@@ -53,3 +53,34 @@ def test_resample_and_pcm16() -> None:
 def test_garbage_is_decode_error(data: bytes) -> None:
     with pytest.raises(AudioDecodeError):
         decode_audio(data)
+
+
+def test_too_long_audio_is_refused_before_it_is_all_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small compressed file can hold hours: the header's length is checked before any sample is
+    decoded (flac), and a stream without one stops as soon as it passes the limit (aac, PyAV)."""
+    import soundfile as sf
+
+    from modalities import audio as audio_mod
+
+    silence = np.zeros(8000 * 30, np.float32)  # 30 s at 8 kHz
+    flac = encode_audio(silence, 8000, "flac")
+    reads: list[int] = []
+    real_read = sf.SoundFile.read
+    monkeypatch.setattr(sf.SoundFile, "read", lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k))
+    with pytest.raises(audio_mod.AudioTooLong) as err:
+        decode_audio(flac, max_seconds=10)
+    assert err.value.seconds == pytest.approx(30) and reads == []
+    assert decode_audio(flac, max_seconds=60).duration == pytest.approx(30)
+
+    monkeypatch.setattr(audio_mod, "_check_length", _counting(audio_mod._check_length, calls := []))
+    with pytest.raises(audio_mod.AudioTooLong):
+        decode_audio(encode_audio(silence, 8000, "aac"), max_seconds=10)
+    assert 10 <= calls[-1] < 12  # stopped within a frame or so of the limit, not after 30 s
+
+
+def _counting(check, calls):  # type: ignore[no-untyped-def]
+    def wrapped(samples: int, rate: float, max_seconds: float | None) -> None:
+        calls.append(samples / rate if rate else 0.0)
+        check(samples, rate, max_seconds)
+
+    return wrapped

@@ -30,7 +30,7 @@ from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
 from modalities.asr.formats import RESPONSE_FORMATS, granularity_error, to_srt, to_verbose, to_vtt
-from modalities.audio import ASR_RATE, AudioDecodeError, decode_audio
+from modalities.audio import ASR_RATE, MAX_AUDIO_S, AudioDecodeError, AudioTooLong, decode_audio
 
 router = APIRouter(tags=["audio"])
 
@@ -89,18 +89,13 @@ async def create_transcription(
     data = await file.read(int(limit_mb * (1 << 20)) + 1)
     if len(data) > limit_mb * (1 << 20):
         raise APIError(413, f"the audio file exceeds the {limit_mb:g} MB limit", param="file", code="file_too_large")
+    max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
     try:
-        audio = await asyncio.to_thread(decode_audio, data, ASR_RATE)
+        audio = await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)
+    except AudioTooLong as exc:
+        raise APIError(413, str(exc), param="file", code="audio_too_long") from exc
     except AudioDecodeError as exc:
         raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
-    max_s = float(getattr(engine, "max_audio_s", 3600.0))
-    if audio.duration > max_s:
-        raise APIError(
-            413,
-            f"the audio is {audio.duration:.0f} s long; the limit is {max_s:g} s",
-            param="file",
-            code="audio_too_long",
-        )
     req = TranscriptionRequest(
         audio.samples, language or None, prompt or None, temperature, seed=seed, word_timestamps=words
     )

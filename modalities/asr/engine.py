@@ -31,6 +31,7 @@ from modalities.asr.longform import Window, plan_windows, stable_text, stitched_
 from modalities.asr.model import WhisperModel, load_whisper
 from modalities.asr.quality import WindowResult, avg_logprob, compression_ratio, fallback_temperatures, passes_so_far
 from modalities.asr.types import Segment, Transcript, TranscriptDelta, TranscriptionRequest, Word
+from modalities.audio import MAX_AUDIO_S
 
 logger = logging.getLogger("mmserve.asr")
 
@@ -50,7 +51,7 @@ class AsrConfig:
     attention_backend: str = "auto"
     max_file_mb: float = DEFAULT_MAX_FILE_MB  # the API's upload limit (413 above)
     # Decoded length limit (413 above): a small compressed file can hold hours of audio.
-    max_audio_s: float = 3600.0
+    max_audio_s: float = MAX_AUDIO_S
     # Encoder linears in oneDNN's prepacked layout (fp32 CPU): 1.5x faster encoder passes here,
     # same results up to fp32 summation order. The swap modifies the given model in place.
     prepack_encoder: bool = True

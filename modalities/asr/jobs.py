@@ -77,13 +77,14 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     from modalities.asr.api import pick_asr_engine
     from modalities.asr.engine import TranscriptionRequest
     from modalities.asr.formats import openai_words
-    from modalities.audio import decode_audio
+    from modalities.audio import ASR_RATE, MAX_AUDIO_S, decode_audio
     from workers.jobs.store import parse_file_id
 
     job = TranscriptionJob(**params)
     name, engine = pick_asr_engine(ctx.engines, ctx.aliases, job.model)
     data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(job.file_id))
-    audio = (await asyncio.to_thread(decode_audio, data)).samples
+    max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
+    audio = (await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)).samples
     words = "word" in job.timestamp_granularities
     req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature, seed=job.seed, word_timestamps=words)
     transcript = None

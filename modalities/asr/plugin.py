@@ -11,6 +11,7 @@ from typing import Any
 from gateway.plugins import Built
 from modalities.asr.api import router
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
+from modalities.audio import MAX_AUDIO_S
 
 __all__ = ["add_models_commands", "add_serve_args", "build", "remote_engines", "router"]
 
@@ -40,7 +41,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--asr-max-file-mb", type=float, default=DEFAULT_MAX_FILE_MB, help="largest accepted upload (413 above)"
     )
     g.add_argument(
-        "--asr-max-audio-s", type=float, default=3600.0, help="longest accepted decoded audio, seconds (413 above)"
+        "--asr-max-audio-s", type=float, default=MAX_AUDIO_S, help="longest accepted decoded audio, seconds (413 above)"
     )
 
 
@@ -55,7 +56,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         max_num_seqs=getattr(args, "asr_max_num_seqs", 64),
         device=getattr(args, "asr_device", "cpu"),
         max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
-        max_audio_s=getattr(args, "asr_max_audio_s", 3600.0),
+        max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
     )
     try:
         engine = AsrEngine.from_config(config)
