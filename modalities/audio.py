@@ -154,13 +154,20 @@ def decode_audio(data: bytes, rate: int | None = ASR_RATE, max_seconds: float | 
     if not data:
         raise AudioDecodeError("the audio file is empty")
     audio = _decode_soundfile(data, max_seconds) or _decode_av(data, max_seconds)
-    if audio.samples.size == 0:
-        raise AudioDecodeError("the audio file contains no samples")
-    if not np.isfinite(audio.samples).all():
-        raise AudioDecodeError("the audio contains non-finite samples")
+    _check_samples(audio, "")
     if rate is not None and audio.rate != rate:
+        # Again after: a header's rate of 2**31 Hz leaves no sample at 16 kHz, and samples near
+        # float32's max overflow the filter.
         audio = Audio(resample(audio.samples, audio.rate, rate), rate)
+        _check_samples(audio, f" after resampling to {rate} Hz")
     return audio
+
+
+def _check_samples(audio: Audio, where: str) -> None:
+    if audio.samples.size == 0:
+        raise AudioDecodeError(f"the audio file contains no samples{where}")
+    if not np.isfinite(audio.samples).all():
+        raise AudioDecodeError(f"the audio contains non-finite samples{where}")
 
 
 # -- encoders -----------------------------------------------------------------------------------

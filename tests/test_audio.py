@@ -84,3 +84,21 @@ def _counting(check, calls):  # type: ignore[no-untyped-def]
         check(samples, rate, max_seconds)
 
     return wrapped
+
+
+def test_headers_and_samples_that_resample_to_nothing_usable_are_decode_errors() -> None:
+    import io
+    import struct
+
+    import soundfile as sf
+
+    samples = (np.random.default_rng(0).standard_normal(20_000) * 3000).astype("<i2").tobytes()
+    rate = 2**31 - 1  # a WAV header's rate: 20000 samples at ~2 GHz are none at 16 kHz
+    fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    body = b"WAVE" + fmt + b"data" + struct.pack("<I", len(samples)) + samples
+    with pytest.raises(AudioDecodeError, match="no samples after resampling"):
+        decode_audio(b"RIFF" + struct.pack("<I", len(body)) + body)
+    buf = io.BytesIO()  # finite, but the resampler overflows on them
+    sf.write(buf, np.array([3.4e38, -3.4e38] * 2000, np.float32), 44100, format="WAV", subtype="FLOAT")
+    with pytest.raises(AudioDecodeError, match="non-finite samples after resampling"):
+        decode_audio(buf.getvalue())
