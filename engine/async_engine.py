@@ -121,6 +121,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine loop stopped for good (every request gets ``EngineDeadError``), if it did."""
+        return self._dead
+
     def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), "foreground_wait_seconds_total": self._foreground_wait_s}
 

@@ -15,6 +15,14 @@ class QueueFullError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class InvalidParamError(EngineError, ValueError):
+    """A sampling parameter the engine can't use (HTTP 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class PromptTooLongError(EngineError, ValueError):
     """Prompt plus requested output does not fit the model's context (HTTP 400)."""
 

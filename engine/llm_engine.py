@@ -145,6 +145,7 @@ class LLMEngine:
             raise QueueFullError(len(self.scheduler.waiting))
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds the server's max_num_seqs={self.config.max_num_seqs}")
+        params.check_vocab(self.adapter.vocab_size)
         inputs = self._to_inputs(prompt)
         num_prompt = len(inputs.token_ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt

@@ -184,7 +184,8 @@ class Sampler:
             if seq.params.seed is not None and seq.generator is None:
                 # On the CPU whatever the device: the uniform is drawn there, so a seed gives the
                 # same draws on every device.
-                seq.generator = torch.Generator().manual_seed(seq.params.seed + seq.index)
+                seed = seq.params.seed + seq.index  # (past 2**64 by the index: wrapped, as torch takes no more)
+                seq.generator = torch.Generator().manual_seed(seed % (1 << 64) if seed > 0 else seed)
             u[i] = torch.rand((), generator=seq.generator, dtype=torch.float64).item()
         cdf = probs.cumsum(-1)
         # 1 - u lies in (0, 1]: the first index whose CDF reaches it has a nonzero probability.

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from engine.errors import InvalidParamError
 
 
 @dataclass
@@ -51,6 +54,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``InvalidParamError`` for a token id outside the vocabulary (a logits index: out of
+        range it would fail the whole batch's step, not just this request)."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or ())),
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("begin_suppress_token_ids", self.begin_suppress_token_ids or []),
+        ):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidParamError(f"token id {bad} is out of range for a vocabulary of {vocab_size} tokens", name)
+
     def verify(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
         checks = [
@@ -73,6 +89,11 @@ class SamplingParams:
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
             (self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}"),
+            (
+                self.seed is None or -(1 << 63) <= self.seed < 1 << 64,
+                f"seed must be in [-2**63, 2**64), got {self.seed}",  # torch's generator range
+            ),
+            (math.isfinite(self.repetition_penalty), "repetition_penalty must be finite"),
         ]
         for ok, message in checks:
             if not ok:

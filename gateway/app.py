@@ -37,22 +37,32 @@ def _stats(engine: Any) -> dict[str, Any]:
         return {}
 
 
+def _dead_engines(engines: dict[str, Any]) -> dict[str, str]:
+    """The engines whose loop stopped for good, with why."""
+    return {name: repr(e.dead) for name, e in engines.items() if getattr(e, "dead", None) is not None}
+
+
 def _common_router() -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health() -> dict[str, str]:
-        """Liveness: the process answers."""
-        return {"status": "ok"}
+    async def health(request: Request) -> JSONResponse:
+        """Liveness: the process answers and no engine died (a dead engine fails every request
+        until the process restarts: 503 names it, so an orchestrator restarts it)."""
+        dead = _dead_engines(request.app.state.engines)
+        if dead:
+            return JSONResponse({"status": "engine dead", "dead": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @router.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         """Readiness: every engine started (503 while starting or after shutdown began); under
         ``--dispatch celery`` also Redis reachable and at least one live worker per model."""
         state = request.app.state
-        ok = bool(state.ready) and not state.draining
-        status = "draining" if state.draining else "ready" if ok else "starting"
-        body: dict[str, Any] = {"status": status, "models": list(state.engines)}
+        dead = _dead_engines(state.engines)
+        ok = bool(state.ready) and not state.draining and not dead
+        status = "draining" if state.draining else "engine dead" if dead else "ready" if ok else "starting"
+        body: dict[str, Any] = {"status": status, "models": list(state.engines), **({"dead": dead} if dead else {})}
         cluster = getattr(state, "cluster", None)
         if cluster is not None:
             workers = {name: [w.worker_id for w in cluster.live(name)] for name in state.engines}

@@ -149,7 +149,9 @@ def from_engine_error(exc: BaseException, param: str | None = None) -> APIError 
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=param)
+        return APIError(
+            400, str(exc), param=getattr(exc, "param", param), code="invalid_value" if hasattr(exc, "param") else None
+        )
     return None
 
 

@@ -264,6 +264,13 @@ def test_auth(server: Server) -> None:
         ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "priority": -1}, "priority"),
+        # Each of these three killed the engine loop for every later request (a logits index
+        # out of range, a seed torch's generator can't take).
+        ({"prompt": "x", "logit_bias": {"1000000": 5}}, "logit_bias"),
+        ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"prompt": "x", "seed": 2**64, "temperature": 1}, "seed"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),  # no boolean is a number
+        ({"prompt": "x", "temperature": "0.5"}, "temperature"),
     ],
 )
 def test_completion_validation_errors(server: Server, body: dict[str, Any], param: str) -> None:
@@ -301,6 +308,40 @@ def test_other_client_errors(server: Server) -> None:
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=10_000)
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="nope", messages=CHAT)
+
+
+def test_the_engine_outlives_edge_parameters(server: Server) -> None:
+    """A seed plus its choice index past 2**64 wraps (torch takes no more); the template's own
+    parameters are not the client's to set (a template of its own is unbounded Jinja)."""
+    with server.http() as c:
+        body = {"model": MODEL, "prompt": "x", "seed": 2**64 - 1, "n": 2, "temperature": 1, "max_tokens": 2}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        for kwargs in ({"chat_template": "{% for i in range(10**9) %}{% endfor %}"}, {"padding": "max_length"}):
+            body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "chat_template_kwargs": kwargs}
+            err = _assert_openai_error(c.post("/v1/chat/completions", json=body), 400, "invalid_value")
+            assert err["param"] == f"chat_template_kwargs.{next(iter(kwargs))}"
+        raw = b'{"model": "tiny", "prompt": "x", "repetition_penalty": 1e999}'  # inf: Python's json takes it
+        resp = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert _assert_openai_error(resp, 400)["param"] == "repetition_penalty"
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_dead_engine_fails_health_and_ready() -> None:
+    """An engine loop that stopped fails every request until a restart: liveness says so."""
+    loaded = load_model(str(_tiny_llama_dir()), max_model_len=MAX_MODEL_LEN)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=MAX_MODEL_LEN), loaded=loaded))
+    with serve_app(create_app({MODEL: engine})) as url, httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+
+        def crash() -> None:
+            raise RuntimeError("injected step failure")
+
+        engine.engine.step = crash  # type: ignore[method-assign]
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code >= 500
+        health = c.get("/health")
+        assert health.status_code == 503 and "injected" in health.json()["dead"][MODEL]
+        assert c.get("/ready").status_code == 503
 
 
 def test_queue_full_is_429(server: Server) -> None:

@@ -131,6 +131,8 @@ def test_dimensions_truncate_and_renormalise(server: Server) -> None:
     err = _error(server.post({"model": MODEL, "input": "x", "dimensions": 385}), 400)
     assert err["param"] == "dimensions" and "384" in err["message"]
     _error(server.post({"model": MODEL, "input": "x", "dimensions": 0}), 400)
+    for bad in (True, "3"):  # no boolean or string is a number
+        assert _error(server.post({"model": MODEL, "input": "x", "dimensions": bad}), 400)["param"] == "dimensions"
 
 
 def test_batch_equals_one_by_one_and_concurrent(server: Server) -> None:

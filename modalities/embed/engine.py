@@ -26,6 +26,7 @@ import torch
 
 from engine.batch_loop import BatchLoop
 from engine.errors import EngineDeadError, QueueFullError
+from engine.offload import run_sized
 from modalities.embed.model import EmbeddingModel
 
 logger = logging.getLogger("mmserve.embed")
@@ -161,6 +162,11 @@ class EmbeddingEngine(BatchLoop):
             await asyncio.to_thread(thread.join, 30)
         self._fail_pending(EngineDeadError("the embedding engine was shut down"))
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine stopped for good (every request gets ``EngineDeadError``), if it did."""
+        return self._dead
+
     def stats(self) -> dict[str, float]:
         with self._cond:
             return {**self._stats, "num_pending": len(self._pending)}
@@ -200,8 +206,7 @@ class EmbeddingEngine(BatchLoop):
 
     async def embed(self, inputs: list[str] | list[list[int]], truncate: int | None = None) -> EmbedResult:
         """Embed ``inputs`` (strings or token-id lists); batched with every other concurrent call."""
-        big = sum(len(x) for x in inputs) > 20_000
-        ids = await asyncio.to_thread(self.prepare, inputs, truncate) if big else self.prepare(inputs, truncate)
+        ids = await run_sized(sum(len(x) for x in inputs), self.prepare, inputs, truncate)
         _QUEUE_S.set(None)
         start = time.perf_counter()
         vectors = await self.embed_ids(ids)

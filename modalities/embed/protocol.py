@@ -18,7 +18,8 @@ MAX_INPUTS = 2048
 class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings`` body."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # Strict: JSON's true is no dimension count and "3" no integer (pydantic would take both).
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
 
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None

@@ -8,6 +8,8 @@ Each completion prompt becomes one engine request; choices are numbered ``prompt
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
+from engine.offload import run_sized
 from engine.outputs import CompletionOutput
 from gateway.errors import APIError
 from gateway.streaming import sse
@@ -51,7 +54,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         raise APIError(400, str(exc)) from exc
     prompts: list[list[int]] = []
     for p in body.prompts():
-        ids = list(tokenizer.encode(p)) if isinstance(p, str) else list(p)
+        ids = list(await run_sized(len(p), tokenizer.encode, p)) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", param="prompt")
         validate_ids(ids, len(tokenizer), "prompt")
@@ -137,6 +140,14 @@ async def create_completion(body: CompletionRequest, request: Request, response:
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _render_params() -> frozenset[str]:
+    """``apply_chat_template``'s own parameters: what ``chat_template_kwargs`` may not set."""
+    from transformers import PreTrainedTokenizerBase  # (not at import: the CLI starts light)
+
+    return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
+
+
 def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions instead", param="messages")
@@ -145,6 +156,14 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & _render_params())
+    if reserved:  # a client's own template (unbounded Jinja) or tokenizer options (padding to 10M)
+        raise APIError(
+            400,
+            f"chat_template_kwargs sets the template's variables only, not {reserved[0]!r}",
+            param=f"chat_template_kwargs.{reserved[0]}",
+            code="invalid_value",
+        )
     if body.tools is not None:
         kwargs["tools"] = body.tools
     try:
@@ -174,7 +193,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """OpenAI ``POST /v1/chat/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
-    prompt_ids = _chat_prompt_ids(tokenizer, body)
+    size = sum(len(str(m.content or "")) for m in body.messages)
+    prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body)
     try:
         params = body.to_sampling_params(len(prompt_ids), int(engine.max_model_len))
     except ValueError as exc:

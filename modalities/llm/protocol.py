@@ -24,7 +24,8 @@ MAX_LOGPROBS = 20
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    # Strict: JSON's true is no number and "3" no integer (pydantic would take both); no inf/NaN.
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -48,7 +49,7 @@ class _SamplingRequest(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # torch's generator range
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
