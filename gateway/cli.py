@@ -63,7 +63,9 @@ def _models_list(args: argparse.Namespace) -> int:
         print(f"embed {DEFAULT_EMBED} (default): {default_embed_path()}")
     except FileNotFoundError as exc:
         print(f"embed: unavailable: {exc}")
-    print("vlm, asr, tts, diffusion: planned")
+    from gateway.plugins import MODALITIES, servable
+
+    print(f"not built yet: {', '.join(m for m in MODALITIES if m not in servable()) or 'none'}")
     return 0
 
 

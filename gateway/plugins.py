@@ -61,6 +61,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
             plugin.add_serve_args(parser)
 
 
+def servable() -> list[str]:
+    """The modalities this build can serve (a plugin that builds engines)."""
+    plugins = load_plugins()
+    return [m for m in MODALITIES if hasattr(plugins.get(m), "build")]
+
+
 def enabled(name: str, only: set[str]) -> bool:
     return not only or name in only
 
@@ -69,8 +75,12 @@ def build_all(args: Any) -> Built:
     """Engines of every enabled modality (``args.only`` restricts them), names made unique."""
     only_raw = getattr(args, "only", None)
     only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    plugins = load_plugins()
+    missing = sorted(m for m in only if not hasattr(plugins.get(m), "build"))
+    if missing:
+        raise ValueError(f"--only {','.join(missing)}: not served by this build (served: {', '.join(servable())})")
     out = Built()
-    for name, plugin in load_plugins().items():
+    for name, plugin in plugins.items():
         if not enabled(name, only) or not hasattr(plugin, "build"):
             continue
         built: Built = plugin.build(args, explicit=name in only)

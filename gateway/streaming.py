@@ -16,11 +16,14 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Generic, TypeVar
 
 import anyio
 from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gateway.errors import APIError
 
 T = TypeVar("T")
 
@@ -30,6 +33,23 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 class ClientDisconnected(Exception):
     """The HTTP client went away; the generation was aborted."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
+    """``await work``, cancelled (``ClientDisconnected``) as soon as the client goes away: a
+    request that is not streamed frees the engine for the others too."""
+
+    async def one() -> AsyncIterator[T]:
+        yield await work
+
+    async for _, item in MergedGeneration(request, [one()], poll_s):
+        return item
+    raise AssertionError("the work yielded nothing")
+
+
+def disconnected_response() -> JSONResponse:
+    """What a request whose client left is logged as answering (nobody reads it)."""
+    return APIError(499, "client closed the request", type="client_closed_request").response()
 
 
 def sse(data: dict[str, Any]) -> str:

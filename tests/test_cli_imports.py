@@ -70,3 +70,12 @@ def test_serve_with_a_bad_model_says_why_and_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert f"mmserve serve: error: model '{missing}'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_only_a_modality_this_build_lacks_says_so() -> None:
+    """``--only vlm`` was accepted and served nothing, silently."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--only", "vlm", "--port", "0"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "mmserve serve: error: --only vlm: not served by this build" in proc.stderr

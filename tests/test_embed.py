@@ -237,3 +237,19 @@ def test_chat_routes_refuse_an_embedding_model(server: Server) -> None:
     _error(httpx.post(url, json={"messages": messages}, headers=headers), 400)
     err = _error(httpx.post(url, json={"model": MODEL, "messages": messages}, headers=headers), 400)
     assert err["param"] == "model"
+
+
+def test_a_client_that_leaves_frees_the_queue(server: Server) -> None:
+    """An abandoned request's queued inputs are dropped: the next request does not wait for
+    them (before, ~60 s of work for 2048 long inputs ran on, unread, ahead of it)."""
+    import time
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    big = {"model": MODEL, "input": [[1000] * 256] * 1024}  # ~30 s of work on 2 cores
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/embeddings", json=big, headers=headers, timeout=1.0)
+    time.sleep(0.5)  # the server polls for the disconnect
+    start = time.perf_counter()
+    assert server.post({"model": MODEL, "input": "hello"}).status_code == 200
+    assert time.perf_counter() - start < 5.0
+    assert server.engine.stats()["num_pending"] == 0

@@ -24,6 +24,7 @@ from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import charge
+from gateway.streaming import ClientDisconnected, disconnected_response, unless_disconnected
 from modalities.embed.protocol import EmbeddingRequest
 
 if TYPE_CHECKING:  # the engine module imports torch; plugin loading must not
@@ -89,9 +90,11 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
     inputs = body.inputs()
     ch = await charge(request, "embed_inputs", len(inputs))
     try:
-        result = await engine.embed(inputs, truncate=body.truncation())
+        result = await unless_disconnected(request, engine.embed(inputs, truncate=body.truncation()))
     except BaseException as exc:
         await ch.refund()
+        if isinstance(exc, ClientDisconnected):  # its queued inputs are dropped
+            return disconnected_response()
         if isinstance(exc, InputTooLongError):
             raise APIError(400, str(exc), param="input", code="context_length_exceeded") from exc
         mapped = from_engine_error(exc, param="input") if isinstance(exc, Exception) else None

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request, Response
 from engine.offload import run_sized
 from engine.outputs import CompletionOutput
 from gateway.errors import APIError
-from gateway.streaming import sse
+from gateway.streaming import disconnected_response, sse
 from modalities.llm.chat import render_chat
 from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
 from modalities.llm.serving import (
@@ -28,7 +28,6 @@ from modalities.llm.serving import (
     chat_logprobs,
     collect_or_raise,
     completion_logprobs,
-    disconnected_response,
     resolve_engine,
     sse_response,
     start_generation,

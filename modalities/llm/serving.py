@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from engine.errors import PromptTooLongError
 from engine.outputs import RequestOutput, TokenLogprob
@@ -277,10 +277,6 @@ def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker
 
     headers = {**SSE_HEADERS, "Server-Timing": tracker.stream_header}
     return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
-
-
-def disconnected_response() -> JSONResponse:
-    return APIError(499, "client closed the request", type="client_closed_request").response()
 
 
 def completion_logprobs(
