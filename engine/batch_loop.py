@@ -27,6 +27,11 @@ class BatchLoop:
     _stopping: bool
     _dead: BaseException | None
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine stopped for good (every request gets ``EngineDeadError``), if it did."""
+        return self._dead
+
     def _next_batch(self) -> Any:
         raise NotImplementedError
 

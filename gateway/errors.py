@@ -75,23 +75,47 @@ class ErrorJSON(JSONResponse):
 def lone_surrogate(value: Any) -> str | None:
     """Where the first string in a parsed JSON value holds a lone surrogate (``"\\ud800"`` is
     valid JSON but no character: UTF-8 can't encode it and tokenizers reject it), as a param path
-    (``messages[0].content``; ``""`` for the value itself); ``None`` if no string does. Iterative:
-    JSON nests as deep as the parser allows."""
-    stack: list[tuple[str, Any]] = [("", value)]
+    (``messages[0].content``; ``""`` for the value itself); ``None`` if no string does. Whether
+    there is one is found at C speed; only then is the value walked (iteratively: JSON nests as
+    deep as the parser allows)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        pass
+    stack: list[tuple[Any, Any, Any]] = [(None, None, value)]  # (parent entry, key, value): paths made on a hit
     while stack:
-        path, item = stack.pop()
+        entry = stack.pop()
+        item = entry[2]
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return path
-        elif isinstance(item, list):
-            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(item))))
+            if _unencodable(item):
+                return _path(entry)
         elif isinstance(item, dict):
-            for key, x in reversed(list(item.items())):
-                stack.append((f"{path}.{key}" if path else str(key), x))
-                stack.append((path, key))  # a key can hold one too
+            if any(_unencodable(k) for k in item):
+                return _path(entry)
+            stack.extend((entry, k, x) for k, x in reversed(item.items()) if isinstance(x, str | list | dict))
+        elif isinstance(item, list):
+            stack.extend((entry, i, x) for i, x in reversed(list(enumerate(item))) if isinstance(x, str | list | dict))
     return None
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _path(entry: tuple[Any, Any, Any]) -> str:
+    keys = []
+    while entry[0] is not None:
+        keys.append(entry[1])
+        entry = entry[0]
+    out = ""
+    for key in reversed(keys):
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

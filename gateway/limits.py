@@ -13,6 +13,7 @@ character) gets a 400 here too: no route can encode it, tokenize it or echo it b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Mapping
@@ -29,7 +30,11 @@ def _too_large(limit: int) -> str:
     return f"request body exceeds the server's limit of {limit} bytes ({limit / (1 << 20):.1f} MiB)"
 
 
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a cheap filter before parsing
+# A cheap filter before parsing: an escaped high surrogate not followed by a low one, or a low
+# one not after a high one (an emoji's escaped pair matches neither).
+_HIGH, _LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_MAYBE_SURROGATE = re.compile(_HIGH + b"(?!" + _LOW + b")|(?<!" + _HIGH + b")" + _LOW)
+_OFF_LOOP_BYTES = 1 << 20  # a larger body is parsed and walked on a thread
 
 
 def _unicode_error(scope: Scope, body: bytes) -> APIError | None:
@@ -98,7 +103,12 @@ class BodySizeLimitMiddleware:
             if not message.get("more_body", False):
                 break
 
-        error = _unicode_error(scope, b"".join(m.get("body", b"") for m in buffered))
+        body = b"".join(m.get("body", b"") for m in buffered)
+        error = (
+            await asyncio.to_thread(_unicode_error, scope, body)
+            if len(body) > _OFF_LOOP_BYTES
+            else _unicode_error(scope, body)
+        )
         if error is not None:
             await error.response()(scope, receive, send)
             return

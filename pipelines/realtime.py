@@ -221,6 +221,8 @@ class RealtimeSession:
             await getattr(self, "_ev_" + kind.replace(".", "_"))(event)
         except EventError as exc:
             await self.send_error(str(exc), exc.code, exc.param, event_id=event_id)
+        except (WebSocketDisconnect, RuntimeError):
+            raise  # the client left (the reader ends the session)
         except Exception as exc:  # noqa: BLE001 - a bug in one handler must not end the session
             logger.exception("realtime session %s failed on an event", self.id)
             err = {"type": "server_error", "code": None, "message": f"{type(exc).__name__}: {exc}", "param": None}
@@ -530,7 +532,7 @@ class RealtimeSession:
         """Cancel the active response; the conversation keeps what the user heard of the latest
         reply in it (an out-of-band response may have come after that reply)."""
         r, talk = self.reply, self.in_band
-        self.requested = False
+        self.requested = self.cancel_pending = False  # (a barge-in may drop a queued reply's start)
         if r is not None and not r.done:
             if r is talk:
                 if r.audio:

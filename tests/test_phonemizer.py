@@ -44,7 +44,7 @@ def test_a_text_that_crashes_espeak_fails_alone(phonemizer: Phonemizer) -> None:
         phonemizer.phonemize(CRASHES)
     assert isinstance(err.value, TTSInputError) and err.value.param == "input"
     with pytest.raises(PhonemizerError):
-        phonemizer.phonemize("a.b.c.d.e.f.g.h.i.j.k.l.m.n.o.p.q.r.s.t.u.v.w.x.y.z." * 4)
+        phonemizer.phonemize("x." * 200)  # a heap overflow: SIGSEGV
     assert phonemizer.phonemize("Before.") == before  # a fresh child serves the next text
 
 
@@ -67,3 +67,36 @@ def test_a_child_that_died_between_calls_is_replaced(phonemizer: Phonemizer) -> 
     proc.wait()
     assert phonemizer.phonemize("Hello.") == expected
     assert phonemizer._proc is not proc
+
+
+def test_a_phonemiser_that_cannot_start_is_the_servers_fault_not_the_texts(
+    config: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from engine.errors import EngineDeadError
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the child exits at once, never ready
+    p = Phonemizer(config)
+    with pytest.raises(EngineDeadError):
+        p.phonemize("Hello.")
+    p.close()
+
+
+def test_pipes_past_select_reach_still_work(config: dict) -> None:
+    """With 1024 files open, the child's pipes get descriptors select() can't watch."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))  # (a soft limit of 1024 is common)
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        p = Phonemizer(config)
+        assert p.phonemize("Hello.") and p._proc is not None and p._proc.stdout.fileno() >= 1024
+        p.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

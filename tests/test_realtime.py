@@ -735,3 +735,31 @@ def test_speech_resuming_after_a_pause_aborts_the_speculation(
     # aborted inside the engine; nothing of it reached the client.
     assert all(not r["finished"] and "france" not in r["prompt"].lower() for r in stale)
     assert server["llm"].stats()["num_running"] == 0
+
+
+def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_next() -> None:
+    """Session state only (a stand-in socket): response.create, response.cancel before it started,
+    then a barge-in drops that reply's start; the user's next reply must not be cancelled."""
+    import types
+
+    from pipelines.frames import Interrupt, LLMStarted
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import Services
+
+    class Socket:
+        app = types.SimpleNamespace(state=types.SimpleNamespace())
+
+        async def send_text(self, text: str) -> None:
+            pass
+
+    async def go() -> None:
+        s = RealtimeSession(Socket(), Services(), "m")  # type: ignore[arg-type]
+        await s._handle(json.dumps({"type": "response.create"}))
+        s.inbox.get_nowait()  # (the pipeline takes the request)
+        await s._handle(json.dumps({"type": "response.cancel"}))
+        assert s.cancel_pending
+        await s._on_frame(Interrupt("speech_started"))
+        await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
+        assert s.inbox.empty()  # no Interrupt("client_cancelled") for the next reply
+
+    run(go())

@@ -162,11 +162,6 @@ class EmbeddingEngine(BatchLoop):
             await asyncio.to_thread(thread.join, 30)
         self._fail_pending(EngineDeadError("the embedding engine was shut down"))
 
-    @property
-    def dead(self) -> BaseException | None:
-        """Why the engine stopped for good (every request gets ``EngineDeadError``), if it did."""
-        return self._dead
-
     def stats(self) -> dict[str, float]:
         with self._cond:
             return {**self._stats, "num_pending": len(self._pending)}

@@ -192,7 +192,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """OpenAI ``POST /v1/chat/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
-    size = sum(len(str(m.content or "")) for m in body.messages)
+    size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
     prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body)
     try:
         params = body.to_sampling_params(len(prompt_ids), int(engine.max_model_len))

@@ -8,8 +8,8 @@ in flight with it. So ``PiperVoice.phonemize`` itself (Piper's own phonemes) run
 crash or a hang fails only the text that caused it (``PhonemizerError``, a 400 for its request),
 and a fresh child serves the next one.
 
-The child speaks JSON lines: the voice's config first, then a text in, its phonemes per sentence
-out. A round trip costs ~0.1 ms over the phonemisation itself; Piper serialises phonemisation
+The child speaks JSON lines: the voice's config first (it answers ``ready``), then a text in, its
+phonemes per sentence out. A round trip costs ~0.1 ms over the phonemisation itself; Piper serialises phonemisation
 under one lock anyway, so one child per engine loses no parallelism.
 """
 
@@ -26,6 +26,7 @@ import weakref
 from pathlib import Path
 from typing import IO, Any
 
+from engine.errors import EngineDeadError
 from modalities.tts.protocol import TTSInputError
 
 logger = logging.getLogger("mmserve.tts")
@@ -54,18 +55,21 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 class Phonemizer:
     """``phonemize(text)``: Piper's phonemes for ``text``, one list per sentence, made in a child
     process (started at the first call, or by ``start``). Thread-safe; ``close`` ends the child
-    (so does garbage collection)."""
+    (so does garbage collection). A child that can't start raises ``EngineDeadError`` (the
+    server's fault, not the text's)."""
 
-    def __init__(self, config: dict[str, Any], timeout_s: float = 10.0) -> None:
+    def __init__(self, config: dict[str, Any], timeout_s: float = 5.0, start_timeout_s: float = 60.0) -> None:
         self._config = json.dumps(config)
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # per text: ~0.1 ms of work, so only a hang gets near it
+        self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
 
     def start(self) -> None:
         with self._lock:
-            self._child()
+            self._ready_child()
 
     def close(self) -> None:
         with self._lock:
@@ -74,31 +78,57 @@ class Phonemizer:
     def phonemize(self, text: str) -> list[list[str]]:
         line = (json.dumps(text.replace("\0", " ")) + "\n").encode()  # Piper's C bridge takes no NUL
         with self._lock:
-            for attempt in range(2):  # a child that died between calls is replaced, once
-                proc = self._child()
-                assert proc.stdin is not None and proc.stdout is not None
-                try:
-                    proc.stdin.write(line)
-                    proc.stdin.flush()
-                    break
-                except OSError:
-                    self._drop()
-                    if attempt:
-                        raise PhonemizerError("the phonemiser could not be started") from None
-            ready, _, _ = select.select([proc.stdout], [], [], self.timeout_s)
-            answer = proc.stdout.readline() if ready else b""
-            if not answer:  # it crashed on the text (or hung: killed)
-                hung = not ready
+            try:
+                self._send(self._ready_child(), line)
+            except OSError:  # it died between calls (killed from outside): once more, on a fresh one
                 self._drop()
-                self._child()  # the next text doesn't wait for a start
+                try:
+                    self._send(self._ready_child(), line)
+                except OSError as exc:
+                    raise EngineDeadError(f"the phonemiser (eSpeak NG) is not running: {exc}") from exc
+            assert self._proc is not None
+            answer = self._read(self._proc, self.timeout_s)
+            if answer is None:  # it crashed on the text, or hung on it
+                hung = self._proc.poll() is None
+                self._drop()
+                try:
+                    self._spawn()  # the next text doesn't wait for a start
+                except OSError:
+                    logger.exception("the phonemiser could not be restarted (the next text tries again)")
                 logger.warning("the phonemiser %s on a text of %d characters", "hung" if hung else "crashed", len(text))
                 raise PhonemizerError("this text can't be spoken: the phonemiser (eSpeak NG) failed on it")
         return json.loads(answer)
 
-    def _child(self) -> subprocess.Popen[bytes]:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        self._drop()
+    @staticmethod
+    def _send(proc: subprocess.Popen[bytes], line: bytes) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(line)
+        proc.stdin.flush()
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes | None:
+        """The child's next line; ``None`` at its end or after ``timeout_s`` (poll, not select:
+        a server with 1024 files open gets pipes past select's reach)."""
+        assert proc.stdout is not None
+        poller = select.poll()
+        poller.register(proc.stdout, select.POLLIN)
+        if not poller.poll(timeout_s * 1000):
+            return None
+        return proc.stdout.readline() or None  # whole lines only: one per request
+
+    def _ready_child(self) -> subprocess.Popen[bytes]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._drop()
+            self._spawn()
+        assert self._proc is not None
+        if not self._ready:
+            if self._read(self._proc, self.start_timeout_s) != b"ready\n":
+                self._drop()
+                raise EngineDeadError("the phonemiser (eSpeak NG) could not start: see the server's log")
+            self._ready = True
+        return self._proc
+
+    def _spawn(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen(
             [sys.executable, "-m", "modalities.tts.phonemizer"],
@@ -106,12 +136,9 @@ class Phonemizer:
             stdout=subprocess.PIPE,
             env=env,
         )
-        assert proc.stdin is not None
-        proc.stdin.write((self._config + "\n").encode())
-        proc.stdin.flush()
-        self._proc = proc
+        self._proc, self._ready = proc, False
         self._finalizer = weakref.finalize(self, _stop, proc)
-        return proc
+        self._send(proc, (self._config + "\n").encode())
 
     def _drop(self) -> None:
         proc, self._proc = self._proc, None
@@ -123,10 +150,14 @@ class Phonemizer:
 
 
 def _serve(stdin: IO[str], out: IO[str]) -> None:
-    """The child: the voice's config, then one JSON text per line in, its phonemes out."""
+    """The child: the voice's config in, ``ready`` out once it can phonemise, then one JSON text
+    per line in, its phonemes out."""
     from piper import PiperConfig, PiperVoice
 
     voice = PiperVoice(config=PiperConfig.from_dict(json.loads(stdin.readline())), session=None)
+    voice.phonemize("Ready.")  # eSpeak NG loads its data at the first text
+    out.write("ready\n")
+    out.flush()
     for line in stdin:
         out.write(json.dumps(voice.phonemize(json.loads(line))) + "\n")
         out.flush()

@@ -132,9 +132,10 @@ class PiperEngine:
 
     async def _start(self) -> None:
         self._stopping = False
-        self._phonemizer.start()  # its child loads while the sessions do
+        phonemizer = asyncio.ensure_future(asyncio.to_thread(self._phonemizer.start))  # loads meanwhile
         await asyncio.to_thread(cut_voice, self.path)  # once, before the sessions that read it
         voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
+        await phonemizer
         cores = os.cpu_count() or 1
         if self.threads < cores:
             self._wide = await asyncio.to_thread(self._load_voice, cores)
