@@ -122,6 +122,13 @@ async def text_session(c: Client, max_tokens: int) -> None:
     await c.send("session.update", session={"modalities": ["text"], "max_response_output_tokens": max_tokens})
 
 
+async def manual_session(c: Client) -> None:
+    """After connecting: no turn detection (the client commits), text-only replies."""
+    await c.until("session.created")
+    await c.send("session.update", session={"turn_detection": None, "modalities": ["text"]})
+    await c.until("session.updated")
+
+
 def _get(ev: dict[str, Any], path: str) -> Any:
     for key in path.split("__"):
         ev = ev.get(key) if isinstance(ev, dict) else None  # type: ignore[assignment]
@@ -559,9 +566,7 @@ def test_an_append_of_up_to_15_mib_fits_one_frame(server: dict[str, Any]) -> Non
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
             c = Client(ws)
-            await c.until("session.created")
-            await c.send("session.update", session={"turn_detection": None, "modalities": ["text"]})
-            await c.until("session.updated")
+            await manual_session(c)
             await c.send("input_audio_buffer.append", audio=base64.b64encode(bytes(14 << 20)).decode())
             await c.send("input_audio_buffer.clear")
             await c.until("input_audio_buffer.cleared")
@@ -579,9 +584,7 @@ def test_input_audio_buffer_is_capped_at_15_mib(server: dict[str, Any]) -> None:
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
             c = Client(ws)
-            await c.until("session.created")
-            await c.send("session.update", session={"turn_detection": None, "modalities": ["text"]})
-            await c.until("session.updated")
+            await manual_session(c)
             for _ in range(4):  # the fourth goes past 15 MiB
                 await c.send("input_audio_buffer.append", audio=chunk)
             err = await c.until("error")
@@ -614,9 +617,7 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
         protocols = ["realtime", "openai-insecure-api-key.k-small"]
         async with websockets.connect(ws_url, max_size=None, subprotocols=protocols) as ws:
             c = Client(ws)
-            await c.until("session.created")
-            await c.send("session.update", session={"turn_detection": None, "modalities": ["text"]})
-            await c.until("session.updated")
+            await manual_session(c)
             await c.send("input_audio_buffer.append", audio=forty_s)  # 40 of 60 s: accepted
             await c.send("input_audio_buffer.append", audio=forty_s)  # 80 s > budget: dropped
             err = await c.until("error")
