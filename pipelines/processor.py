@@ -157,8 +157,11 @@ class _Concurrent:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad frame must not stop the pipeline
-            logger.exception("%s failed on %s", proc.name, type(frame).__name__)
-            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", stage=proc.name))
+            # An error naming a request field (TTSInputError, InvalidParamError) is the input's.
+            code = "invalid_value" if getattr(exc, "param", None) else None
+            if code is None:
+                logger.exception("%s failed on %s", proc.name, type(frame).__name__)
+            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", stage=proc.name, code=code))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

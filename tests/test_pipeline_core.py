@@ -119,6 +119,21 @@ def test_errors_become_error_frames_and_the_stage_keeps_going() -> None:
     assert [f.text for f in out if isinstance(f, Transcript)] == ["OK"]
 
 
+def test_an_error_naming_a_request_field_is_the_inputs() -> None:
+    from modalities.tts.protocol import TTSInputError
+
+    class Refuses(Processor):
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            raise TTSInputError("this text can't be spoken", "input")
+            yield frame
+
+    async def run() -> list[Frame]:
+        return [f async for f in Pipeline([Refuses()]).stream(_source([Transcript("x")]))]
+
+    out = asyncio.run(run())
+    assert isinstance(out[0], ErrorFrame) and out[0].code == "invalid_value"
+
+
 def test_sequential_interrupt_reaches_later_stages() -> None:
     class Barge(Processor):
         async def process(self, frame: Frame) -> AsyncIterator[Frame]:
