@@ -88,7 +88,7 @@ class _SamplingRequest(_Model):
     @classmethod
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
+            if not (key.isascii() and key.isdigit()):  # ("٣".isdigit() too; int() took it as 3)
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
