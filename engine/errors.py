@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class EngineError(Exception):
     """Base class for errors caused by a request, not by the engine."""
@@ -21,6 +23,14 @@ class InvalidParamError(EngineError, ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Raise ``InvalidParamError`` naming ``param`` for the first id outside the vocabulary (as an
+    index into logits or embeddings it would fail a whole batch, not just its request)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParamError(f"token id {bad} is out of range for a vocabulary of {vocab_size} tokens", param)
 
 
 class PromptTooLongError(EngineError, ValueError):

@@ -12,7 +12,7 @@ from engine import fast_decoder
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.cpu_linear import onednn_available, use_onednn_linears
-from engine.errors import PromptTooLongError, QueueFullError
+from engine.errors import PromptTooLongError, QueueFullError, check_token_ids
 from engine.model_adapter import HFCausalLM, ModelAdapter
 from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState
@@ -130,10 +130,7 @@ class LLMEngine:
             inputs = PromptInputs(self.tokenizer(prompt).input_ids)
         else:
             inputs = PromptInputs(list(prompt))
-        vocab = self.adapter.vocab_size
-        bad = [t for t in inputs.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        check_token_ids(inputs.token_ids, self.adapter.vocab_size, "prompt")
         return inputs
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:

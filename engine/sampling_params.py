@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidParamError
+from engine.errors import check_token_ids
 
 
 @dataclass
@@ -55,17 +55,11 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise ``InvalidParamError`` for a token id outside the vocabulary (a logits index: out of
-        range it would fail the whole batch's step, not just this request)."""
-        for name, ids in (
-            ("logit_bias", list(self.logit_bias or ())),
-            ("stop_token_ids", self.stop_token_ids),
-            ("allowed_token_ids", self.allowed_token_ids or []),
-            ("begin_suppress_token_ids", self.begin_suppress_token_ids or []),
-        ):
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise InvalidParamError(f"token id {bad} is out of range for a vocabulary of {vocab_size} tokens", name)
+        """Raise ``InvalidParamError`` for a token id outside the vocabulary (``check_token_ids``)."""
+        check_token_ids(self.logit_bias or (), vocab_size, "logit_bias")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids(self.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+        check_token_ids(self.begin_suppress_token_ids, vocab_size, "begin_suppress_token_ids")
 
     def verify(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""

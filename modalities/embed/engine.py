@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.batch_loop import BatchLoop
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, QueueFullError, check_token_ids
 from engine.offload import run_sized
 from modalities.embed.model import EmbeddingModel
 
@@ -185,9 +185,7 @@ class EmbeddingEngine(BatchLoop):
             ids = [list(x) for x in inputs]  # type: ignore[arg-type]
             if any(not x for x in ids):
                 raise ValueError("token id lists must not be empty")
-            bad = next((t for x in ids for t in x if not 0 <= t < self.model.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"token id {bad} is out of range for a vocabulary of {self.model.vocab_size}")
+            check_token_ids((t for x in ids for t in x), self.model.vocab_size, "input")
             if truncate is not None:
                 ids = [x[:limit] for x in ids]
         for i, x in enumerate(ids):

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from engine.errors import PromptTooLongError
+from engine.errors import InvalidParamError, PromptTooLongError, check_token_ids
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError, from_engine_error, pick_engine
@@ -59,9 +59,10 @@ def token_text(tokenizer: Any, token_id: int, cache: dict[int, str]) -> str:
 
 
 def validate_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is out of range for a vocabulary of {vocab_size} tokens", param=param)
+    try:
+        check_token_ids(ids, vocab_size, param)
+    except InvalidParamError as exc:
+        raise APIError(400, str(exc), param=param) from exc
 
 
 def admit_error(exc: BaseException, param: str) -> BaseException:
