@@ -30,7 +30,7 @@ from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.audio import MEDIA_TYPES, StreamEncoder
 from modalities.tts.base import check_request
-from modalities.tts.protocol import PCM_RATE, SpeechRequest, TTSInputError
+from modalities.tts.protocol import PCM_RATE, SpeechRequest
 from modalities.tts.registry import resolve_tts
 
 router = APIRouter(tags=["audio"], strict_content_type=False)
@@ -43,21 +43,15 @@ def estimate_seconds(text: str, speed: float) -> float:
     return max(1.0, len(text) / CHARS_PER_SECOND / speed)
 
 
-def _input_error(exc: TTSInputError) -> APIError:
-    return APIError(400, str(exc), param=exc.param, code="invalid_value")
-
-
 async def _first_chunk(gen: AsyncIterator[np.ndarray]) -> np.ndarray | None:
     try:
         return await gen.__anext__()
     except StopAsyncIteration:
         return None
-    except TTSInputError as exc:
-        raise _input_error(exc) from exc
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        mapped = from_engine_error(exc, param="input")
+        mapped = from_engine_error(exc, param="input")  # (a TTSInputError: a 400 naming its param)
         if mapped is None:
             raise
         raise mapped from exc
@@ -68,11 +62,8 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
     """OpenAI ``POST /v1/audio/speech``: audio bytes in ``response_format``, streamed."""
     state = request.app.state
     name, engine, voice = resolve_tts(state.engines, body.model, body.voice, getattr(state, "aliases", {}))
-    try:
-        req = body.to_engine(voice)
-        check_request(engine, req)
-    except TTSInputError as exc:
-        raise _input_error(exc) from exc
+    req = body.to_engine(voice)  # a TTSInputError is a ValueError: the app's handler makes it a 400
+    check_request(engine, req)
     fmt = body.response_format
     rate = req.sample_rate or (PCM_RATE if fmt == "pcm" else engine.sample_rate)
     req.sample_rate = rate
@@ -120,7 +111,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
                 if data:
                     yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band
-            mapped = _input_error(exc) if isinstance(exc, TTSInputError) else from_engine_error(exc, param="input")
+            mapped = from_engine_error(exc, param="input")
             message = mapped.message if mapped is not None else "internal error while synthesising"
             kind = mapped.type if mapped is not None else "server_error"
             yield sse({"type": "error", "error": {"message": message, "type": kind}})
