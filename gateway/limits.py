@@ -13,15 +13,14 @@ character) gets a 400 here too: no route can encode it, tokenize it or echo it b
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError, is_json_content_type, lone_surrogate
+from engine.offload import run_sized
+from gateway.errors import APIError, is_json_content_type, lone_surrogate, may_hold_lone_surrogate
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
@@ -30,18 +29,11 @@ def _too_large(limit: int) -> str:
     return f"request body exceeds the server's limit of {limit} bytes ({limit / (1 << 20):.1f} MiB)"
 
 
-# A cheap filter before parsing: an escaped high surrogate not followed by a low one, or a low
-# one not after a high one (an emoji's escaped pair matches neither).
-_HIGH, _LOW = rb"\\u[dD][89abAB][0-9a-fA-F]{2}", rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-_MAYBE_SURROGATE = re.compile(_HIGH + b"(?!" + _LOW + b")|(?<!" + _HIGH + b")" + _LOW)
-_OFF_LOOP_BYTES = 1 << 20  # a larger body is parsed and walked on a thread
-
-
 def _unicode_error(scope: Scope, body: bytes) -> APIError | None:
     """A 400 for a JSON body with a lone surrogate in a string, which no route could use (every
     JSON route's body is read here first); ``None`` for anything else."""
     content_type = dict(scope.get("headers", [])).get(b"content-type", b"").decode("latin-1")
-    if _MAYBE_SURROGATE.search(body) is None or not is_json_content_type(content_type):
+    if not may_hold_lone_surrogate(body) or not is_json_content_type(content_type):
         return None
     try:
         where = lone_surrogate(json.loads(body))
@@ -104,11 +96,7 @@ class BodySizeLimitMiddleware:
                 break
 
         body = b"".join(m.get("body", b"") for m in buffered)
-        error = (
-            await asyncio.to_thread(_unicode_error, scope, body)
-            if len(body) > _OFF_LOOP_BYTES
-            else _unicode_error(scope, body)
-        )
+        error = await run_sized(len(body), _unicode_error, scope, body)  # (a big one on a thread)
         if error is not None:
             await error.response()(scope, receive, send)
             return

@@ -30,7 +30,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
-from gateway.errors import lone_surrogate
+from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.audio import from_pcm16, to_pcm16
 from modalities.tts.protocol import OPENAI_VOICES
 from pipelines import realtime_ga
@@ -212,7 +212,7 @@ class RealtimeSession:
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise EventError("an event must be a JSON object with a string 'type'", param="type")
             event_id = event.get("event_id")
-            where = lone_surrogate(event)
+            where = lone_surrogate(event) if may_hold_lone_surrogate(raw) else None
             if where is not None:
                 raise EventError("a lone surrogate is not a character", param=where or None)
             kind = event["type"]
