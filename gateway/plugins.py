@@ -75,12 +75,12 @@ def build_all(args: Any) -> Built:
     """Engines of every enabled modality (``args.only`` restricts them), names made unique."""
     only_raw = getattr(args, "only", None)
     only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
-    plugins = load_plugins()
-    missing = sorted(m for m in only if not hasattr(plugins.get(m), "build"))
+    served = servable()
+    missing = sorted(only - set(served))
     if missing:
-        raise ValueError(f"--only {','.join(missing)}: not served by this build (served: {', '.join(servable())})")
+        raise ValueError(f"--only {','.join(missing)}: not served by this build (served: {', '.join(served)})")
     out = Built()
-    for name, plugin in plugins.items():
+    for name, plugin in load_plugins().items():
         if not enabled(name, only) or not hasattr(plugin, "build"):
             continue
         built: Built = plugin.build(args, explicit=name in only)
