@@ -32,7 +32,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from engine.foreground import INTERACTIVE
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.audio import from_pcm16, to_pcm16
-from modalities.tts.protocol import OPENAI_VOICES
+from modalities.tts.registry import unknown_voice
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation, Spoken, heard_text
 from pipelines.frames import (
@@ -249,9 +249,9 @@ class RealtimeSession:
         ``/v1/audio/speech`` refuses it."""
         voice = patch.get("voice") if isinstance(patch, dict) else None
         voices = getattr(self.services.tts, "voices", None)
-        if isinstance(voice, str) and voices and voice not in voices and voice.lower() not in OPENAI_VOICES:
-            known = ", ".join([*voices, *OPENAI_VOICES])
-            raise EventError(f"voice {voice!r} is not available; choose from {known}", param="session.voice")
+        error = unknown_voice(voice, voices) if isinstance(voice, str) and voices else None
+        if error is not None:
+            raise EventError(error, param="session.voice")
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         data = decode_audio_b64(event.get("audio"))

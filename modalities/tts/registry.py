@@ -8,11 +8,21 @@ apps work unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from gateway.errors import APIError, model_not_found
 from modalities.tts.base import is_tts_engine
 from modalities.tts.protocol import OPENAI_MODELS, OPENAI_VOICES
+
+
+def unknown_voice(voice: str, voices: Iterable[str]) -> str | None:
+    """The error for a voice that is neither one of ``voices`` nor one of OpenAI's names (those
+    play the default voice), else ``None``."""
+    voices = list(voices)
+    if voice in voices or voice.lower() in OPENAI_VOICES:
+        return None
+    return f"voice {voice!r} is not available; choose from {', '.join(sorted({*voices, *OPENAI_VOICES}))}"
 
 
 def tts_engines(engines: dict[str, Any]) -> dict[str, Any]:
@@ -36,12 +46,9 @@ def resolve_tts(
             raise model_not_found(model, list(tts))
         fixed = name
     candidates = {fixed: tts[fixed]} if fixed else tts
-    default_name = next(iter(candidates))
+    if voice is not None and (error := unknown_voice(voice, {v for e in candidates.values() for v in e.voices})):
+        raise APIError(400, error, param="voice")
     if voice is None or voice.lower() in OPENAI_VOICES:
-        engine = candidates[default_name]
-        return default_name, engine, engine.voices[0]
-    for name, engine in candidates.items():
-        if voice in engine.voices:
-            return name, engine, voice
-    known = sorted({v for e in candidates.values() for v in e.voices} | set(OPENAI_VOICES))
-    raise APIError(400, f"voice {voice!r} is not available; choose from {', '.join(known)}", param="voice")
+        name = next(iter(candidates))
+        return name, candidates[name], candidates[name].voices[0]
+    return next((name, engine, voice) for name, engine in candidates.items() if voice in engine.voices)
