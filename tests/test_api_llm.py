@@ -280,6 +280,26 @@ def test_completion_validation_errors(server: Server, body: dict[str, Any], para
         assert err["param"] == param and err["type"] == "invalid_request_error"
 
 
+def test_a_prompt_too_long_by_its_length_alone_is_refused_before_tokenizing(server: Server) -> None:
+    """Characters enough for more tokens than the context: a 400 from the length alone (the
+    message gives the bound), for a text prompt and for chat messages, and the server serves on."""
+    huge = "hello world, " * 40_000  # 520k characters: at least ~3.2k tokens, the context is 256
+    with server.http() as c:
+        for path, body, param in (
+            ("/v1/completions", {"prompt": huge}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+        ):
+            err = _assert_openai_error(c.post(path, json={"model": MODEL, **body}), 400, "context_length_exceeded")
+            assert err["param"] == param and "characters, at least" in err["message"], err
+        # Shorter, but still too long once tokenized: the engine's own count, as before.
+        err = _assert_openai_error(
+            c.post("/v1/completions", json={"model": MODEL, "prompt": "hello " * 300}), 400, "context_length_exceeded"
+        )
+        assert "characters" not in err["message"]
+        ok = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
 def test_other_client_errors(server: Server) -> None:
     with server.http() as c:
         chat = {"model": MODEL, "messages": CHAT}

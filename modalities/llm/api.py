@@ -28,6 +28,7 @@ from modalities.llm.serving import (
     chat_logprobs,
     collect_or_raise,
     completion_logprobs,
+    refuse_oversized,
     resolve_engine,
     sse_response,
     start_generation,
@@ -53,6 +54,8 @@ async def create_completion(body: CompletionRequest, request: Request, response:
         raise APIError(400, str(exc)) from exc
     prompts: list[list[int]] = []
     for p in body.prompts():
+        if isinstance(p, str):
+            refuse_oversized(getattr(engine, "max_model_len", None), tokenizer, len(p), "prompt")
         ids = list(await run_sized(len(p), tokenizer.encode, p)) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", param="prompt")
@@ -147,7 +150,9 @@ def _render_params() -> frozenset[str]:
     return frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"kwargs"}
 
 
-def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, limit: int, size: int) -> list[int]:
+    """The prompt's ids; a 400 for one that ``size`` characters of content may make too long for
+    ``limit`` tokens, from its rendered text before it is tokenized (``refuse_oversized``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions instead", param="messages")
     try:
@@ -165,14 +170,14 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
         )
     if body.tools is not None:
         kwargs["tools"] = body.tools
+    kwargs.update(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     try:
-        return render_chat(
-            tokenizer,
-            messages,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **kwargs,
-        )
+        if size >= limit:  # (a template may drop or trim content: the rendered text is what counts)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+            refuse_oversized(limit, tokenizer, len(text), "messages")
+        return render_chat(tokenizer, messages, **kwargs)
+    except APIError:
+        raise
     except Exception as exc:  # template errors (e.g. roles must alternate) are the caller's input
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
 
@@ -193,7 +198,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
-    prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body)
+    prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body, int(engine.max_model_len), size)
     try:
         params = body.to_sampling_params(len(prompt_ids), int(engine.max_model_len))
     except ValueError as exc:

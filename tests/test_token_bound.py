@@ -1,0 +1,85 @@
+"""``engine.token_bound``: a token-count lower bound from a text's length, sound or absent."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from engine.token_bound import min_tokens
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Any:
+    from transformers import AutoTokenizer
+
+    from engine.tiny_models import tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))  # SmolLM2's byte-level BPE
+
+
+def _variant(tokenizer: Any, change: Callable[[dict[str, Any]], None]) -> Any:
+    """The same tokenizer with its JSON spec edited by ``change``."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    change(spec)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+
+
+def _before_byte_level(spec: dict[str, Any], pre: dict[str, Any]) -> None:
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [pre, spec["pre_tokenizer"]]}
+
+
+def test_the_bound_never_exceeds_the_real_count(smollm2: Any) -> None:
+    longest = max(smollm2.get_vocab(), key=lambda t: len(smollm2.convert_tokens_to_string([t])))
+    rng = random.Random(0)
+    texts = [
+        " " * 20_000,
+        "\n" * 5_000 + "\t" * 5_000,
+        smollm2.convert_tokens_to_string([longest]) * 300,
+        "the " * 5_000,
+        "".join(chr(rng.randrange(32, 0x3000)) for _ in range(5_000)),
+        "<|im_start|>" * 1_000,  # a special token's own text
+        "0123456789" * 1_000,
+    ]
+    for text in texts:
+        bound = min_tokens(smollm2, len(text))
+        assert 0 < bound <= len(smollm2.encode(text, add_special_tokens=False)), text[:40]
+    assert min_tokens(smollm2, 0) == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.update(normalizer={"type": "NFKC"}),  # composes characters: a text can shrink
+        lambda s: _before_byte_level(s, {"type": "Whitespace"}),  # drops the spaces
+        lambda s: _before_byte_level(
+            s, {"type": "Split", "pattern": {"String": " "}, "behavior": "Removed", "invert": False}
+        ),
+        lambda s: s["added_tokens"][0].update(lstrip=True),  # swallows the whitespace before it
+        lambda s: s.update(
+            normalizer={"type": "Replace", "pattern": {"String": "  "}, "content": " "}
+        ),  # two characters become one
+    ],
+    ids=["nfkc", "whitespace", "split-removed", "lstrip-token", "shrinking-replace"],
+)
+def test_no_bound_where_tokenizing_may_drop_characters(smollm2: Any, change: Callable[[dict[str, Any]], None]) -> None:
+    assert min_tokens(smollm2, 10_000) > 0
+    assert min_tokens(_variant(smollm2, change), 10_000) == 0
+    harmless = _variant(smollm2, lambda s: _before_byte_level(s, {"type": "Digits", "individual_digits": True}))
+    assert min_tokens(harmless, 10_000) > 0  # the rules above, not the edit itself
+
+
+def test_no_bound_for_a_wordpiece_tokenizer() -> None:
+    """An unknown word is one [UNK], however long: no bound (all-MiniLM-L6-v2's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from modalities.embed.model import default_embed_path
+
+    tok = AutoTokenizer.from_pretrained(default_embed_path())
+    assert min_tokens(tok, 10_000) == 0
