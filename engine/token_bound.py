@@ -1,14 +1,18 @@
-"""A lower bound on a text's token count from its length alone, so an oversized prompt is refused
-before it is tokenized (30 MB of text took its request ~25 s of CPU and ~2 GB here to learn it
-was ~100x over the context).
+"""A text's token count bounded without tokenizing all of it, so an oversized input is refused,
+or truncated, at the cost of what fits the context (a 28 MiB prompt took 32-48 s of CPU and
+~5 GB here to learn it was 800x over the context; docs/BENCHMARKS.md).
 
-Sound only where tokenizing never drops or merges away characters: a BPE model that covers every
+``min_tokens``: a lower bound from the length alone. Sound only where tokenizing never drops or merges away characters: a BPE model that covers every
 byte (byte-level, or byte fallback), a pre-tokenizer that keeps every character, a normalizer
 that never shortens the text, and no added token that swallows the whitespace around it. Then
 every token stands for at most ``L`` bytes, ``L`` being its vocabulary's longest token in UTF-8
 (an upper bound on the bytes a token stands for in either alphabet), and a text of ``n``
 characters has at least ``n`` bytes, so at least ``ceil(n / L)`` tokens. For any other tokenizer
 the bound is 0 (no early refusal).
+
+``head``: the text cut before a whitespace character near a given length, where tokenizing
+splits words at whitespace (BERT's WordPiece and its kin): no token spans the cut, so the head's
+tokens are the text's first tokens, and the text has at least as many.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import json
 import weakref
 from typing import Any
 
+_WHITESPACE_SPLITTERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
+_PER_CHARACTER_NORMALIZERS = {"BertNormalizer", "Lowercase", "StripAccents", "NFC", "NFD", "NFKC", "NFKD", "Sequence"}
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "Sequence"}
 _bytes_per_token: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_cuts_at_whitespace: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _keeps_text(node: Any, allowed: set[str]) -> bool:
@@ -37,12 +44,26 @@ def _keeps_text(node: Any, allowed: set[str]) -> bool:
     return all(_keeps_text(p, allowed) for p in parts)
 
 
+def _spec(tokenizer: Any) -> dict[str, Any] | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else json.loads(backend.to_str())  # type: ignore[no-any-return]
+
+
+def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, Any], tokenizer: Any, compute: Any) -> Any:
+    try:
+        return cache[tokenizer]
+    except KeyError:
+        value = cache[tokenizer] = compute(tokenizer)
+        return value
+    except TypeError:  # not weak-referenceable: compute every time
+        return compute(tokenizer)
+
+
 def _max_token_bytes(tokenizer: Any) -> int:
     """``L`` above, or 0 where the bound would not be sound."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    spec = _spec(tokenizer)
+    if spec is None:
         return 0
-    spec = json.loads(backend.to_str())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
     byte_level = "ByteLevel" in json.dumps(pre)
     if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
@@ -58,10 +79,27 @@ def _max_token_bytes(tokenizer: Any) -> int:
 
 def min_tokens(tokenizer: Any, num_chars: int) -> int:
     """At least this many tokens for any text of ``num_chars`` characters (0: no bound known)."""
-    try:
-        per_token = _bytes_per_token[tokenizer]
-    except KeyError:
-        per_token = _bytes_per_token[tokenizer] = _max_token_bytes(tokenizer)
-    except TypeError:  # not weak-referenceable: compute every time
-        per_token = _max_token_bytes(tokenizer)
+    per_token = _per_tokenizer(_bytes_per_token, tokenizer, _max_token_bytes)
     return -(-num_chars // per_token) if per_token > 0 else 0
+
+
+def _splits_at_whitespace(tokenizer: Any) -> bool:
+    """Words never span whitespace: a whitespace pre-tokenizer, a normalizer that works a
+    character at a time, and no added token holding whitespace."""
+    spec = _spec(tokenizer)
+    if spec is None or (spec.get("pre_tokenizer") or {}).get("type") not in _WHITESPACE_SPLITTERS:
+        return False
+    if not _keeps_text(spec.get("normalizer"), _PER_CHARACTER_NORMALIZERS):
+        return False
+    return not any(any(c.isspace() for c in t.get("content", "")) for t in spec.get("added_tokens") or [])
+
+
+def head(tokenizer: Any, text: str, num_chars: int) -> str | None:
+    """``text`` cut before its last space within ``num_chars``, where that cut keeps every token
+    whole (``_splits_at_whitespace``); None where ``text`` is no longer than that, has no space
+    there, or the tokenizer may join text across whitespace. (A plain space only: a character
+    Python calls whitespace may be a control character the normalizer deletes, joining words.)"""
+    if len(text) <= num_chars or not _per_tokenizer(_cuts_at_whitespace, tokenizer, _splits_at_whitespace):
+        return None
+    cut = text.rfind(" ", 0, num_chars + 1)
+    return text[:cut] if cut > 0 else None

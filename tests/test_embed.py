@@ -177,6 +177,23 @@ def test_too_long_input_and_truncation(server: Server) -> None:
     assert "256" in too_long_ids["message"]
 
 
+def test_a_text_far_over_the_limit_is_judged_by_its_head(server: Server) -> None:
+    """A text 100x the model's limit: refused naming a lower bound, or truncated to the very
+    embedding sentence-transformers gives the whole text (which it tokenizes whole)."""
+    from sentence_transformers import SentenceTransformer
+
+    huge = "The quick brown fox jumps over the lazy dog. " * 3_000  # 135k characters
+    err = _error(server.post({"model": MODEL, "input": ["fine", huge]}), 400)
+    assert "input[1] has at least" in err["message"] and err["code"] == "context_length_exceeded", err
+    ok = server.post({"model": MODEL, "input": huge, "truncate": True, "encoding_format": "float"})
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 256
+    st = SentenceTransformer(str(server.engine.model.path), device="cpu")
+    ref = st.encode([huge], normalize_embeddings=True)[0]
+    assert _cos(np.array(ok.json()["data"][0]["embedding"]), ref) >= 0.9999
+    head_ids = server.engine.prepare([huge], truncate=256)[0]
+    assert head_ids == st.tokenizer(huge, truncation=True, max_length=256)["input_ids"]
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.token_bound import min_tokens
+from engine.token_bound import head, min_tokens
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +83,31 @@ def test_no_bound_for_a_wordpiece_tokenizer() -> None:
 
     tok = AutoTokenizer.from_pretrained(default_embed_path())
     assert min_tokens(tok, 10_000) == 0
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Any:
+    from transformers import AutoTokenizer
+
+    from modalities.embed.model import default_embed_path
+
+    return AutoTokenizer.from_pretrained(default_embed_path())  # WordPiece, split at whitespace
+
+
+def test_a_head_keeps_the_first_tokens_of_the_text(minilm: Any) -> None:
+    rng = random.Random(1)
+    pieces = ["word", "Ünïcödé", "naïve", "東京都", "a\x1cb", "x\u200by", "end.", "(quoted)", "\t", "\n", "don't", "é"]
+    for trial in range(30):
+        text = " ".join(rng.choice(pieces) for _ in range(rng.randrange(50, 400)))
+        cut = head(minilm, text, rng.randrange(20, len(text) - 1))
+        if cut is None:
+            continue
+        first = minilm(cut, add_special_tokens=False)["input_ids"]
+        whole = minilm(text, add_special_tokens=False)["input_ids"]
+        assert whole[: len(first)] == first, (trial, cut[-30:])
+    assert head(minilm, "short text", 100) is None
+    assert head(minilm, "x" * 1000, 100) is None  # no space to cut at
+
+
+def test_no_head_where_words_may_span_whitespace(smollm2: Any) -> None:
+    assert head(smollm2, "hello world " * 100, 50) is None  # byte-level BPE keeps spaces in tokens

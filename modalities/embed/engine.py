@@ -27,7 +27,11 @@ import torch
 from engine.batch_loop import BatchLoop
 from engine.errors import EngineDeadError, QueueFullError, check_token_ids
 from engine.offload import run_sized
+from engine.token_bound import head
 from modalities.embed.model import EmbeddingModel
+
+# A text over this many characters per token of the model's limit is tokenized by its head first.
+HEAD_CHARS_PER_TOKEN = 32
 
 logger = logging.getLogger("mmserve.embed")
 
@@ -180,9 +184,9 @@ class EmbeddingEngine(BatchLoop):
         if all(isinstance(x, str) for x in inputs):
             if any(not x for x in inputs):
                 raise ValueError("input strings must not be empty")
-            ids = self.model.tokenize(list(inputs), max_length=limit if truncate is not None else None)  # type: ignore[arg-type]
+            ids, partial = self._tokenize(list(inputs), limit if truncate is not None else None)  # type: ignore[arg-type]
         else:
-            ids = [list(x) for x in inputs]  # type: ignore[arg-type]
+            ids, partial = [list(x) for x in inputs], set()  # type: ignore[arg-type]
             if any(not x for x in ids):
                 raise ValueError("token id lists must not be empty")
             check_token_ids((t for x in ids for t in x), self.model.vocab_size, "input")
@@ -192,10 +196,31 @@ class EmbeddingEngine(BatchLoop):
             if len(x) > self.max_model_len:
                 where = f"input[{i}]" if len(ids) > 1 else "the input"
                 raise InputTooLongError(
-                    f"{where} has {len(x)} tokens, more than this model's maximum of {self.max_model_len} tokens; "
-                    "shorten it or set `truncate: true`"
+                    f"{where} has {'at least ' if i in partial else ''}{len(x)} tokens, more than this model's "
+                    f"maximum of {self.max_model_len} tokens; shorten it or set `truncate: true`"
                 )
         return ids
+
+    def _tokenize(self, texts: list[str], max_length: int | None) -> tuple[list[list[int]], set[int]]:
+        """``model.tokenize(texts, max_length)``, but a text far longer than the model's limit is
+        tokenized by its head first (``engine.token_bound.head``): if the head alone is over the
+        limit, its tokens stand for the text's (truncated: the same first tokens; else, enough to
+        refuse it: the indices of those are returned too). 28 MiB of text took 54 s of CPU and
+        ~5 GB to refuse whole (docs/BENCHMARKS.md)."""
+        out: list[list[int] | None] = [None] * len(texts)
+        partial: set[int] = set()
+        for i, text in enumerate(texts):
+            cut = head(self.model.tokenizer, text, HEAD_CHARS_PER_TOKEN * self.max_model_len)
+            if cut is not None and len(ids := self.model.tokenize([cut])[0]) > self.max_model_len:
+                if max_length is None:
+                    out[i] = ids
+                    partial.add(i)
+                else:
+                    out[i] = self.model.tokenize([cut], max_length)[0]
+        rest = [i for i, ids in enumerate(out) if ids is None]
+        for i, ids in zip(rest, self.model.tokenize([texts[i] for i in rest], max_length) if rest else [], strict=True):
+            out[i] = ids
+        return [ids or [] for ids in out], partial
 
     async def embed(self, inputs: list[str] | list[list[int]], truncate: int | None = None) -> EmbedResult:
         """Embed ``inputs`` (strings or token-id lists); batched with every other concurrent call."""
