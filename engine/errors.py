@@ -36,11 +36,19 @@ def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
 class PromptTooLongError(EngineError, ValueError):
     """Prompt plus requested output does not fit the model's context (HTTP 400)."""
 
-    def __init__(self, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, num_prompt_tokens: int, max_tokens: int, max_model_len: int, num_chars: int | None = None
+    ) -> None:
+        """``num_chars``: the prompt was not tokenized; it has this many characters, so at least
+        ``num_prompt_tokens`` tokens (``engine.token_bound``)."""
+        if num_chars is not None:
+            asked = f"your prompt has {num_chars} characters, at least {num_prompt_tokens} tokens"
+        else:
+            asked = f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt"
+            asked += f", {max_tokens} for the completion)"
         super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"completion). Please reduce the prompt or max_tokens."
+            f"This model's maximum context length is {max_model_len} tokens. However, {asked}. "
+            "Please reduce the prompt or max_tokens."
         )
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens

@@ -21,6 +21,8 @@ import json
 import weakref
 from typing import Any
 
+from engine.errors import PromptTooLongError
+
 _WHITESPACE_SPLITTERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
 _PER_CHARACTER_NORMALIZERS = {"BertNormalizer", "Lowercase", "StripAccents", "NFC", "NFD", "NFKC", "NFKD", "Sequence"}
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "Sequence"}
@@ -81,6 +83,16 @@ def min_tokens(tokenizer: Any, num_chars: int) -> int:
     """At least this many tokens for any text of ``num_chars`` characters (0: no bound known)."""
     per_token = _per_tokenizer(_bytes_per_token, tokenizer, _max_token_bytes)
     return -(-num_chars // per_token) if per_token > 0 else 0
+
+
+def check_length(tokenizer: Any, num_chars: int, max_model_len: int, max_tokens: int = 1) -> None:
+    """``PromptTooLongError`` for a prompt of ``num_chars`` characters that, with ``max_tokens``
+    to generate, cannot fit ``max_model_len`` tokens whatever it says: before tokenizing it."""
+    if num_chars + max_tokens <= max_model_len:  # (no token is shorter than a character)
+        return
+    at_least = min_tokens(tokenizer, num_chars)
+    if at_least + max_tokens > max_model_len:
+        raise PromptTooLongError(at_least, max_tokens, max_model_len, num_chars=num_chars)
 
 
 def _splits_at_whitespace(tokenizer: Any) -> bool:

@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.token_bound import check_length, min_tokens
 from modalities.llm.chat import render_chat
 
 DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two short sentences."
@@ -82,11 +83,21 @@ class Conversation:
         msgs += [{"role": i.role, "content": i.text} for i in self.items[first:] if i.text.strip()]
         return msgs
 
-    def prompt_ids(self, tokenizer: Any, limit: int | None = None) -> list[int]:
+    def chars(self, first: int = 0) -> int:
+        """Characters of the instructions and the items from ``first``: the size of a render."""
+        return len(self.instructions) + sum(len(i.text) for i in self.items[first:])
+
+    def prompt_ids(self, tokenizer: Any, limit: int | None = None, max_tokens: int = 0) -> list[int]:
         """The rendered prompt; with ``limit``, the oldest items are left out until it fits (the
         instructions and the latest item with text stay, so it may still be too long: the engine
-        says so). Items once left out stay out, so later turns keep one prefix (the prefix cache)."""
+        says so). Items once left out stay out, so later turns keep one prefix (the prefix cache).
+        Items too long to fit by their length alone are left out before rendering; if what must
+        stay is, ``PromptTooLongError`` (``max_tokens``: the reply's room, for its message)."""
         last = max((k for k, item in enumerate(self.items) if item.text.strip()), default=0)
+        if limit is not None:
+            while self._first < last and min_tokens(tokenizer, self.chars(self._first)) > limit:
+                self._first += 1
+            check_length(tokenizer, self.chars(self._first), limit + max_tokens, max(max_tokens, 0))
         while True:
             ids = render_chat(tokenizer, self.messages(self._first))
             if limit is None or len(ids) <= limit or self._first >= last:

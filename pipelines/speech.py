@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineError
+from engine.offload import OFF_LOOP_CHARS, run_sized
 from gateway.errors import from_engine_error
 from modalities.audio import ASR_RATE, Resampler
 from modalities.tts.text import SentenceSplitter
@@ -220,7 +221,8 @@ class LLM(Processor):
     def _prompt(self, conv: Conversation) -> list[int]:
         engine = self.services.llm
         max_len = getattr(engine, "max_model_len", None)
-        return conv.prompt_ids(engine.tokenizer, max_len - self.options.max_tokens if max_len else None)
+        max_tokens = self.options.max_tokens
+        return conv.prompt_ids(engine.tokenizer, max_len - max_tokens if max_len else None, max_tokens)
 
     def _generate(self, request_id: str, ids: list[int]) -> AsyncIterator[Any]:
         from engine.sampling_params import SamplingParams
@@ -235,7 +237,7 @@ class LLM(Processor):
     def _speculate(self, text: str) -> None:
         """Start the reply the conversation would get if the turn ended with ``text``."""
         self.close()
-        if not text:
+        if not text or self.conversation.chars() > OFF_LOOP_CHARS:  # a long render would hold the loop
             return
         try:
             ids = self._prompt(self.conversation.answering(text))
@@ -279,7 +281,7 @@ class LLM(Processor):
         if not req.out_of_band:
             spec, self.speculation = self.speculation, None
         try:
-            ids = self._prompt(prompt)
+            ids = await run_sized(prompt.chars(), self._prompt, prompt)  # (a long one on a thread)
             if spec is not None and not spec.matches(ids, self._params()):
                 spec.cancel()
                 spec = None

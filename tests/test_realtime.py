@@ -7,6 +7,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -556,6 +557,40 @@ def test_a_user_item_too_long_for_the_context_is_refused_not_dropped(server: dic
             assert err["error"]["code"] == "context_length_exceeded"
             assert err["error"]["type"] == "invalid_request_error"
             assert (await c.until("response.done"))["response"]["status"] == "failed"
+
+    run(go())
+
+
+def test_a_huge_item_is_judged_by_its_length_and_holds_no_other_session(server: dict[str, Any]) -> None:
+    """A 5 MB user item: refused by its length alone (a render would tokenize it on the event
+    loop: ~5 s here during which every other session and request waited); once an older item,
+    it is left out of later prompts unrendered."""
+
+    async def go() -> None:
+        async with (
+            websockets.connect(server["url"], max_size=None) as ws,
+            websockets.connect(server["url"], max_size=None) as other_ws,
+        ):
+            c, other = Client(ws), Client(other_ws)
+            await text_session(c, 4)
+            await other.until("session.created")
+            await c.send("conversation.item.create", item=user_item("hello world, " * 400_000))
+            await c.send("response.create")
+            waits = []
+            for _ in range(5):  # the other session's round trips meanwhile
+                t0 = time.monotonic()
+                await other.send("session.update", session={"temperature": 0.7})
+                await other.until("session.updated")
+                waits.append(time.monotonic() - t0)
+            err = await c.until("error")
+            assert (
+                err["error"]["code"] == "context_length_exceeded" and "characters, at least" in err["error"]["message"]
+            )
+            assert (await c.until("response.done"))["response"]["status"] == "failed"
+            assert max(waits) < 2.0, waits
+            await c.send("conversation.item.create", item=user_item("Say hi."))
+            await c.send("response.create")
+            assert (await c.until("response.done"))["response"]["status"] == "completed"
 
     run(go())
 

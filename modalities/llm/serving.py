@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 from engine.errors import InvalidParamError, PromptTooLongError, check_token_ids
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.token_bound import min_tokens
+from engine.token_bound import check_length
 from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
@@ -67,19 +67,13 @@ def validate_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def refuse_oversized(limit: int | None, tokenizer: Any, num_chars: int, param: str) -> None:
-    """A 400 ``context_length_exceeded`` for a prompt of ``num_chars`` characters that cannot fit a
-    context of ``limit`` tokens whatever it says (``engine.token_bound``): before tokenizing it."""
-    if not isinstance(limit, int) or num_chars < limit:  # (a token holds at least one character)
-        return
-    at_least = min_tokens(tokenizer, num_chars)
-    if at_least >= limit:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, your prompt has {num_chars} "
-            f"characters, at least {at_least} tokens. Please reduce the prompt.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    """A 400 ``context_length_exceeded`` for a prompt of ``num_chars`` characters that cannot fit
+    a context of ``limit`` tokens whatever it says (``engine.token_bound``): before tokenizing it."""
+    if isinstance(limit, int):
+        try:
+            check_length(tokenizer, num_chars, limit)
+        except PromptTooLongError as exc:
+            raise admit_error(exc, param) from exc
 
 
 def admit_error(exc: BaseException, param: str) -> BaseException:
