@@ -2,12 +2,15 @@
 or truncated, at the cost of what fits the context (a 28 MiB prompt took 32-48 s of CPU and
 ~5 GB here to learn it was 800x over the context; docs/BENCHMARKS.md).
 
-``min_tokens``: a lower bound from the length alone. Sound only where tokenizing never drops or merges away characters: a BPE model that covers every
-byte (byte-level, or byte fallback), a pre-tokenizer that keeps every character, a normalizer
-that never shortens the text, and no added token that swallows the whitespace around it. Then
-every token stands for at most ``L`` bytes, ``L`` being its vocabulary's longest token in UTF-8
-(an upper bound on the bytes a token stands for in either alphabet), and a text of ``n``
-characters has at least ``n`` bytes, so at least ``ceil(n / L)`` tokens. For any other tokenizer
+``min_tokens``: a lower bound from a text's length. Sound only where tokenizing merges away no
+characters: a BPE model over bytes (byte-level, or byte fallback), a pre-tokenizer that keeps
+every character, a normalizer that never shortens the text, and no added token that swallows the
+whitespace around it. Then every token stands for at most ``L`` bytes, ``L`` being its
+vocabulary's longest token in UTF-8 (an upper bound on the bytes a token stands for in either
+alphabet), so a text of ``n`` characters that all keep a byte has at least ``ceil(n / L)``
+tokens. A byte missing from the vocabulary is dropped (SmolLM2's lacks 21, among them 6 ASCII
+control characters): those characters are not counted, and a tokenizer missing a UTF-8
+continuation byte (a multi-byte character could vanish) gets no bound. For any other tokenizer
 the bound is 0 (no early refusal).
 
 ``head``: the text cut before a whitespace character near a given length, where tokenizing
@@ -26,7 +29,7 @@ from engine.errors import PromptTooLongError
 _WHITESPACE_SPLITTERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
 _PER_CHARACTER_NORMALIZERS = {"BertNormalizer", "Lowercase", "StripAccents", "NFC", "NFD", "NFKC", "NFKD", "Sequence"}
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "Sequence"}
-_bytes_per_token: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_bytes_per_token: weakref.WeakKeyDictionary[Any, tuple[int, str]] = weakref.WeakKeyDictionary()
 _cuts_at_whitespace: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
@@ -48,7 +51,17 @@ def _keeps_text(node: Any, allowed: set[str]) -> bool:
 
 def _spec(tokenizer: Any) -> dict[str, Any] | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return None if backend is None else json.loads(backend.to_str())  # type: ignore[no-any-return]
+    try:
+        return None if backend is None else json.loads(backend.to_str())  # type: ignore[no-any-return]
+    except Exception:  # noqa: BLE001 - custom components do not serialize: no bound, no cut
+        return None
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the character that stands for it in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(others)}}
 
 
 def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, Any], tokenizer: Any, compute: Any) -> Any:
@@ -61,38 +74,53 @@ def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, Any], tokenizer: Any, c
         return compute(tokenizer)
 
 
-def _max_token_bytes(tokenizer: Any) -> int:
-    """``L`` above, or 0 where the bound would not be sound."""
+def _coverage(tokenizer: Any) -> tuple[int, str]:
+    """(``L``, the characters tokenizing drops) as above; ``L`` = 0 where no bound is sound."""
     spec = _spec(tokenizer)
     if spec is None:
-        return 0
+        return 0, ""
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
-    byte_level = "ByteLevel" in json.dumps(pre)
-    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
-        return 0  # an unknown character could become one <unk> for a whole run
+    vocab = tokenizer.get_vocab()
+    if "ByteLevel" in json.dumps(pre):
+        missing = [b for b, symbol in _byte_symbols().items() if symbol not in vocab]
+    elif model.get("byte_fallback"):
+        missing = [b for b in range(256) if f"<0x{b:02X}>" not in vocab]
+    else:
+        return 0, ""  # an unknown character could become one <unk> for a whole run
+    if model.get("type") != "BPE" or any(0x80 <= b < 0xC0 for b in missing):
+        return 0, ""
     if not _keeps_text(pre, _KEEPING_PRE_TOKENIZERS):
-        return 0
+        return 0, ""
     if not _keeps_text(spec.get("normalizer"), {"Prepend", "Replace", "Sequence"}):
-        return 0
+        return 0, ""
     if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
-        return 0  # such a token absorbs any run of whitespace beside it
-    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=0)
+        return 0, ""  # such a token absorbs any run of whitespace beside it
+    return max((len(t.encode("utf-8")) for t in vocab), default=0), "".join(chr(b) for b in missing if b < 0x80)
 
 
-def min_tokens(tokenizer: Any, num_chars: int) -> int:
-    """At least this many tokens for any text of ``num_chars`` characters (0: no bound known)."""
-    per_token = _per_tokenizer(_bytes_per_token, tokenizer, _max_token_bytes)
-    return -(-num_chars // per_token) if per_token > 0 else 0
+def prepare(tokenizer: Any) -> None:
+    """Work out the bound's terms now (~0.3 s for a 49k vocabulary), not on a request's path."""
+    _per_tokenizer(_bytes_per_token, tokenizer, _coverage)
+    _per_tokenizer(_cuts_at_whitespace, tokenizer, _splits_at_whitespace)
 
 
-def check_length(tokenizer: Any, num_chars: int, max_model_len: int, max_tokens: int = 1) -> None:
-    """``PromptTooLongError`` for a prompt of ``num_chars`` characters that, with ``max_tokens``
-    to generate, cannot fit ``max_model_len`` tokens whatever it says: before tokenizing it."""
-    if num_chars + max_tokens <= max_model_len:  # (no token is shorter than a character)
+def min_tokens(tokenizer: Any, text: str) -> int:
+    """At least this many tokens for ``text`` (0: no bound known)."""
+    per_token, dropped = _per_tokenizer(_bytes_per_token, tokenizer, _coverage)
+    if per_token <= 0:
+        return 0
+    kept = len(text) - sum(text.count(c) for c in dropped)
+    return -(-kept // per_token)
+
+
+def check_length(tokenizer: Any, text: str, max_model_len: int, max_tokens: int = 1) -> None:
+    """``PromptTooLongError`` for a prompt ``text`` that, with ``max_tokens`` to generate, cannot
+    fit ``max_model_len`` tokens whatever it says: before tokenizing it."""
+    if len(text) + max_tokens <= max_model_len:  # (no token is shorter than a character)
         return
-    at_least = min_tokens(tokenizer, num_chars)
+    at_least = min_tokens(tokenizer, text)
     if at_least + max_tokens > max_model_len:
-        raise PromptTooLongError(at_least, max_tokens, max_model_len, num_chars=num_chars)
+        raise PromptTooLongError(at_least, max_tokens, max_model_len, num_chars=len(text))
 
 
 def _splits_at_whitespace(tokenizer: Any) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.token_bound import check_length, min_tokens
-from modalities.llm.chat import render_chat
+from modalities.llm.chat import render_chat, render_chat_text
 
 DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two short sentences."
 
@@ -83,21 +83,36 @@ class Conversation:
         msgs += [{"role": i.role, "content": i.text} for i in self.items[first:] if i.text.strip()]
         return msgs
 
-    def chars(self, first: int = 0) -> int:
-        """Characters of the instructions and the items from ``first``: the size of a render."""
-        return len(self.instructions) + sum(len(i.text) for i in self.items[first:])
+    def chars(self) -> int:
+        """Characters of what the next render holds: the instructions and the items with text
+        from the first one that still fits."""
+        return len(self.instructions) + sum(len(i.text) for i in self.items[self._first :] if i.text.strip())
+
+    def snapshot(self) -> Conversation:
+        """A copy with its own item list, to render on a thread while this one changes."""
+        return dataclasses.replace(self, items=list(self.items))
+
+    def keep_from(self, rendered: Conversation) -> None:
+        """Leave out, from now on, the items a render of ``snapshot()`` left out."""
+        gone = {id(i) for i in rendered.items[: rendered._first]}
+        self._first = max(self._first, max((k + 1 for k, i in enumerate(self.items) if id(i) in gone), default=0))
 
     def prompt_ids(self, tokenizer: Any, limit: int | None = None, max_tokens: int = 0) -> list[int]:
         """The rendered prompt; with ``limit``, the oldest items are left out until it fits (the
         instructions and the latest item with text stay, so it may still be too long: the engine
         says so). Items once left out stay out, so later turns keep one prefix (the prefix cache).
-        Items too long to fit by their length alone are left out before rendering; if what must
-        stay is, ``PromptTooLongError`` (``max_tokens``: the reply's room, for its message)."""
+        A render too long by its text's length alone (``engine.token_bound``) is not tokenized:
+        its oldest items are left out, and if what must stay is too long, ``PromptTooLongError``
+        (``max_tokens``: the reply's room, for its message)."""
         last = max((k for k, item in enumerate(self.items) if item.text.strip()), default=0)
-        if limit is not None:
-            while self._first < last and min_tokens(tokenizer, self.chars(self._first)) > limit:
-                self._first += 1
-            check_length(tokenizer, self.chars(self._first), limit + max_tokens, max(max_tokens, 0))
+        while limit is not None and self.chars() > limit:  # (a shorter text: no length bound hits)
+            text = render_chat_text(tokenizer, self.messages(self._first))
+            if self._first >= last:
+                check_length(tokenizer, text, limit + max_tokens, max_tokens)
+                break
+            if min_tokens(tokenizer, text) <= limit:
+                break
+            self._first += 1
         while True:
             ids = render_chat(tokenizer, self.messages(self._first))
             if limit is None or len(ids) <= limit or self._first >= last:

@@ -281,7 +281,12 @@ class LLM(Processor):
         if not req.out_of_band:
             spec, self.speculation = self.speculation, None
         try:
-            ids = await run_sized(prompt.chars(), self._prompt, prompt)  # (a long one on a thread)
+            # A long render runs on a thread, over a snapshot: the session may add or delete items
+            # meanwhile; the items the render left out stay out of the live conversation.
+            rendered = prompt.snapshot()
+            ids = await run_sized(rendered.chars(), self._prompt, rendered)
+            if prompt is conv:
+                conv.keep_from(rendered)
             if spec is not None and not spec.matches(ids, self._params()):
                 spec.cancel()
                 spec = None

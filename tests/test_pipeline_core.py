@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -233,6 +234,51 @@ def test_conversation_leaves_out_the_oldest_items_to_fit_and_keeps_the_instructi
     assert len(ids) <= 60 and text.startswith("<system>sys") and text.endswith("<assistant>answer 9")
     assert "question 0" not in text
     assert conv.prompt_ids(Tok(), limit=3) == [ord(c) for c in "<system>sys<assistant>answer 9"]  # the latest stays
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from engine.tiny_models import tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+
+
+def test_a_conversation_is_judged_by_what_it_renders(smollm2_tokenizer: Any) -> None:
+    """Whitespace-only items render as nothing: no refusal, and no older item left out for them."""
+    from engine.errors import PromptTooLongError
+    from pipelines.conversation import Conversation
+
+    tok = smollm2_tokenizer
+    conv = Conversation()
+    conv.add("user", "My name is Ann.")
+    conv.add("user", " " * 800_000)
+    conv.add("user", "\n" * 800_000)  # 1.6M characters: a 9.9k-token bound if counted
+    conv.add("user", "What is my name?")
+    text = tok.decode(conv.prompt_ids(tok, limit=8192 - 256, max_tokens=256))
+    assert "Ann" in text and "What is my name?" in text and conv._first == 0
+    conv.add("user", "hello world, " * 100_000)  # too long by its length alone: no render
+    with pytest.raises(PromptTooLongError, match="characters, at least"):
+        conv.prompt_ids(tok, limit=8192 - 256, max_tokens=256)
+
+
+def test_a_render_on_a_snapshot_leaves_out_the_same_items_of_the_live_conversation(smollm2_tokenizer: Any) -> None:
+    """The session may delete an item while a long render runs on a thread: the items the render
+    left out stay out, and the latest one stays in."""
+    from pipelines.conversation import Conversation
+
+    tok = smollm2_tokenizer
+    conv = Conversation("Be brief.")
+    old = conv.add("user", "one " * 300)
+    conv.add("assistant", "two " * 300)
+    conv.add("user", "What now?")
+    rendered = conv.snapshot()
+    assert conv.remove(old.id)  # meanwhile, on the event loop
+    rendered.prompt_ids(tok, limit=60)
+    assert rendered._first == 2
+    conv.keep_from(rendered)
+    assert [m["content"] for m in conv.messages(conv._first)] == ["Be brief.", "What now?"]
 
 
 def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:

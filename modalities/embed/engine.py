@@ -27,7 +27,7 @@ import torch
 from engine.batch_loop import BatchLoop
 from engine.errors import EngineDeadError, QueueFullError, check_token_ids
 from engine.offload import run_sized
-from engine.token_bound import head
+from engine.token_bound import head, prepare
 from modalities.embed.model import EmbeddingModel
 
 # A text over this many characters per token of the model's limit is tokenized by its head first.
@@ -108,6 +108,7 @@ class EmbeddingEngine(BatchLoop):
         threads_per_worker: int | None = None,
     ) -> None:
         self.model = model
+        prepare(model.tokenizer)  # the head rule's terms, not on the first long input's path
         self.model_name = served_name or model.name
         self.max_model_len = model.max_len
         self.dim = model.dim
@@ -209,13 +210,14 @@ class EmbeddingEngine(BatchLoop):
         ~5 GB to refuse whole (docs/BENCHMARKS.md)."""
         out: list[list[int] | None] = [None] * len(texts)
         partial: set[int] = set()
+        keeps_first = getattr(self.model.tokenizer, "truncation_side", "right") == "right"
         for i, text in enumerate(texts):
             cut = head(self.model.tokenizer, text, HEAD_CHARS_PER_TOKEN * self.max_model_len)
             if cut is not None and len(ids := self.model.tokenize([cut])[0]) > self.max_model_len:
                 if max_length is None:
                     out[i] = ids
                     partial.add(i)
-                else:
+                elif keeps_first:  # (a tokenizer truncating on the left keeps the text's end)
                     out[i] = self.model.tokenize([cut], max_length)[0]
         rest = [i for i, ids in enumerate(out) if ids is None]
         for i, ids in zip(rest, self.model.tokenize([texts[i] for i in rest], max_length) if rest else [], strict=True):

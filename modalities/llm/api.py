@@ -21,7 +21,7 @@ from engine.offload import run_sized
 from engine.outputs import CompletionOutput
 from gateway.errors import APIError
 from gateway.streaming import disconnected_response, sse
-from modalities.llm.chat import render_chat
+from modalities.llm.chat import render_chat, render_chat_text
 from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
 from modalities.llm.serving import (
     Tracker,
@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     prompts: list[list[int]] = []
     for p in body.prompts():
         if isinstance(p, str):
-            refuse_oversized(getattr(engine, "max_model_len", None), tokenizer, len(p), "prompt")
+            refuse_oversized(getattr(engine, "max_model_len", None), tokenizer, p, "prompt")
         ids = list(await run_sized(len(p), tokenizer.encode, p)) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", param="prompt")
@@ -173,8 +173,8 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, limit: int, si
     kwargs.update(add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
     try:
         if size >= limit:  # (a template may drop or trim content: the rendered text is what counts)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-            refuse_oversized(limit, tokenizer, len(text), "messages")
+            text = render_chat_text(tokenizer, messages, **kwargs)
+            refuse_oversized(limit, tokenizer, text, "messages")
         return render_chat(tokenizer, messages, **kwargs)
     except APIError:
         raise

@@ -17,3 +17,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -
     if ids and isinstance(ids[0], list):
         ids = ids[0]
     return [int(t) for t in ids]
+
+
+def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+    """The text ``render_chat`` tokenizes (``add_generation_prompt`` defaults to True)."""
+    kwargs.setdefault("add_generation_prompt", True)
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))

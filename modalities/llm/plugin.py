@@ -81,6 +81,7 @@ def engine_config(args: Any, model: str) -> Any:
 
 def build(args: Any, explicit: bool = False) -> Built:
     """One ``AsyncEngine`` per ``--llm`` model, served as ``--served-model-name`` or its own name."""
+    from engine import token_bound
     from engine.async_engine import AsyncEngine
 
     llm = getattr(args, "llm", None)
@@ -90,6 +91,7 @@ def build(args: Any, explicit: bool = False) -> Built:
     built = Built()
     for i, model in enumerate(models):
         engine = AsyncEngine.from_config(engine_config(args, model))
+        token_bound.prepare(engine.tokenizer)  # not on the first long prompt's path
         name = served_names[i] if i < len(served_names) else engine.model_name
         built.engines[name] = engine
         for alias in (model, engine.model_name):  # also answer to the --llm spec and the model's own name

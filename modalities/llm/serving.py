@@ -66,12 +66,12 @@ def validate_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise APIError(400, str(exc), param=param) from exc
 
 
-def refuse_oversized(limit: int | None, tokenizer: Any, num_chars: int, param: str) -> None:
-    """A 400 ``context_length_exceeded`` for a prompt of ``num_chars`` characters that cannot fit
-    a context of ``limit`` tokens whatever it says (``engine.token_bound``): before tokenizing it."""
+def refuse_oversized(limit: int | None, tokenizer: Any, text: str, param: str) -> None:
+    """A 400 ``context_length_exceeded`` for a prompt ``text`` that cannot fit a context of
+    ``limit`` tokens whatever it says (``engine.token_bound``): before tokenizing it."""
     if isinstance(limit, int):
         try:
-            check_length(tokenizer, num_chars, limit)
+            check_length(tokenizer, text, limit)
         except PromptTooLongError as exc:
             raise admit_error(exc, param) from exc
 
