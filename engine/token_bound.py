@@ -57,13 +57,6 @@ def _spec(tokenizer: Any) -> dict[str, Any] | None:
         return None
 
 
-def _byte_symbols() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: byte -> the character that stands for it in the vocabulary."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + k) for k, b in enumerate(others)}}
-
-
 def _per_tokenizer(cache: weakref.WeakKeyDictionary[Any, Any], tokenizer: Any, compute: Any) -> Any:
     try:
         return cache[tokenizer]
@@ -82,7 +75,9 @@ def _coverage(tokenizer: Any) -> tuple[int, str]:
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
     vocab = tokenizer.get_vocab()
     if "ByteLevel" in json.dumps(pre):
-        missing = [b for b, symbol in _byte_symbols().items() if symbol not in vocab]
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # (loaded with any tokenizer)
+
+        missing = [b for b, symbol in bytes_to_unicode().items() if symbol not in vocab]
     elif model.get("byte_fallback"):
         missing = [b for b in range(256) if f"<0x{b:02X}>" not in vocab]
     else:
