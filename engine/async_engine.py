@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestFailedError
 from engine.foreground import FOREGROUND, Turns
 from engine.llm_engine import LLMEngine, Prompt
 from engine.openmp import release_thread_team
@@ -262,7 +262,10 @@ class AsyncEngine:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue
-                    delivery.setdefault(stream.loop, []).append((stream, out))
+                    if out.error is not None:  # dropped by a failed step (``LLMEngine._fail``)
+                        stream.put(RequestFailedError(out.error))
+                    else:
+                        delivery.setdefault(stream.loop, []).append((stream, out))
                     if out.finished:
                         del self._streams[out.request_id]
                 for loop, items in delivery.items():

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 
 class EngineError(Exception):
-    """Base class for errors caused by a request, not by the engine."""
+    """Base class for the errors the engine reports to a request's caller."""
 
 
 class QueueFullError(EngineError):
@@ -57,3 +57,8 @@ class PromptTooLongError(EngineError, ValueError):
 
 class EngineDeadError(EngineError):
     """The engine loop crashed; every in-flight request is failed with this (HTTP 500/503)."""
+
+
+class RequestFailedError(EngineError):
+    """The engine failed while running a step that held this request (a bug or a resource
+    failure, not the request's input): the request is dropped, the engine serves on (HTTP 500)."""

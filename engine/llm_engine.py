@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -12,20 +13,25 @@ from engine import fast_decoder
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.cpu_linear import onednn_available, use_onednn_linears
-from engine.errors import PromptTooLongError, QueueFullError, check_token_ids
+from engine.errors import PromptTooLongError, QueueFullError, RequestFailedError, check_token_ids
 from engine.model_adapter import HFCausalLM, ModelAdapter
 from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, PromptInputs, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from engine.model_loader import LoadedModel
 
+logger = logging.getLogger(__name__)
+
 Prompt = str | list[int] | PromptInputs
+# A step that raises drops the requests it held and the engine serves on; this many failed steps
+# in a row mean the engine itself is broken: ``step`` raises, and the loop stops for good.
+MAX_FAILED_STEPS = 3
 
 
 def _gguf_blocks(config: EngineConfig, loaded: LoadedModel, lean: bool) -> dict | None:
@@ -83,6 +89,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, kv, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self._aborted: list[RequestState] = []
+        self.num_failed_steps = 0
+        self._failed_in_a_row = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -182,6 +190,25 @@ class LLMEngine:
             state = self.requests.get(item.seq.request_id)
             if state is not None and state.scheduled_time is None:
                 state.scheduled_time = now
+        try:
+            progressed = self._run(sched)
+        except Exception as exc:
+            self.num_failed_steps += 1
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= MAX_FAILED_STEPS:
+                raise
+            logger.exception("an engine step failed: its requests are dropped")
+            return outputs + self._fail(sched, exc)
+        self._failed_in_a_row = 0
+        for request_id, state in progressed.items():
+            if state.output_due:
+                outputs.append(state.make_output())
+            if state.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _run(self, sched: SchedulerOutput) -> dict[str, RequestState]:
+        """Run ``sched`` and take its sampled tokens; the requests that got one."""
         sampled = self.runner.execute(sched)
         touched = self.scheduler.update(sched, sampled)
         progressed: dict[str, RequestState] = {}
@@ -195,11 +222,23 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP, stop_str)
             progressed[seq.request_id] = state
-        for request_id, state in progressed.items():
-            if state.output_due:
-                outputs.append(state.make_output())
-            if state.finished:
-                del self.requests[request_id]
+        return progressed
+
+    def _fail(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Drop every request the failed step held (their blocks are freed; the prefix cache
+        registers blocks only after a step succeeds, so it holds nothing of theirs): their last
+        outputs carry the error."""
+        error = f"the engine failed while running this request ({type(exc).__name__}); other requests are unaffected"
+        outputs = []
+        for request_id in dict.fromkeys(item.seq.request_id for item in sched.scheduled):
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            out = state.make_output()
+            out.error = error
+            outputs.append(out)
         return outputs
 
     def generate(
@@ -218,6 +257,8 @@ class LLMEngine:
             bar = tqdm(total=len(prompts), desc="generate")
         while self.has_unfinished_requests():
             for out in self.step():
+                if out.error is not None:
+                    raise RequestFailedError(out.error)
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:
@@ -239,4 +280,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generation_tokens,
+            "failed_steps_total": self.num_failed_steps,
         }

@@ -43,6 +43,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first_token/finish times
+    error: str | None = None  # set (and ``finished``) when a failed step dropped the request
 
     @property
     def num_generated_tokens(self) -> int:

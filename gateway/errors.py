@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError
+from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, RequestFailedError
 
 logger = logging.getLogger("mmserve.gateway")
 
@@ -188,6 +188,8 @@ def from_engine_error(exc: BaseException, param: str | None = None) -> APIError 
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="engine_error")
     if isinstance(exc, ValueError):
         return APIError(
             400, str(exc), param=getattr(exc, "param", param), code="invalid_value" if hasattr(exc, "param") else None
@@ -273,6 +275,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     @app.exception_handler(PromptTooLongError)
     @app.exception_handler(EngineDeadError)
+    @app.exception_handler(RequestFailedError)
     @app.exception_handler(ValueError)
     async def _engine(request: Request, exc: Exception) -> JSONResponse:
         mapped = from_engine_error(exc)

@@ -365,6 +365,36 @@ def test_a_dead_engine_fails_health_and_ready() -> None:
         assert c.get("/ready").status_code == 503
 
 
+def test_a_failed_step_is_a_500_for_its_request_and_the_server_serves_on() -> None:
+    """A step that raises (a bug, not the input) fails the requests it held with OpenAI error
+    JSON, in-band once a stream has begun; the engine, /health and later requests are fine."""
+    loaded = load_model(str(_tiny_llama_dir()), max_model_len=MAX_MODEL_LEN)
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=MAX_MODEL_LEN), loaded=loaded))
+    real, fail = engine.engine.runner.execute, threading.Event()
+
+    def execute(sched):  # type: ignore[no-untyped-def]
+        if fail.is_set():
+            fail.clear()
+            raise RuntimeError("injected step failure")
+        return real(sched)
+
+    engine.engine.runner.execute = execute  # type: ignore[method-assign]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    with serve_app(create_app({MODEL: engine})) as url, httpx.Client(base_url=url, timeout=60) as c:
+        fail.set()
+        err = _assert_openai_error(c.post("/v1/completions", json=body), 500, "engine_error")
+        assert err["type"] == "internal_server_error" and "RuntimeError" in err["message"]
+        streamed = {**body, "stream": True, "max_tokens": 200, "ignore_eos": True}
+        with c.stream("POST", "/v1/completions", json=streamed) as resp:
+            lines = (json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {"))
+            assert resp.status_code == 200 and "text" in next(lines)["choices"][0]
+            fail.set()  # mid-stream: the error comes in-band
+            events = list(lines)
+        assert events[-1]["error"]["code"] == "engine_error" and not fail.is_set()
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 2
+
+
 def test_queue_full_is_429(server: Server) -> None:
     with server.http() as c:
         resp = c.post("/v1/completions", json={"model": BUSY, "prompt": "x", "max_tokens": 2})

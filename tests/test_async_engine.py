@@ -12,9 +12,9 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import PromptTooLongError, QueueFullError
+from engine.errors import EngineDeadError, PromptTooLongError, QueueFullError, RequestFailedError
 from engine.foreground import FOREGROUND
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import MAX_FAILED_STEPS, LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -365,3 +365,78 @@ async def test_a_hold_delays_steps_at_most_half_the_time(loaded, wait_s: float) 
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
         waited = engine.stats()["foreground_wait_seconds_total"]
         assert (waited == 0.0) if wait_s == 0 else (wait_s * 0.9 <= waited < 2 * wait_s), waited
+
+
+# -- failed steps ----------------------------------------------------------------------------------
+def _fail_steps(engine: LLMEngine, times: int) -> list[int]:
+    """Make the runner's next ``times`` steps raise after running (their KV written, nothing
+    taken); returns the list of step sizes that failed, filled as they fail."""
+    real, failed = engine.runner.execute, []
+
+    def execute(sched):
+        result = real(sched)
+        if len(failed) < times:
+            failed.append(len(sched.scheduled))
+            raise RuntimeError("injected step failure")
+        return result
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    return failed
+
+
+async def test_a_failed_step_drops_its_requests_and_the_engine_serves_on(loaded) -> None:
+    prompt = PROMPTS[2] * 3  # a few full KV blocks: the failed prefill must not cache them
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = _llm(loaded).generate([prompt, PROMPTS[1]], params)
+    async with _async_engine(loaded) as engine:
+        failed = _fail_steps(engine.engine, 1)
+        dropped = [asyncio.ensure_future(_collect(engine, p, params)) for p in (prompt, PROMPTS[1])]
+        for task in dropped:  # submitted together: one step held both
+            with pytest.raises(RequestFailedError, match="RuntimeError"):
+                await task
+        assert failed == [2]
+        await _idle(engine)  # their blocks were freed
+        results = await asyncio.gather(*(_collect(engine, p, params) for p in (prompt, PROMPTS[1])))
+        for (outs, text), ref in zip(results, expected, strict=True):
+            assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
+            assert outs[-1].num_cached_tokens == 0  # nothing of the failed step was cached
+        assert engine.dead is None and engine.stats()["failed_steps_total"] == 1
+        await _idle(engine)
+
+
+async def test_a_running_request_fails_mid_stream_and_later_ones_run(loaded) -> None:
+    async with _async_engine(loaded) as engine:
+        stream = engine.generate(None, "Hello", LONG)
+        first = await anext(stream)
+        assert first.outputs[0].token_ids and not first.finished
+        _fail_steps(engine.engine, 1)
+        with pytest.raises(RequestFailedError):
+            async for _ in stream:
+                pass
+        outs, _ = await _collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=3))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        await _idle(engine)
+
+
+async def test_failed_steps_in_a_row_stop_the_engine(loaded) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    async with _async_engine(loaded) as engine:
+        _fail_steps(engine.engine, MAX_FAILED_STEPS)
+        for _ in range(MAX_FAILED_STEPS - 1):
+            with pytest.raises(RequestFailedError):
+                await _collect(engine, "Hello", params)
+            assert engine.dead is None
+        with pytest.raises(EngineDeadError):  # the last one in a row: the engine is broken
+            await _collect(engine, "Hello", params)
+        assert isinstance(engine.dead, RuntimeError)
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, "Hello", params)
+
+
+def test_the_sync_engine_raises_a_failed_request(loaded) -> None:
+    engine = _llm(loaded)
+    _fail_steps(engine, 1)
+    with pytest.raises(RequestFailedError):
+        engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))
+    out = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert len(out.outputs[0].token_ids) == 2 and _kv_all_free(engine)
