@@ -160,6 +160,25 @@ def test_completions_string_and_token_prompts(server: Server) -> None:
     assert e.choices[0].text.startswith(prompt)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: Server) -> None:
+    client, prompt = server.client(), "The quick brown fox"
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0, stream=True, stream_options=options)
+    chunks = list(client.completions.create(prompt=prompt, extra_body={"ignore_eos": True}, **kw))
+    chat = list(client.chat.completions.create(messages=CHAT, **kw))
+    num_chat_prompt = len(server.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False))
+    for stream, num_prompt in ((chunks, len(server.tokenizer.encode(prompt))), (chat, num_chat_prompt)):
+        usages = [c.usage for c in stream]
+        assert all(u is not None and u.prompt_tokens == num_prompt for u in usages)
+        done = [u.completion_tokens for u in usages]
+        assert done == sorted(done) and done[-1] >= 1 and usages[-1].total_tokens == num_prompt + done[-1]
+        assert len(set(done)) > 2  # it grows chunk by chunk, not only in the last
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].choices == []
+    # without it, only the last chunk has usage
+    plain = list(client.completions.create(prompt=prompt, **{**kw, "stream_options": {"include_usage": True}}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_n_and_seed_reproducible(server: Server) -> None:
     client = server.client()
     kw: dict[str, Any] = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, n=2, seed=1234)

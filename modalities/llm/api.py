@@ -65,6 +65,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     tracker = Tracker(request, model, "completions", body.n, len(prompts))
+    tracker.prompt_tokens = [len(p) for p in prompts]
     gen = await start_generation(request, engine, rids, prompts, params, body.priority, "prompt", tracker)
     created = int(time.time())
     n = body.n
@@ -98,7 +99,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
                     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model}
                     chunk["choices"] = [choice]
                     if body.include_usage:
-                        chunk["usage"] = None
+                        chunk["usage"] = tracker.usage() if body.continuous_usage else None
                     elif tracker.all_finished:
                         chunk["timing"] = tracker.timing()[1]
                     yield sse(chunk)
@@ -205,6 +206,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise APIError(400, str(exc)) from exc
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = Tracker(request, model, "chat_completions", body.n, 1)
+    tracker.prompt_tokens = [len(prompt_ids)]
     gen = await start_generation(
         request, engine, [request_id], [prompt_ids], params, body.priority, "messages", tracker
     )
@@ -218,7 +220,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             out = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
             out["choices"] = choices
             if body.include_usage:
-                out["usage"] = None
+                out["usage"] = tracker.usage() if body.continuous_usage else None
             return out
 
         async def events() -> AsyncIterator[str]:

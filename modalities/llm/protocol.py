@@ -108,6 +108,12 @@ class _SamplingRequest(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's ``stream_options.continuous_usage_stats``,
+        with ``include_usage``), not only the last."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def _sampling_kwargs(self) -> dict[str, Any]:
         return dict(
             n=self.n,
