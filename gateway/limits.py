@@ -7,6 +7,10 @@ its own limit instead and its body is passed through as it arrives, never held h
 streams it (to a spooled temporary file, then to the result store), and the byte that crosses the
 limit ends the request with the 413.
 
+A body read up front with ``Content-Encoding: gzip`` or ``deflate`` is decompressed here (the
+limit applies to what it decompresses to), and the route sees it plain; any other encoding, or one
+on a streamed route, is a 415.
+
 A JSON body read up front with a lone surrogate in a string (``"\\ud800"``: valid JSON, but no
 character) gets a 400 here too: no route can encode it, tokenize it or echo it back.
 """
@@ -14,6 +18,7 @@ character) gets a 400 here too: no route can encode it, tokenize it or echo it b
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping
 
 from starlette.exceptions import HTTPException
@@ -47,6 +52,39 @@ def _unicode_error(scope: Scope, body: bytes) -> APIError | None:
     )
 
 
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _encoding(scope: Scope) -> str:
+    value = dict(scope.get("headers", [])).get(b"content-encoding", b"identity")
+    return value.decode("latin-1").strip().lower() or "identity"
+
+
+def _unsupported(encoding: str, streamed: bool) -> APIError:
+    accepted = "identity" if streamed else "gzip, deflate or identity"
+    return APIError(415, f"Content-Encoding {encoding!r} is not supported here; send {accepted}", code="invalid_value")
+
+
+def _decompress(encoding: str, body: bytes, limit: int) -> bytes | APIError:
+    """``body`` decoded, at most ``limit`` bytes of it (a larger result is a 413, not a bomb)."""
+    decoder = zlib.decompressobj(_WBITS[encoding])
+    try:
+        out = decoder.decompress(body, limit + 1)
+    except zlib.error as exc:
+        return APIError(400, f"the request body is not valid {encoding} data: {exc}", code="invalid_value")
+    if len(out) > limit:
+        return APIError(413, _too_large(limit) + " once decompressed")
+    if not decoder.eof:
+        return APIError(400, f"the request body's {encoding} data is truncated", code="invalid_value")
+    return out
+
+
+def _plain(scope: Scope, length: int) -> Scope:
+    """``scope`` for a decompressed body: no Content-Encoding, its Content-Length."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k not in (b"content-encoding", b"content-length")]
+    return {**scope, "headers": [*headers, (b"content-length", str(length).encode())]}
+
+
 class BodyTooLarge(HTTPException):
     """Raised from ``receive`` once a streamed body crosses its route's limit. An
     ``HTTPException``, so FastAPI's body parsing re-raises it as is and the app's handler renders
@@ -77,6 +115,10 @@ class BodySizeLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._reject(limit, scope, receive, send)
             return
+        encoding = _encoding(scope)
+        if encoding != "identity" and (route_limit is not None or encoding not in _WBITS):
+            await _unsupported(encoding, route_limit is not None).response()(scope, receive, send)
+            return
         if route_limit is not None:
             await self._streamed(route_limit, scope, receive, send)
             return
@@ -96,6 +138,13 @@ class BodySizeLimitMiddleware:
                 break
 
         body = b"".join(m.get("body", b"") for m in buffered)
+        if encoding != "identity":
+            plain = await run_sized(len(body) * 4, _decompress, encoding, body, limit)
+            if isinstance(plain, APIError):
+                await plain.response()(scope, receive, send)
+                return
+            scope, body = _plain(scope, len(plain)), plain
+            buffered = [{"type": "http.request", "body": body, "more_body": False}]
         error = await run_sized(len(body), _unicode_error, scope, body)  # (a big one on a thread)
         if error is not None:
             await error.response()(scope, receive, send)
