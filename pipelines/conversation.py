@@ -103,21 +103,50 @@ class Conversation:
         says so). Items once left out stay out, so later turns keep one prefix (the prefix cache).
         A render too long by its text's length alone (``engine.token_bound``) is not tokenized:
         its oldest items are left out, and if what must stay is too long, ``PromptTooLongError``
-        (``max_tokens``: the reply's room, for its message)."""
+        (``max_tokens``: the reply's room, for its message). How many to leave out is searched
+        for (``_fewest_dropped``): a few renders, not one per item left out."""
+        if limit is None:
+            return render_chat(tokenizer, self.messages(self._first))
         last = max((k for k, item in enumerate(self.items) if item.text.strip()), default=0)
-        while limit is not None and self.chars() > limit:  # (a shorter text: no length bound hits)
-            text = render_chat_text(tokenizer, self.messages(self._first))
+        if self.chars() > limit:  # (a shorter text: no length bound hits)
+
+            def text(first: int) -> str:
+                return render_chat_text(tokenizer, self.messages(first))
+
+            self._first = _fewest_dropped(self._first, last, lambda k: min_tokens(tokenizer, text(k)) <= limit)
             if self._first >= last:
-                check_length(tokenizer, text, limit + max_tokens, max_tokens)
-                break
-            if min_tokens(tokenizer, text) <= limit:
-                break
-            self._first += 1
-        while True:
-            ids = render_chat(tokenizer, self.messages(self._first))
-            if limit is None or len(ids) <= limit or self._first >= last:
-                return ids
-            self._first += 1
+                check_length(tokenizer, text(self._first), limit + max_tokens, max_tokens)
+        renders: dict[int, list[int]] = {}
+
+        def ids(first: int) -> list[int]:
+            if first not in renders:
+                renders[first] = render_chat(tokenizer, self.messages(first))
+            return renders[first]
+
+        self._first = _fewest_dropped(self._first, last, lambda k: len(ids(k)) <= limit)
+        return ids(self._first)
+
+
+def _fewest_dropped(lo: int, hi: int, fits: Any) -> int:
+    """The smallest ``k`` in ``[lo, hi]`` with ``fits(k)`` (true from some ``k`` on: leaving out
+    more items only shortens a prompt), else ``hi`` (not tested: what must stay). Steps of 1, 2,
+    4, ... from ``lo``, then halving: about 2 log2(k - lo) calls, 1 when ``lo`` fits."""
+    if lo >= hi or fits(lo):
+        return lo
+    bad, step = lo, 1
+    while True:
+        probe = min(bad + step, hi)
+        if probe == hi or fits(probe):
+            good = probe
+            break
+        bad, step = probe, step * 2
+    while good - bad > 1:
+        mid = (bad + good) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 @dataclass

@@ -236,6 +236,31 @@ def test_conversation_leaves_out_the_oldest_items_to_fit_and_keeps_the_instructi
     assert conv.prompt_ids(Tok(), limit=3) == [ord(c) for c in "<system>sys<assistant>answer 9"]  # the latest stays
 
 
+@pytest.mark.parametrize("first", [0, 37, 180, 399])
+def test_a_long_conversation_finds_what_to_leave_out_in_a_few_renders(first: int) -> None:
+    """The oldest items left out are as many as dropping them one by one leaves out, found in
+    ~2 log2(n) renders (one render per item left out took 28 s for 1000 short items here)."""
+    from pipelines.conversation import Conversation
+
+    renders = []
+
+    class Tok:
+        def apply_chat_template(self, messages: list[dict[str, str]], **_: object) -> list[int]:
+            renders.append(len(messages))
+            return [ord(c) for m in messages for c in f"<{m['role']}>{m['content']}"]
+
+    conv = Conversation("sys")
+    for i in range(400):
+        conv.add("user" if i % 2 == 0 else "assistant", f"item {i} " * (1 + i % 3))
+    full = len(conv.prompt_ids(Tok()))
+    limit = full - sum(len(f"<{i.role}>{i.text}") for i in conv.items[:first])  # fits from `first` on
+    renders.clear()
+    ids = conv.prompt_ids(Tok(), limit=limit)
+    assert conv._first == first and len(ids) <= limit
+    assert first == 0 or len(conv.__class__("sys", conv.items[first - 1 :]).prompt_ids(Tok())) > limit
+    assert len(renders) <= 2 * max(1, first).bit_length() + 2, len(renders)  # (+1: the text bound's)
+
+
 @pytest.fixture(scope="module")
 def smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
