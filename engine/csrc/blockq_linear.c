@@ -52,22 +52,23 @@ static inline void load_block(const uint8_t *qb, int fmt, vec w[2]) {
     }
 }
 #else
-static inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 /* 8 int8 quants widened straight from memory (no register shuffle). */
 static inline __m256 i8_to_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* The 32 quants of one block as four vectors of 8 (dequantized up to d and m). */
+/* The 32 quants of one block as four vectors of 8 (dequantized up to d and m). Q4_1: each 8 bytes
+ * widened once to 32-bit lanes give both their low nibbles (quants j) and high ones (j + 16):
+ * two widening shuffles a block instead of six (the shuffle port bounds a 1-row step). */
 static inline void load_block(const uint8_t *qb, int fmt, vec w[4]) {
     if (fmt == 1) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)qb);
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        w[0] = u8_to_ps(lo);
-        w[1] = u8_to_ps(_mm_srli_si128(lo, 8));
-        w[2] = u8_to_ps(hi);
-        w[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+        const __m256i mask = _mm256_set1_epi32(0x0F);
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+        w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
     } else {
         w[0] = i8_to_ps(qb);
         w[1] = i8_to_ps(qb + 8);
@@ -79,38 +80,63 @@ static inline void load_block(const uint8_t *qb, int fmt, vec w[4]) {
 
 #define NV (QK / LANES) /* vectors per block */
 
+/* acc[r] += d_b * dot(block b of weight row qn, block b of row r of x), for ROWS rows. */
+static inline __attribute__((always_inline)) void block_dot(vec *acc, const float *xb, const uint8_t *qn,
+                                                           const float *dn, int64_t b, const int ROWS, int64_t K,
+                                                           const int fmt) {
+    const int64_t bytes = fmt == 1 ? QK / 2 : QK;
+    vec w[NV];
+    _mm_prefetch((const char *)(qn + b * bytes) + PREFETCH_BYTES, _MM_HINT_T0);
+    if ((b & 7) == 0) _mm_prefetch((const char *)(dn + b) + PREFETCH_BYTES / 8, _MM_HINT_T0);
+    load_block(qn + b * bytes, fmt, w);
+    const vec db = vset1(dn[b]);
+    for (int r = 0; r < ROWS; r++) {
+        const float *xr = xb + r * K + b * QK;
+        vec t = vmul(w[0], vload(xr));
+        for (int v = 1; v < NV; v++) t = vfmadd(w[v], vload(xr + v * LANES), t);
+        acc[r] = vfmadd(db, t, acc[r]);
+    }
+}
+
 /* Rows r0..r0+ROWS-1 of y for weight row n. Even and odd blocks go to two accumulators (two
- * dependency chains), added at the end; ROWS is a constant at each call (registers, unrolled
- * loops) and the operations per row are the same for every ROWS. */
+ * dependency chains), added at the end; ROWS and fmt are constants at each call (registers,
+ * unrolled loops: an accumulator picked by b & 1 lived on the stack) and the operations per row
+ * are the same for every ROWS. */
 static inline __attribute__((always_inline)) void row_block(float *y, const float *x, const float *xsum,
                                                            const uint8_t *q, const float *d, const float *m,
                                                            const float *bias, int64_t n, int64_t r0, const int ROWS,
-                                                           int64_t N, int64_t K, int fmt) {
+                                                           int64_t N, int64_t K, const int fmt) {
     const int64_t nb = K / QK, bytes = fmt == 1 ? QK / 2 : QK;
     const uint8_t *qn = q + n * nb * bytes;
     const float *dn = d + n * nb, *xb = x + r0 * K;
-    vec acc[2][MR];
-    for (int r = 0; r < ROWS; r++) acc[0][r] = acc[1][r] = vzero();
-    for (int64_t b = 0; b < nb; b++) {
-        vec w[NV];
-        _mm_prefetch((const char *)(qn + b * bytes) + PREFETCH_BYTES, _MM_HINT_T0);
-        if ((b & 7) == 0) _mm_prefetch((const char *)(dn + b) + PREFETCH_BYTES / 8, _MM_HINT_T0);
-        load_block(qn + b * bytes, fmt, w);
-        const vec db = vset1(dn[b]);
-        for (int r = 0; r < ROWS; r++) {
-            const float *xr = xb + r * K + b * QK;
-            vec t = vmul(w[0], vload(xr));
-            for (int v = 1; v < NV; v++) t = vfmadd(w[v], vload(xr + v * LANES), t);
-            acc[b & 1][r] = vfmadd(db, t, acc[b & 1][r]);
-        }
+    vec even[MR], odd[MR];
+    for (int r = 0; r < ROWS; r++) even[r] = odd[r] = vzero();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        block_dot(even, xb, qn, dn, b, ROWS, K, fmt);
+        block_dot(odd, xb, qn, dn, b + 1, ROWS, K, fmt);
     }
+    if (b < nb) block_dot(even, xb, qn, dn, b, ROWS, K, fmt);
     for (int r = 0; r < ROWS; r++) {
-        float s = hsum(vadd(acc[0][r], acc[1][r]));
+        float s = hsum(vadd(even[r], odd[r]));
         if (fmt == 1) { /* + sum_b m[n, b] * xsum[r, b] */
             const float *mn = m + n * nb, *xs = xsum + (r0 + r) * nb;
-            for (int64_t b = 0; b < nb; b++) s += mn[b] * xs[b];
+            for (int64_t j = 0; j < nb; j++) s += mn[j] * xs[j];
         }
         y[(r0 + r) * N + n] = bias ? s + bias[n] : s;
+    }
+}
+
+/* row_block for the rows from r0 (at most MR), with ROWS and fmt as constants. */
+static inline __attribute__((always_inline)) void rows_of(float *y, const float *x, const float *xsum,
+                                                         const uint8_t *q, const float *d, const float *m,
+                                                         const float *bias, int64_t n, int64_t r0, int64_t M,
+                                                         int64_t N, int64_t K, const int fmt) {
+    switch (M - r0 < MR ? (int)(M - r0) : MR) {
+    case 1: row_block(y, x, xsum, q, d, m, bias, n, r0, 1, N, K, fmt); break;
+    case 2: row_block(y, x, xsum, q, d, m, bias, n, r0, 2, N, K, fmt); break;
+    case 3: row_block(y, x, xsum, q, d, m, bias, n, r0, 3, N, K, fmt); break;
+    default: row_block(y, x, xsum, q, d, m, bias, n, r0, 4, N, K, fmt); break;
     }
 }
 
@@ -209,12 +235,10 @@ void blockq_linear_f32(float *y, const float *x, const uint8_t *q, const float *
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t r0 = 0; r0 < M; r0 += MR) {
-            switch (M - r0 < MR ? (int)(M - r0) : MR) {
-            case 1: row_block(y, x, xsum, q, d, m, bias, n, r0, 1, N, K, fmt); break;
-            case 2: row_block(y, x, xsum, q, d, m, bias, n, r0, 2, N, K, fmt); break;
-            case 3: row_block(y, x, xsum, q, d, m, bias, n, r0, 3, N, K, fmt); break;
-            default: row_block(y, x, xsum, q, d, m, bias, n, r0, 4, N, K, fmt); break;
-            }
+            if (fmt == 1)
+                rows_of(y, x, xsum, q, d, m, bias, n, r0, M, N, K, 1);
+            else
+                rows_of(y, x, xsum, q, d, m, bias, n, r0, M, N, K, 0);
         }
     }
     free(xsum);

@@ -20,21 +20,31 @@ static inline vec wload(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu
 static inline vec wload(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
-/* Rows r0..r0+ROWS-1 of y for weight row n; two accumulators (even and odd vectors along K). */
+/* Rows r0..r0+ROWS-1 of y for weight row n; two accumulators (even and odd vectors along K),
+ * named, not picked by the vector's parity: so picked, they lived on the stack. */
 static inline __attribute__((always_inline)) void row_block(float *y, const float *x, const uint16_t *w,
                                                            const float *bias, int64_t n, int64_t r0, const int ROWS,
                                                            int64_t N, int64_t K) {
     const uint16_t *wn = w + n * K;
     const float *xb = x + r0 * K;
-    vec acc[2][MR];
-    for (int r = 0; r < ROWS; r++) acc[0][r] = acc[1][r] = vzero();
-    for (int64_t k = 0, i = 0; k < K; k += LANES, i++) {
+    vec even[MR], odd[MR];
+    for (int r = 0; r < ROWS; r++) even[r] = odd[r] = vzero();
+    int64_t k = 0;
+    for (; k + LANES < K; k += 2 * LANES) { /* (k & 31) == 0 once per 32 halves, as one vector at a time */
         if ((k & 31) == 0) _mm_prefetch((const char *)(wn + k) + PREFETCH_BYTES, _MM_HINT_T0);
-        const vec wv = wload(wn + k);
-        for (int r = 0; r < ROWS; r++) acc[i & 1][r] = vfmadd(wv, vload(xb + r * K + k), acc[i & 1][r]);
+        const vec we = wload(wn + k), wo = wload(wn + k + LANES);
+        if (((k + LANES) & 31) == 0) _mm_prefetch((const char *)(wn + k + LANES) + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int r = 0; r < ROWS; r++) {
+            even[r] = vfmadd(we, vload(xb + r * K + k), even[r]);
+            odd[r] = vfmadd(wo, vload(xb + r * K + k + LANES), odd[r]);
+        }
+    }
+    if (k < K) {
+        const vec we = wload(wn + k);
+        for (int r = 0; r < ROWS; r++) even[r] = vfmadd(we, vload(xb + r * K + k), even[r]);
     }
     for (int r = 0; r < ROWS; r++) {
-        const float s = hsum(vadd(acc[0][r], acc[1][r]));
+        const float s = hsum(vadd(even[r], odd[r]));
         y[(r0 + r) * N + n] = bias ? s + bias[n] : s;
     }
 }
