@@ -257,7 +257,9 @@ class LLMEngine:
             bar = tqdm(total=len(prompts), desc="generate")
         while self.has_unfinished_requests():
             for out in self.step():
-                if out.error is not None:
+                if out.error is not None:  # the call fails: its other prompts stop too
+                    for request_id in ids:
+                        self.abort_request(request_id)
                     raise RequestFailedError(out.error)
                 if out.finished:
                     final[out.request_id] = out

@@ -434,9 +434,12 @@ async def test_failed_steps_in_a_row_stop_the_engine(loaded) -> None:
 
 
 def test_the_sync_engine_raises_a_failed_request(loaded) -> None:
-    engine = _llm(loaded)
+    engine = _llm(loaded, max_num_seqs=1)  # one prompt a step: the failed step holds the first only
     _fail_steps(engine, 1)
     with pytest.raises(RequestFailedError):
-        engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))
+        engine.generate(["Hello", "Llamas are"], SamplingParams(temperature=0, max_tokens=2))
+    assert not engine.requests  # the other prompt was stopped too
+    engine.step()  # (hands out the aborted one's last output)
+    assert not engine.has_unfinished_requests() and _kv_all_free(engine)
     out = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))[0]
     assert len(out.outputs[0].token_ids) == 2 and _kv_all_free(engine)
