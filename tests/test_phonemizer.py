@@ -5,6 +5,9 @@ while the process and the next texts carry on."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,12 +52,18 @@ def test_a_text_that_crashes_espeak_fails_alone(phonemizer: Phonemizer) -> None:
 
 
 def test_a_hung_phonemiser_is_cut_off(config: dict) -> None:
-    p = Phonemizer(config, timeout_s=0.0)  # no answer comes within no time: as if it hung
+    p = Phonemizer(config, timeout_s=0.5)
     try:
+        expected = p.phonemize("Hello.")
+        hung = p._proc
+        assert hung is not None
+        os.kill(hung.pid, signal.SIGSTOP)  # it hangs (a timeout of 0 raced a fast child's answer)
+        t0 = time.monotonic()
         with pytest.raises(PhonemizerError):
             p.phonemize("Hello.")
-        p.timeout_s = 10.0
-        assert p.phonemize("Hello.")
+        assert time.monotonic() - t0 < 2.0  # its timeout, then a kill: no wait for an exit that can't come
+        assert hung.wait(timeout=10) == -signal.SIGKILL and p._proc is not hung  # killed, replaced
+        assert p.phonemize("Hello.") == expected
     finally:
         p.close()
 

@@ -90,7 +90,7 @@ class Phonemizer:
             answer = self._read(self._proc, self.timeout_s)
             if answer is None:  # it crashed on the text, or hung on it
                 hung = self._proc.poll() is None
-                self._drop()
+                self._drop(kill=hung)  # a hung child reads no EOF: no 2 s wait for it, under the lock
                 try:
                     self._spawn()  # the next text doesn't wait for a start
                 except OSError:
@@ -140,12 +140,15 @@ class Phonemizer:
         self._finalizer = weakref.finalize(self, _stop, proc)
         self._send(proc, (self._config + "\n").encode())
 
-    def _drop(self) -> None:
+    def _drop(self, kill: bool = False) -> None:
         proc, self._proc = self._proc, None
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        if proc is not None:
+        if proc is not None and kill:
+            proc.kill()
+            proc.wait()
+        elif proc is not None:
             _stop(proc)
 
 
