@@ -30,10 +30,10 @@ static inline __attribute__((always_inline)) void row_block(float *y, const floa
     vec even[MR], odd[MR];
     for (int r = 0; r < ROWS; r++) even[r] = odd[r] = vzero();
     int64_t k = 0;
-    for (; k + LANES < K; k += 2 * LANES) { /* (k & 31) == 0 once per 32 halves, as one vector at a time */
+    for (; k + LANES < K; k += 2 * LANES) {
+        /* every 32 halves (64 bytes): k steps 16 (AVX2) or 32 (AVX-512), so k + LANES never lands on one */
         if ((k & 31) == 0) _mm_prefetch((const char *)(wn + k) + PREFETCH_BYTES, _MM_HINT_T0);
         const vec we = wload(wn + k), wo = wload(wn + k + LANES);
-        if (((k + LANES) & 31) == 0) _mm_prefetch((const char *)(wn + k + LANES) + PREFETCH_BYTES, _MM_HINT_T0);
         for (int r = 0; r < ROWS; r++) {
             even[r] = vfmadd(we, vload(xb + r * K + k), even[r]);
             odd[r] = vfmadd(wo, vload(xb + r * K + k + LANES), odd[r]);
