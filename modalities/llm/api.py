@@ -64,8 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     echo_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts()] if body.echo else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
     rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    tracker = Tracker(request, model, "completions", body.n, len(prompts))
-    tracker.prompt_tokens = [len(p) for p in prompts]
+    tracker = Tracker(request, model, "completions", body.n, [len(p) for p in prompts])
     gen = await start_generation(request, engine, rids, prompts, params, body.priority, "prompt", tracker)
     created = int(time.time())
     n = body.n
@@ -205,8 +204,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = Tracker(request, model, "chat_completions", body.n, 1)
-    tracker.prompt_tokens = [len(prompt_ids)]
+    tracker = Tracker(request, model, "chat_completions", body.n, [len(prompt_ids)])
     gen = await start_generation(
         request, engine, [request_id], [prompt_ids], params, body.priority, "messages", tracker
     )

@@ -92,15 +92,16 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class Tracker:
     """Per-response bookkeeping: token counts, finished choices, timing, metrics, the rate-limit charge."""
 
-    def __init__(self, request: Request, model: str, endpoint: str, n: int, num_prompts: int) -> None:
+    def __init__(self, request: Request, model: str, endpoint: str, n: int, prompt_tokens: list[int]) -> None:
+        """``prompt_tokens``: each prompt's length (usage counts them before any output comes)."""
         self.request = request
         self.metrics = getattr(request.app.state, "metrics", None)
         self.model, self.endpoint, self.n = model, endpoint, n
         self.start = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.prompt_tokens = [0] * num_prompts
-        self.completion_tokens = [0] * (num_prompts * n)
+        self.prompt_tokens = list(prompt_tokens)
+        self.completion_tokens = [0] * (len(prompt_tokens) * n)
         self.finished: set[int] = set()
         self.charge: Charge | None = None
         self.last: dict[int, RequestOutput] = {}
@@ -108,7 +109,6 @@ class Tracker:
         self.stream_header = ""
 
     def update(self, prompt_idx: int, out: RequestOutput) -> None:
-        self.prompt_tokens[prompt_idx] = len(out.prompt_token_ids)
         self.last[prompt_idx] = out
         for co in out.outputs:
             self.completion_tokens[prompt_idx * self.n + co.index] = len(co.token_ids)
