@@ -55,8 +55,8 @@ def _unicode_error(scope: Scope, body: bytes) -> APIError | None:
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-def _encoding(scope: Scope) -> str:
-    value = dict(scope.get("headers", [])).get(b"content-encoding", b"identity")
+def _encoding(headers: Mapping[bytes, bytes]) -> str:
+    value = headers.get(b"content-encoding", b"identity")
     return value.decode("latin-1").strip().lower() or "identity"
 
 
@@ -111,11 +111,12 @@ class BodySizeLimitMiddleware:
             return
         route_limit = self.route_limits.get(f"{scope['method']} {scope['path']}")
         limit = self.max_bytes if route_limit is None else route_limit
-        declared = dict(scope.get("headers", [])).get(b"content-length")
+        headers = dict(scope.get("headers", []))
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._reject(limit, scope, receive, send)
             return
-        encoding = _encoding(scope)
+        encoding = _encoding(headers)
         if encoding != "identity" and (route_limit is not None or encoding not in _WBITS):
             await _unsupported(encoding, route_limit is not None).response()(scope, receive, send)
             return
@@ -139,7 +140,7 @@ class BodySizeLimitMiddleware:
 
         body = b"".join(m.get("body", b"") for m in buffered)
         if encoding != "identity":
-            plain = await run_sized(len(body) * 4, _decompress, encoding, body, limit)
+            plain = await run_sized(len(body) * 4, _decompress, encoding, body, limit)  # (it inflates)
             if isinstance(plain, APIError):
                 await plain.response()(scope, receive, send)
                 return
