@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +128,7 @@ class Conversation:
         return ids(self._first)
 
 
-def _fewest_dropped(lo: int, hi: int, fits: Any) -> int:
+def _fewest_dropped(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
     """The smallest ``k`` in ``[lo, hi]`` with ``fits(k)`` (true from some ``k`` on: leaving out
     more items only shortens a prompt), else ``hi`` (not tested: what must stay). Steps of 1, 2,
     4, ... from ``lo``, then halving: about 2 log2(k - lo) calls, 1 when ``lo`` fits."""
