@@ -228,7 +228,7 @@ class LLMEngine:
         """Drop every request the failed step held (their blocks are freed; the prefix cache
         registers blocks only after a step succeeds, so it holds nothing of theirs): their last
         outputs carry the error."""
-        error = f"the engine failed while running this request ({type(exc).__name__}); other requests are unaffected"
+        error = f"the engine failed while running this request ({type(exc).__name__}); the engine serves on"
         outputs = []
         for request_id in dict.fromkeys(item.seq.request_id for item in sched.scheduled):
             state = self.requests.pop(request_id, None)
