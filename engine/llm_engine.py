@@ -20,7 +20,7 @@ from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import SampledToken, ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, PromptInputs, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | PromptInputs
-# A step that raises drops the requests it held and the engine serves on; this many failed steps
-# in a row mean the engine itself is broken: ``step`` raises, and the loop stops for good.
+# A step that raises drops the requests that fail on their own (``_run``) and the engine serves on;
+# this many failed steps in a row, none of whose requests ran, mean the engine itself is broken:
+# ``step`` raises, and the loop stops for good.
 MAX_FAILED_STEPS = 3
 
 
@@ -56,6 +57,14 @@ def _eos_ids(loaded: LoadedModel) -> set[int]:
         elif value:
             ids.update(value)
     return ids
+
+
+def _by_request(items: list[ScheduledSeq]) -> dict[str, list[ScheduledSeq]]:
+    """``items`` grouped by request (an n>1 request's sequences run and fail together), in order."""
+    groups: dict[str, list[ScheduledSeq]] = {}
+    for item in items:
+        groups.setdefault(item.seq.request_id, []).append(item)
+    return groups
 
 
 class LLMEngine:
@@ -191,15 +200,22 @@ class LLMEngine:
             if state is not None and state.scheduled_time is None:
                 state.scheduled_time = now
         try:
-            progressed = self._run(sched)
-        except Exception as exc:
+            progressed, failed, exc = self._run(sched)
+        except Exception as update_exc:  # taking the tokens failed: the step's requests are in doubt
+            progressed, failed, exc = {}, sched.scheduled, update_exc
+        if exc is not None:
             self.num_failed_steps += 1
-            self._failed_in_a_row += 1
-            if self._failed_in_a_row >= MAX_FAILED_STEPS:
-                raise
-            logger.exception("an engine step failed: its requests are dropped")
-            return outputs + self._fail(sched, exc)
-        self._failed_in_a_row = 0
+            if len(failed) < len(sched.scheduled):  # some ran: the engine works, the rest failed alone
+                self._failed_in_a_row = 0
+            else:
+                self._failed_in_a_row += 1
+                if self._failed_in_a_row >= MAX_FAILED_STEPS:
+                    raise exc
+            if failed:
+                logger.error("an engine step failed: %d request(s) dropped", len(failed), exc_info=exc)
+                outputs += self._fail(failed, exc)
+        else:
+            self._failed_in_a_row = 0
         for request_id, state in progressed.items():
             if state.output_due:
                 outputs.append(state.make_output())
@@ -207,9 +223,35 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _run(self, sched: SchedulerOutput) -> dict[str, RequestState]:
-        """Run ``sched`` and take its sampled tokens; the requests that got one."""
-        sampled = self.runner.execute(sched)
+    def _run(self, sched: SchedulerOutput) -> tuple[dict[str, RequestState], list[ScheduledSeq], Exception | None]:
+        """Run ``sched`` and take its sampled tokens: ``(the requests that got one, the items that
+        failed, the failure)``. A forward pass that raises is rerun on halves of its requests,
+        recursively, so that only a request that fails on its own is dropped: the reruns write
+        the same KV slots again, and nothing of a failed forward was taken."""
+        try:
+            sampled = self.runner.execute(sched)
+        except Exception as exc:
+            groups = list(_by_request(sched.scheduled).values())
+            if len(groups) == 1:
+                return {}, sched.scheduled, exc
+            logger.warning("an engine step of %d requests failed (%r): rerunning them apart", len(groups), exc)
+            progressed: dict[str, RequestState] = {}
+            failed: list[ScheduledSeq] = []
+            half = len(groups) // 2
+            # The block copies ran before the failed forward; the first rerun repeats them (whole
+            # blocks, before any rerun writes into them), the others must not.
+            for i, part in enumerate((groups[:half], groups[half:])):
+                items = [item for group in part for item in group]
+                copies = sched.block_copies if i == 0 else []
+                sub = SchedulerOutput(items, copies, [], sum(item.num_new_tokens for item in items))
+                got, lost, _ = self._run(sub)
+                progressed.update(got)
+                failed += lost
+            return progressed, failed, exc
+        return self._take(sched, sampled), [], None
+
+    def _take(self, sched: SchedulerOutput, sampled: dict[int, SampledToken]) -> dict[str, RequestState]:
+        """Take ``sched``'s sampled tokens; the requests that got one."""
         touched = self.scheduler.update(sched, sampled)
         progressed: dict[str, RequestState] = {}
         for seq in touched:
@@ -224,13 +266,13 @@ class LLMEngine:
             progressed[seq.request_id] = state
         return progressed
 
-    def _fail(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """Drop every request the failed step held (their blocks are freed; the prefix cache
+    def _fail(self, items: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
+        """Drop the requests of failed ``items`` (their blocks are freed; the prefix cache
         registers blocks only after a step succeeds, so it holds nothing of theirs): their last
         outputs carry the error."""
         error = f"the engine failed while running this request ({type(exc).__name__}); the engine serves on"
         outputs = []
-        for request_id in dict.fromkeys(item.seq.request_id for item in sched.scheduled):
+        for request_id in _by_request(items):
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue

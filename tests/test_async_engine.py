@@ -384,22 +384,58 @@ def _fail_steps(engine: LLMEngine, times: int) -> list[int]:
     return failed
 
 
-async def test_a_failed_step_drops_its_requests_and_the_engine_serves_on(loaded) -> None:
-    prompt = PROMPTS[2] * 3  # a few full KV blocks: the failed prefill must not cache them
+def _fail_runs_holding(engine: LLMEngine, prompt_ids: list[int]) -> list[int]:
+    """Make every run whose batch holds a sequence of ``prompt_ids`` raise after running (its KV
+    written, nothing taken); returns the list of the failed runs' sizes, filled as they fail."""
+    real, failed = engine.runner.execute, []
+
+    def execute(sched):
+        result = real(sched)
+        if any(item.seq.token_ids[: len(prompt_ids)] == prompt_ids for item in sched.scheduled):
+            failed.append(len(sched.scheduled))
+            raise RuntimeError("injected failure of one request")
+        return result
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    return failed
+
+
+async def test_a_failed_step_drops_only_the_request_that_fails_alone(loaded) -> None:
+    culprit = PROMPTS[2] * 3  # a few full KV blocks: its failed prefill must not cache them
+    prompts = [PROMPTS[1], PROMPTS[4], culprit]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = _llm(loaded).generate([prompt, PROMPTS[1]], params)
+    expected = _llm(loaded).generate(prompts, params)
+    async with _async_engine(loaded) as engine:
+        real = engine.engine.runner.execute
+        failed = _fail_runs_holding(engine.engine, engine.engine.tokenizer(culprit).input_ids)
+        tasks = [asyncio.ensure_future(_collect(engine, p, params)) for p in prompts]  # one step holds all
+        with pytest.raises(RequestFailedError, match="RuntimeError"):
+            await tasks[2]
+        # The step of 3 was rerun as [first] and [second, culprit], that as [second] and [culprit].
+        assert failed == [3, 2, 1]
+        for task, ref in zip(tasks[:2], expected, strict=False):  # the others ran on, exactly
+            outs, text = await task
+            assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
+        assert engine.dead is None and engine.stats()["failed_steps_total"] == 1
+        await _idle(engine)  # the culprit's blocks were freed
+        engine.engine.runner.execute = real  # type: ignore[method-assign]
+        outs, text = await _collect(engine, culprit, params)
+        assert outs[-1].outputs[0].token_ids == expected[2].outputs[0].token_ids and text == expected[2].outputs[0].text
+        assert outs[-1].num_cached_tokens == 0  # nothing of its failed prefill was cached
+        await _idle(engine)
+
+
+async def test_a_step_that_fails_once_loses_none_of_its_requests(loaded) -> None:
+    """A transient failure (the run fails, its halves do not): every request runs on, exactly."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[2] * 3, PROMPTS[1]]
+    expected = _llm(loaded).generate(prompts, params)
     async with _async_engine(loaded) as engine:
         failed = _fail_steps(engine.engine, 1)
-        dropped = [asyncio.ensure_future(_collect(engine, p, params)) for p in (prompt, PROMPTS[1])]
-        for task in dropped:  # submitted together: one step held both
-            with pytest.raises(RequestFailedError, match="RuntimeError"):
-                await task
+        results = await asyncio.gather(*(_collect(engine, p, params) for p in prompts))
         assert failed == [2]
-        await _idle(engine)  # their blocks were freed
-        results = await asyncio.gather(*(_collect(engine, p, params) for p in (prompt, PROMPTS[1])))
         for (outs, text), ref in zip(results, expected, strict=True):
             assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
-            assert outs[-1].num_cached_tokens == 0  # nothing of the failed step was cached
         assert engine.dead is None and engine.stats()["failed_steps_total"] == 1
         await _idle(engine)
 
