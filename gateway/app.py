@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from engine.openmp import release_thread_team
-from gateway.auth import KeyStore, auth_dependency, keystore_from_args
+from gateway.auth import KeyCheckMiddleware, KeyStore, auth_dependency, keystore_from_args
 from gateway.drain import InFlight, InFlightMiddleware
 from gateway.errors import install_error_handlers, model_not_found
 from gateway.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
@@ -210,6 +210,7 @@ def create_app(
     for router in routers:
         app.include_router(router, dependencies=auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, route_limits=body_limits)
+    app.add_middleware(KeyCheckMiddleware, store=keys)  # outside the body limits: a 401 reads no body
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(InFlightMiddleware, inflight=app.state.inflight)
     app.add_middleware(RequestLogMiddleware)  # outermost: every response carries X-Request-ID

@@ -39,11 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import HTTPConnection
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError
 
 HASH_PREFIX = "sha256:"
 ANONYMOUS = "anonymous"
+KEYED_PREFIX = "/v1/"  # every route under it takes a key (``create_app``); /health, /ready and /metrics do not
 
 
 def hash_key(key: str) -> str:
@@ -203,28 +205,49 @@ def bearer_token(request: HTTPConnection) -> str | None:
     return None
 
 
+def tenant_of(store: KeyStore, request: HTTPConnection) -> Tenant:
+    """The tenant whose key ``request`` carries (the anonymous one when no keys are configured);
+    a 401 (OpenAI error JSON) ``APIError`` when keys are configured and it carries none of them."""
+    if not store.enabled:
+        return store.anonymous()
+    token = bearer_token(request)
+    tenant = store.authenticate(token) if token is not None else None
+    if tenant is None:
+        raise APIError(
+            401,
+            "Incorrect API key provided." if token else "You didn't provide an API key (Authorization: Bearer ...).",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return tenant
+
+
 def auth_dependency(store: KeyStore) -> Any:
-    """FastAPI dependency: sets ``request.state.tenant``; 401 (OpenAI error JSON) when keys are
-    configured and the bearer token matches none of them."""
+    """FastAPI dependency: sets ``request.state.tenant`` (``tenant_of``: a 401 without a key)."""
 
     async def authenticate(request: HTTPConnection) -> None:  # HTTPConnection: WebSocket routes too
-        if not store.enabled:
-            request.state.tenant = store.anonymous()
-            return
-        token = bearer_token(request)
-        tenant = store.authenticate(token) if token is not None else None
-        if tenant is None:
-            raise APIError(
-                401,
-                "Incorrect API key provided."
-                if token
-                else "You didn't provide an API key (Authorization: Bearer ...).",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        request.state.tenant = tenant
+        request.state.tenant = tenant_of(store, request)
 
     return authenticate
+
+
+class KeyCheckMiddleware:
+    """A request to a keyed route (``KEYED_PREFIX``) without a valid key gets its 401 before
+    anything reads its body: an unauthenticated client can make the server neither buffer nor
+    inflate nor parse one, and gets the 401 rather than a body's 400/413/415 (as OpenAI answers).
+    WebSockets pass: they have no body, and the route's dependency refuses them."""
+
+    def __init__(self, app: ASGIApp, store: KeyStore) -> None:
+        self.app, self.store = app, store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.store.enabled and scope["path"].startswith(KEYED_PREFIX):
+            try:
+                tenant_of(self.store, HTTPConnection(scope))
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # -- command line ----------------------------------------------------------------------------------

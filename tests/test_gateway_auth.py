@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,26 @@ def test_missing_or_wrong_key_is_401(base_url: str) -> None:
         with pytest.raises(InvalidStatus) as info:
             ws_connect(ws_url, **bad)
         assert info.value.response.status_code == 401
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_is_read(base_url: str) -> None:
+    """The 401 comes first: before a body's own 400 (a lone surrogate, bad gzip) or 415 (an
+    unknown encoding), and without waiting for a body that has not arrived."""
+    bodies = [
+        ({"content-type": "application/json"}, b'{"model": "m", "input": "\\ud800"}', 400),
+        ({"content-type": "application/json", "content-encoding": "gzip"}, b"not gzip", 400),
+        ({"content-type": "application/json", "content-encoding": "br"}, b"{}", 415),
+    ]
+    for tenant in (None, "beta"):
+        with _http(base_url, tenant) as c:
+            for headers, body, status in bodies:
+                resp = c.post("/v1/embeddings", content=body, headers=headers)
+                assert resp.status_code == (401 if tenant is None else status), resp.text
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # 1 MB declared, 10 bytes sent
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
+        sock.sendall(b'Content-Length: 1048576\r\n\r\n{"input": ')
+        assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
 
 
 def test_llm_limit_settles_to_real_usage_and_throttles_one_tenant(base_url: str) -> None:
