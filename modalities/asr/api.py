@@ -1,4 +1,4 @@
-"""OpenAI-compatible ``POST /v1/audio/transcriptions`` (multipart).
+"""OpenAI-compatible ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart).
 
 Fields: ``file`` (wav, flac, ogg, mp3, or anything PyAV decodes), ``model`` (optional when one
 ASR model is served), ``language``, ``prompt``, ``temperature`` (0..1: the first decode's; a
@@ -12,7 +12,13 @@ does), ``stream`` (SSE: ``transcript.text.delta``
 events as text decodes, then ``transcript.text.done``, whose text is the final one; json/text
 only, so never with word timestamps). Unreadable audio is a 400, a file over the ASR upload
 limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
-duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails).
+duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails). Without
+``language``, an English-only model hears English and a multilingual one the language it detects
+in each window (reported in verbose_json).
+
+Translations (speech in any language the model knows, as English text) take ``file``, ``model``,
+``prompt``, ``response_format`` and ``temperature`` as OpenAI's; they need a multilingual Whisper
+(``--asr base``): an English-only one answers 400 naming ``model``.
 """
 
 from __future__ import annotations
@@ -56,6 +62,52 @@ def _mapped(exc: BaseException, param: str = "file") -> BaseException:
     return from_engine_error(exc, param=param) or exc if isinstance(exc, Exception) else exc
 
 
+def _check_options(response_format: str, temperature: float) -> None:
+    if response_format not in RESPONSE_FORMATS:
+        raise APIError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
+    if not 0.0 <= temperature <= 1.0:
+        raise APIError(400, f"temperature must be in [0, 1], got {temperature}", param="temperature")
+
+
+async def _read_audio(file: UploadFile, engine: Any) -> Any:
+    """The upload decoded to 16 kHz mono (``modalities.audio.DecodedAudio``); a 413 past the
+    engine's file or duration limit, a 400 for what no decoder reads."""
+    limit_mb = float(getattr(engine, "max_file_mb", DEFAULT_MAX_FILE_MB))
+    data = await file.read(int(limit_mb * (1 << 20)) + 1)
+    if len(data) > limit_mb * (1 << 20):
+        raise APIError(413, f"the audio file exceeds the {limit_mb:g} MB limit", param="file", code="file_too_large")
+    max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
+    try:
+        return await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)
+    except AudioTooLong as exc:
+        raise APIError(413, str(exc), param="file", code="audio_too_long") from exc
+    except AudioDecodeError as exc:
+        raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
+
+
+async def _run(request: Request, engine: Any, req: Any, duration: float, bad_option: str) -> Any:
+    """``engine.run(req)`` charged ``duration`` audio seconds (refunded when it fails); a
+    ``ValueError`` (what the model can't do) is a 400 naming ``bad_option``."""
+    ch = await charge(request, "audio_seconds", duration)  # the tenant's audio_seconds budget
+    try:
+        return await engine.run(req)
+    except Exception as exc:
+        await ch.refund()
+        raise _mapped(exc, bad_option if isinstance(exc, ValueError) else "file") from exc
+
+
+def _response(transcript: Any, response_format: str, granularities: list[str]) -> Any:
+    if response_format == "text":
+        return PlainTextResponse(transcript.text + "\n")
+    if response_format == "srt":
+        return PlainTextResponse(to_srt(transcript))
+    if response_format == "vtt":
+        return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
+    if response_format == "verbose_json":
+        return JSONResponse(to_verbose(transcript, granularities))
+    return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
+
+
 @router.post("/v1/audio/transcriptions")
 async def create_transcription(
     request: Request,
@@ -72,10 +124,7 @@ async def create_transcription(
     """OpenAI ``POST /v1/audio/transcriptions``."""
     from modalities.asr.engine import TranscriptionRequest
 
-    if response_format not in RESPONSE_FORMATS:
-        raise APIError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}", param="response_format")
-    if not 0.0 <= temperature <= 1.0:
-        raise APIError(400, f"temperature must be in [0, 1], got {temperature}", param="temperature")
+    _check_options(response_format, temperature)
     if stream and response_format not in ("json", "text"):
         raise APIError(400, "stream=true supports response_format json or text", param="stream")
     granularities = timestamp_granularities or []
@@ -85,47 +134,43 @@ async def create_transcription(
     if seed is not None and not 0 <= seed < 1 << 32:
         raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
     served, engine = resolve_asr_engine(request, model)
-    limit_mb = float(getattr(engine, "max_file_mb", DEFAULT_MAX_FILE_MB))
-    data = await file.read(int(limit_mb * (1 << 20)) + 1)
-    if len(data) > limit_mb * (1 << 20):
-        raise APIError(413, f"the audio file exceeds the {limit_mb:g} MB limit", param="file", code="file_too_large")
-    max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
-    try:
-        audio = await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)
-    except AudioTooLong as exc:
-        raise APIError(413, str(exc), param="file", code="audio_too_long") from exc
-    except AudioDecodeError as exc:
-        raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
+    audio = await _read_audio(file, engine)
     req = TranscriptionRequest(
         audio.samples, language or None, prompt or None, temperature, seed=seed, word_timestamps=words
     )
-    ch = await charge(request, "audio_seconds", audio.duration)  # the tenant's audio_seconds budget
+    if not stream:
+        transcript = await _run(request, engine, req, audio.duration, "language")
+        return _response(transcript, response_format, granularities)
 
-    if stream:
-        deltas = engine.stream(req)
-        try:
-            first = await anext(deltas)  # admission errors become a status code, not a broken stream
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:
-            await ch.refund()
-            raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
-        return StreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
-
+    ch = await charge(request, "audio_seconds", audio.duration)
+    deltas = engine.stream(req)
     try:
-        transcript = await engine.run(req)
+        first = await anext(deltas)  # admission errors become a status code, not a broken stream
+    except StopAsyncIteration:
+        first = None
     except Exception as exc:
         await ch.refund()
         raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
-    if response_format == "text":
-        return PlainTextResponse(transcript.text + "\n")
-    if response_format == "srt":
-        return PlainTextResponse(to_srt(transcript))
-    if response_format == "vtt":
-        return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
-    if response_format == "verbose_json":
-        return JSONResponse(to_verbose(transcript, granularities))
-    return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
+    return StreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/v1/audio/translations")
+async def create_translation(
+    request: Request,
+    file: Annotated[UploadFile, File()],
+    model: Annotated[str | None, Form()] = None,
+    prompt: Annotated[str | None, Form()] = None,
+    response_format: Annotated[str, Form()] = "json",
+    temperature: Annotated[float, Form()] = 0.0,
+) -> Any:
+    """OpenAI ``POST /v1/audio/translations``: the speech as English text (Whisper's translate task)."""
+    from modalities.asr.engine import TranscriptionRequest
+
+    _check_options(response_format, temperature)
+    served, engine = resolve_asr_engine(request, model)
+    audio = await _read_audio(file, engine)
+    req = TranscriptionRequest(audio.samples, None, prompt or None, temperature, task="translate")
+    return _response(await _run(request, engine, req, audio.duration, "model"), response_format, [])
 
 
 async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:

@@ -89,6 +89,19 @@ class EncoderBatcher:
         self._wake.set()
         return await fut
 
+    async def detect_language(self, enc: Any, lang_ids: list[int]) -> int:
+        """The id among ``lang_ids`` (ascending) of the language Whisper hears in an encoded window:
+        the likeliest language token right after ``<|startoftranscript|>``, as transformers'
+        ``detect_language`` reads it. Runs on the encoder's thread, between a pass's steps."""
+        return await self._run(self._detect, enc, lang_ids)
+
+    def _detect(self, enc: Any, lang_ids: list[int]) -> int:
+        import torch
+
+        with torch.inference_mode():
+            logits = self.adapter.prompt_logits([enc], [[self._sot]])[0]
+            return lang_ids[int(logits[torch.tensor(lang_ids, device=logits.device)].argmax())]
+
     async def _loop(self) -> None:
         # On a CPU a batch of n windows takes n times one window (185 ms each for tiny.en here):
         # batching adds no encoder throughput, it only holds every result until the last. Bulk

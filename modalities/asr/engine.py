@@ -114,6 +114,10 @@ class AsrEngine:
             t: whisper.tokenizer.convert_tokens_to_ids(t) for t in ("<|startoftranscript|>", "<|startofprev|>")
         }
         self._no_ts = gen.no_timestamps_token_id
+        langs = (getattr(gen, "lang_to_id", None) or {}) if whisper.multilingual else {}
+        self._lang_ids = sorted(langs.values())  # detected from where a request names no language
+        self._lang_set = set(self._lang_ids)
+        self._lang_codes = {i: t.strip("<|>") for t, i in langs.items()}
         self._eos = gen.eos_token_id
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
         no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
@@ -155,8 +159,10 @@ class AsrEngine:
         return await self.encoder.encode(audio, prompt_ids, priority)
 
     # -- prompts -------------------------------------------------------------------------------
-    def prompt_ids(self, language: str | None = None, prompt: str | None = None) -> list[int]:
-        """Decoder prompt: [<|startofprev|> prompt...] <|startoftranscript|> [lang task] <|notimestamps|>."""
+    def prompt_ids(self, language: str | None = None, prompt: str | None = None, task: str = "transcribe") -> list[int]:
+        """Decoder prompt: [<|startofprev|> prompt...] <|startoftranscript|> [lang task]
+        <|notimestamps|>. A multilingual model asked for no language gets none here: each window
+        gets the one it hears (``_with_language``). ``ValueError`` for what the model can't do."""
         tok = self.whisper.tokenizer
         ids: list[int] = []
         if prompt:
@@ -165,14 +171,31 @@ class AsrEngine:
         ids.append(self._tok["<|startoftranscript|>"])
         if self.whisper.multilingual:
             gen = self.whisper.model.generation_config
-            lang = f"<|{(language or 'en').lower()}|>"
-            if lang not in gen.lang_to_id:
-                raise ValueError(f"unsupported language {language!r}")
-            ids += [gen.lang_to_id[lang], gen.task_to_id["transcribe"]]
+            if language:
+                lang = f"<|{language.lower()}|>"
+                if lang not in gen.lang_to_id:
+                    raise ValueError(f"unsupported language {language!r}")
+                ids.append(gen.lang_to_id[lang])
+            if task not in gen.task_to_id:
+                raise ValueError(f"unsupported task {task!r}")
+            ids.append(gen.task_to_id[task])
+        elif task != "transcribe":
+            raise ValueError(
+                f"model {self.model_name} is English-only: it cannot {task}; serve a multilingual Whisper (--asr base)"
+            )
         elif language and language.lower() not in ("en", "english"):
             raise ValueError(f"model {self.model_name} is English-only; language {language!r} is not supported")
         ids.append(self._no_ts)
         return ids
+
+    async def _with_language(self, enc: Any, prompt_ids: list[int]) -> tuple[list[int], str | None]:
+        """``prompt_ids`` with the language heard in ``enc`` after <|startoftranscript|> where it
+        names none (a multilingual model), and that language's code (None: the prompt's own)."""
+        if not self._lang_ids or any(t in self._lang_set for t in prompt_ids):
+            return prompt_ids, None
+        lang = await self.encoder.detect_language(enc, self._lang_ids)
+        at = prompt_ids.index(self._tok["<|startoftranscript|>"]) + 1
+        return [*prompt_ids[:at], lang, *prompt_ids[at:]], self._lang_codes[lang]
 
     # -- decoding ------------------------------------------------------------------------------
     async def _generate(
@@ -200,6 +223,7 @@ class AsrEngine:
         """Generated token ids (eos excluded) of one ≤30 s clip, one decode at ``temperature``
         (no fallback): the unit the correctness test compares with ``generate()``."""
         enc, _ = await self._encode(audio, prompt_ids)
+        prompt_ids, _ = await self._with_language(enc, prompt_ids)
         tokens: list[int] = []
         async for _, ids, _, _ in self._generate(enc, prompt_ids, temperature):
             tokens = ids
@@ -220,6 +244,7 @@ class AsrEngine:
         ``words``: the result also carries the kept decode's words, aligned (on a worker thread).
         ``priority``: of the window's encoder pass and decodes (``TranscriptionRequest.priority``)."""
         enc, no_speech = await self._encode(audio, prompt_ids, priority)
+        prompt_ids, language = await self._with_language(enc, prompt_ids)
         temps = fallback_temperatures(temperature)
         for attempt, t in enumerate(temps):
             text, ids, lps = "", [], []
@@ -233,6 +258,7 @@ class AsrEngine:
             tokens = [x for x in ids if x != self._eos]
             text = text.strip()
             res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)
+            res.language = language
             if not res.needs_fallback or attempt == len(temps) - 1:
                 break
             self.num_fallback_decodes += 1
@@ -260,7 +286,7 @@ class AsrEngine:
         on when all earlier windows are done and it overlaps no neighbour (overlapping windows
         are released once stitched)."""
         audio = np.asarray(req.audio, dtype=np.float32)
-        prompt_ids = self.prompt_ids(req.language, req.prompt)
+        prompt_ids = self.prompt_ids(req.language, req.prompt, req.task)
         windows = self._windows(audio, req.vad)
         self.audio_seconds += len(audio) / RATE
         self.num_windows += len(windows)
@@ -306,7 +332,9 @@ class AsrEngine:
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
         words = transcript_words(windows, texts, results) if req.word_timestamps else None  # type: ignore[arg-type]
-        yield TranscriptDelta("", Transcript(text, segments, req.language or "en", len(audio) / RATE, words))
+        heard = next((r.language for r in results if r is not None and r.language and not r.silent), None)
+        language = req.language or heard or "en"
+        yield TranscriptDelta("", Transcript(text, segments, language, len(audio) / RATE, words))
 
     async def run(self, req: TranscriptionRequest) -> Transcript:
         final: Transcript | None = None

@@ -49,6 +49,7 @@ class WindowResult:
     compression_ratio: float
     no_speech_prob: float
     words: list[Word] | None = None  # window-relative, when word timestamps were asked for
+    language: str | None = None  # the code of the language heard, when the request named none
 
     @property
     def silent(self) -> bool:

