@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,12 +94,16 @@ def test_an_english_only_model_cannot_translate() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(base: AsrEngine) -> Iterator[str]:
+def server(base: AsrEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from gateway.app import create_app
     from modalities.asr.plugin import router
+    from workers.jobs.plugin import router as jobs_router
+    from workers.jobs.runner import JobsConfig, JobService
 
     tiny = AsrEngine(load_whisper("tiny.en"))
-    app = create_app({base.model_name: base, tiny.model_name: tiny}, routers=[router])
+    app = create_app({base.model_name: base, tiny.model_name: tiny}, routers=[router, jobs_router])
+    root = tmp_path_factory.mktemp("results")
+    app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     with serve_app(app) as url:
         yield url
     asyncio.run(tiny.shutdown())
@@ -123,3 +129,29 @@ def test_translations_api_with_the_openai_client(base: AsrEngine, server: str) -
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == "model" and "English-only" in err["message"]
+
+
+def _job(server: str, params: dict[str, Any]) -> dict[str, Any]:
+    resp = httpx.post(f"{server}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
+    assert resp.status_code == 202, resp.text
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{server}/v1/jobs/{resp.json()['id']}", timeout=30).json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return dict(job)
+        time.sleep(0.1)
+    raise AssertionError(f"the job did not finish: {job}")
+
+
+def test_a_transcription_job_translates(base: AsrEngine, server: str) -> None:
+    wav = encode_audio(_german(), RATE, "wav")
+    up = httpx.post(f"{server}/v1/files", files={"file": ("de.wav", wav)}, data={"purpose": "user_data"}, timeout=30)
+    assert up.status_code == 200, up.text
+    file_id = up.json()["id"]
+    expected = asyncio.run(base.run(TranscriptionRequest(_german(), task="translate"))).text
+    job = _job(server, {"file_id": file_id, "model": base.model_name, "task": "translate", "response_format": "json"})
+    assert job["status"] == "succeeded" and job["result"]["text"] == expected, job
+    job = _job(server, {"file_id": file_id, "model": "whisper-tiny.en", "task": "translate"})
+    assert job["status"] == "failed" and "English-only" in json.dumps(job), job
+    bad = {"kind": "audio.transcription", "params": {"file_id": file_id, "task": "summarize"}}
+    assert httpx.post(f"{server}/v1/jobs", json=bad, timeout=30).status_code == 400

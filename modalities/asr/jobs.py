@@ -3,8 +3,10 @@ transcript file.
 
 ``params``: ``file_id`` (an audio file uploaded through ``POST /v1/files``), and optionally
 ``model``, ``language``, ``prompt``, ``temperature``, ``seed``, ``response_format`` (default
-verbose_json) and ``timestamp_granularities`` (``segment`` and/or ``word``, verbose_json only), as
-the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript.
+verbose_json), ``timestamp_granularities`` (``segment`` and/or ``word``, verbose_json only), as
+the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript; and ``task``:
+``transcribe`` (default) or ``translate`` (English text, as ``/v1/audio/translations``: a
+multilingual model only, else the job fails saying so).
 The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
 text, duration and segment count (and the word count when words were asked for). Cancelling the
 job closes the transcription stream, which aborts its decodes in the engine.
@@ -37,6 +39,7 @@ class TranscriptionJob(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 32)
     response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "verbose_json"
     timestamp_granularities: list[str] = Field(default_factory=list)
+    task: Literal["transcribe", "translate"] = "transcribe"
 
 
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +89,9 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
     audio = (await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)).samples
     words = "word" in job.timestamp_granularities
-    req = TranscriptionRequest(audio, job.language, job.prompt, job.temperature, seed=job.seed, word_timestamps=words)
+    req = TranscriptionRequest(
+        audio, job.language, job.prompt, job.temperature, seed=job.seed, word_timestamps=words, task=job.task
+    )
     transcript = None
     ctx.progress(0, 1)
     async with aclosing(engine.stream(req)) as deltas:
