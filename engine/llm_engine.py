@@ -67,6 +67,24 @@ def _by_request(items: list[ScheduledSeq]) -> dict[str, list[ScheduledSeq]]:
     return groups
 
 
+def _generator_states(sched: SchedulerOutput) -> list[tuple[Sequence, torch.Generator | None, torch.Tensor | None]]:
+    """Each seeded sequence that samples in ``sched``: its generator and that generator's state."""
+    return [
+        (seq, seq.generator, None if seq.generator is None else seq.generator.get_state())
+        for item in sched.scheduled
+        for seq in item.sample_seqs
+        if seq.params.seed is not None
+    ]
+
+
+def _restore_generators(saved: list[tuple[Sequence, torch.Generator | None, torch.Tensor | None]]) -> None:
+    """Undo the draws of a failed run: a rerun samples what the run would have."""
+    for seq, generator, state in saved:
+        seq.generator = generator
+        if generator is not None and state is not None:
+            generator.set_state(state)
+
+
 class LLMEngine:
     """One model, one KV cache, many requests.
 
@@ -223,16 +241,24 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _run(self, sched: SchedulerOutput) -> tuple[dict[str, RequestState], list[ScheduledSeq], Exception | None]:
+    def _run(
+        self, sched: SchedulerOutput, budget: list[int] | None = None
+    ) -> tuple[dict[str, RequestState], list[ScheduledSeq], Exception | None]:
         """Run ``sched`` and take its sampled tokens: ``(the requests that got one, the items that
         failed, the failure)``. A forward pass that raises is rerun on halves of its requests,
         recursively, so that only a request that fails on its own is dropped: the reruns write
-        the same KV slots again, and nothing of a failed forward was taken."""
+        the same KV slots again, nothing of a failed forward was taken, and seeded requests'
+        generators are put back as they were. ``budget``: reruns left for this step (2 x the
+        bits of its request count: enough to find one culprit; an engine failing every request
+        gives up there)."""
+        seeded = _generator_states(sched)
         try:
             sampled = self.runner.execute(sched)
         except Exception as exc:
+            _restore_generators(seeded)
             groups = list(_by_request(sched.scheduled).values())
-            if len(groups) == 1:
+            budget = budget if budget is not None else [2 * len(groups).bit_length()]
+            if len(groups) == 1 or budget[0] <= 0:
                 return {}, sched.scheduled, exc
             logger.warning("an engine step of %d requests failed (%r): rerunning them apart", len(groups), exc)
             progressed: dict[str, RequestState] = {}
@@ -244,7 +270,12 @@ class LLMEngine:
                 items = [item for group in part for item in group]
                 copies = sched.block_copies if i == 0 else []
                 sub = SchedulerOutput(items, copies, [], sum(item.num_new_tokens for item in items))
-                got, lost, _ = self._run(sub)
+                budget[0] -= 1
+                try:
+                    got, lost, _ = self._run(sub, budget)
+                except Exception:  # taking its tokens failed: these requests are in doubt
+                    logger.exception("taking a rerun's tokens failed")
+                    got, lost = {}, items
                 progressed.update(got)
                 failed += lost
             return progressed, failed, exc

@@ -426,16 +426,22 @@ async def test_a_failed_step_drops_only_the_request_that_fails_alone(loaded) -> 
 
 
 async def test_a_step_that_fails_once_loses_none_of_its_requests(loaded) -> None:
-    """A transient failure (the run fails, its halves do not): every request runs on, exactly."""
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    prompts = [PROMPTS[2] * 3, PROMPTS[1]]
+    """A transient failure (the run fails after sampling, its halves do not): every request runs
+    on exactly as without it, seeded sampled ones too (their generators are put back), n=2 too."""
+    prompts = [PROMPTS[2] * 3, PROMPTS[1], PROMPTS[3]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=9, n=2, max_tokens=8, ignore_eos=True),
+    ]
     expected = _llm(loaded).generate(prompts, params)
     async with _async_engine(loaded) as engine:
         failed = _fail_steps(engine.engine, 1)
-        results = await asyncio.gather(*(_collect(engine, p, params) for p in prompts))
-        assert failed == [2]
-        for (outs, text), ref in zip(results, expected, strict=True):
-            assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
+        results = await asyncio.gather(*(_collect(engine, p, sp) for p, sp in zip(prompts, params, strict=True)))
+        assert failed == [3]
+        for (outs, _), ref in zip(results, expected, strict=True):
+            got = [co.token_ids for co in outs[-1].outputs]
+            assert got == [co.token_ids for co in ref.outputs]
         assert engine.dead is None and engine.stats()["failed_steps_total"] == 1
         await _idle(engine)
 
