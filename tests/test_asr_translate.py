@@ -28,6 +28,17 @@ from tests.helpers import serve_app
 
 RATE = 16_000
 GERMAN = "Guten Morgen. Heute ist das Wetter sehr schön, und wir gehen in den Park."
+MORE_GERMAN = [  # with GERMAN, over 30 s: two windows
+    "Der Zug nach Berlin fährt um acht Uhr vom dritten Gleis ab.",
+    "Bitte bringen Sie den Bericht und Ihre Notizen zur Besprechung mit.",
+    "Am Wochenende besuchen wir unsere Großeltern auf dem Land.",
+    "Das Restaurant an der Ecke hat eine neue Speisekarte.",
+    "Mein Bruder lernt seit zwei Jahren Klavier und spielt jeden Abend.",
+    "Die Bibliothek bleibt am Montag wegen einer Feier geschlossen.",
+    "Im Sommer fahren viele Familien an die Küste der Ostsee.",
+    "Der Arzt sagt, dass ich mehr Wasser trinken und früher schlafen soll.",
+    "Unsere Nachbarin hat einen kleinen Hund, der gerne im Garten spielt.",
+]
 
 
 @functools.cache
@@ -86,6 +97,32 @@ async def test_a_named_language_is_not_detected(base: AsrEngine) -> None:
         base.prompt_ids(task="summarize")
 
 
+async def test_a_request_detects_its_language_once_and_a_prompt_cannot_name_it(
+    base: AsrEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two windows, one detection (whisper.transcribe detects on the first 30 s); "<|ja|>" in a
+    prompt is text, not the Japanese token."""
+    calls = []
+    detect = base.encoder.detect_language
+
+    async def counted(enc: Any, lang_ids: list[int]) -> int:
+        calls.append(1)
+        return await detect(enc, lang_ids)
+
+    monkeypatch.setattr(base.encoder, "detect_language", counted)
+    gap = np.zeros(RATE // 2, np.float32)
+    long = np.concatenate(
+        [part for clip in [_german(), *synth_espeak(MORE_GERMAN, voice="de")] for part in (clip, gap)]
+    )
+    transcript = await base.run(TranscriptionRequest(long))
+    assert len(transcript.segments) >= 2 and transcript.language == "de" and calls == [1]
+    japanese = base.whisper.model.generation_config.lang_to_id["<|ja|>"]
+    prompt = base.prompt_ids(prompt="Wetter <|ja|>")
+    assert japanese not in prompt
+    transcript = await base.run(TranscriptionRequest(_german(), prompt="Wetter <|ja|>"))
+    assert transcript.language == "de" and calls == [1, 1]
+
+
 def test_an_english_only_model_cannot_translate() -> None:
     tiny = AsrEngine(load_whisper("tiny.en"))
     with pytest.raises(ValueError, match="English-only: it cannot translate"):
@@ -117,13 +154,13 @@ def test_translations_api_with_the_openai_client(base: AsrEngine, server: str) -
     verbose = client.audio.translations.create(
         model=base.model_name, file=("de.wav", wav), response_format="verbose_json"
     )
-    assert verbose.text == expected and verbose.language == "de"
+    assert verbose.text == expected and verbose.language == "english" and verbose.task == "translate"  # as OpenAI
     text = client.audio.translations.create(model=base.model_name, file=("de.wav", wav), response_format="text")
     assert text.strip() == expected
     heard = client.audio.transcriptions.create(
         model=base.model_name, file=("de.wav", wav), response_format="verbose_json"
     )
-    assert heard.language == "de" and "morgen" in heard.text.lower()
+    assert heard.language == "german" and "morgen" in heard.text.lower()
     files = {"file": ("de.wav", io.BytesIO(wav), "audio/wav")}
     resp = httpx.post(f"{server}/v1/audio/translations", data={"model": "whisper-tiny.en"}, files=files, timeout=60)
     assert resp.status_code == 400, resp.text

@@ -96,7 +96,7 @@ async def _run(request: Request, engine: Any, req: Any, duration: float, bad_opt
         raise _mapped(exc, bad_option if isinstance(exc, ValueError) else "file") from exc
 
 
-def _response(transcript: Any, response_format: str, granularities: list[str]) -> Any:
+def _response(transcript: Any, response_format: str, granularities: list[str], task: str = "transcribe") -> Any:
     if response_format == "text":
         return PlainTextResponse(transcript.text + "\n")
     if response_format == "srt":
@@ -104,7 +104,7 @@ def _response(transcript: Any, response_format: str, granularities: list[str]) -
     if response_format == "vtt":
         return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
     if response_format == "verbose_json":
-        return JSONResponse(to_verbose(transcript, granularities))
+        return JSONResponse(to_verbose(transcript, granularities, task))
     return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
 
 
@@ -168,9 +168,12 @@ async def create_translation(
 
     _check_options(response_format, temperature)
     served, engine = resolve_asr_engine(request, model)
+    if getattr(engine, "multilingual", None) is False:  # (a remote engine's model says so when it runs)
+        raise APIError(400, f"model {served} is English-only: it cannot translate", param="model")
     audio = await _read_audio(file, engine)
     req = TranscriptionRequest(audio.samples, None, prompt or None, temperature, task="translate")
-    return _response(await _run(request, engine, req, audio.duration, "model"), response_format, [])
+    transcript = await _run(request, engine, req, audio.duration, "model")
+    return _response(transcript, response_format, [], "translate")
 
 
 async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:

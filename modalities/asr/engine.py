@@ -40,6 +40,13 @@ DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
 @dataclass
+class Heard:
+    """A request's language, detected once for all its windows (``AsrEngine._with_language``)."""
+
+    detection: asyncio.Future[int] | None = None
+
+
+@dataclass
 class AsrConfig:
     model: str | None = None  # see modalities.asr.model.resolve_asr_path
     max_num_seqs: int = 64
@@ -127,6 +134,11 @@ class AsrEngine:
         self.num_windows = 0
         self.num_fallback_decodes = 0
 
+    @property
+    def multilingual(self) -> bool:
+        """Whether the model knows other languages than English (and can translate)."""
+        return self.whisper.multilingual
+
     @classmethod
     def from_config(cls, config: AsrConfig) -> AsrEngine:
         return cls(load_whisper(config.model, device=config.device), config)
@@ -166,7 +178,8 @@ class AsrEngine:
         tok = self.whisper.tokenizer
         ids: list[int] = []
         if prompt:
-            text_ids = tok(" " + prompt.strip(), add_special_tokens=False).input_ids
+            # Special-token text in a prompt is text: "<|ja|>" must not become a language token.
+            text_ids = tok(" " + prompt.strip(), add_special_tokens=False, split_special_tokens=True).input_ids
             ids += [self._tok["<|startofprev|>"], *text_ids[-(self.config.max_new_tokens - 1) :]]
         ids.append(self._tok["<|startoftranscript|>"])
         if self.whisper.multilingual:
@@ -188,13 +201,22 @@ class AsrEngine:
         ids.append(self._no_ts)
         return ids
 
-    async def _with_language(self, enc: Any, prompt_ids: list[int]) -> tuple[list[int], str | None]:
+    async def _with_language(
+        self, enc: Any, prompt_ids: list[int], heard: Heard | None = None
+    ) -> tuple[list[int], str | None]:
         """``prompt_ids`` with the language heard in ``enc`` after <|startoftranscript|> where it
-        names none (a multilingual model), and that language's code (None: the prompt's own)."""
-        if not self._lang_ids or any(t in self._lang_set for t in prompt_ids):
-            return prompt_ids, None
-        lang = await self.encoder.detect_language(enc, self._lang_ids)
+        names none (a multilingual model), and that language's code (None: the prompt's own).
+        With ``heard``, the request's first window to get here detects it for all its windows,
+        as ``whisper.transcribe`` detects once, on the first 30 s."""
         at = prompt_ids.index(self._tok["<|startoftranscript|>"]) + 1
+        if not self._lang_ids or any(t in self._lang_set for t in prompt_ids[at:]):
+            return prompt_ids, None
+        if heard is None:
+            lang = await self.encoder.detect_language(enc, self._lang_ids)
+        else:
+            if heard.detection is None:  # a task of its own: the window that started it may be dropped
+                heard.detection = asyncio.ensure_future(self.encoder.detect_language(enc, self._lang_ids))
+            lang = await asyncio.shield(heard.detection)
         return [*prompt_ids[:at], lang, *prompt_ids[at:]], self._lang_codes[lang]
 
     # -- decoding ------------------------------------------------------------------------------
@@ -237,14 +259,16 @@ class AsrEngine:
         seed: int = 0,
         words: bool = False,
         priority: int = 0,
+        heard: Heard | None = None,
     ) -> AsyncIterator[tuple[str, WindowResult | None]]:
         """Decode one ≤30 s window with Whisper's temperature fallback: yields ``(live text,
         None)`` while a decode's running figures pass the checks, then ``(text, result)`` with the
         kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``.
         ``words``: the result also carries the kept decode's words, aligned (on a worker thread).
-        ``priority``: of the window's encoder pass and decodes (``TranscriptionRequest.priority``)."""
+        ``priority``: of the window's encoder pass and decodes (``TranscriptionRequest.priority``).
+        ``heard``: the request's language, shared by its windows (``_with_language``)."""
         enc, no_speech = await self._encode(audio, prompt_ids, priority)
-        prompt_ids, language = await self._with_language(enc, prompt_ids)
+        prompt_ids, language = await self._with_language(enc, prompt_ids, heard)
         temps = fallback_temperatures(temperature)
         for attempt, t in enumerate(temps):
             text, ids, lps = "", [], []
@@ -293,12 +317,14 @@ class AsrEngine:
         queue: asyncio.Queue[tuple[int, str, WindowResult | None] | BaseException] = asyncio.Queue()
         seed = req.seed or 0
 
+        heard = Heard()
+
         async def run(i: int, w: Window) -> None:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 # Each window its own seeds, reproducible whatever else is decoding.
                 async for text, res in self.decode_window(
-                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps, req.priority
+                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps, req.priority, heard
                 ):
                     await queue.put((i, text, res))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer

@@ -70,15 +70,18 @@ def to_vtt(t: Transcript) -> str:
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
-def to_verbose(t: Transcript, granularities: Sequence[str] = ()) -> dict[str, Any]:
+def to_verbose(t: Transcript, granularities: Sequence[str] = (), task: str = "transcribe") -> dict[str, Any]:
     """OpenAI's ``verbose_json``: Whisper's segment fields, with the per-window figures the
     engine measured (the kept decode's temperature, mean token logprob, compression ratio and
     the no-speech probability); ``words`` (``openai_words``) when the transcript has word
     timestamps. ``granularities`` with ``word`` but not ``segment`` leaves the segments out, as
-    OpenAI does."""
+    OpenAI does. ``language`` is a name as OpenAI gives it ("german"); a translation's is
+    always "english", the language of its text."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
     body: dict[str, Any] = {
-        "task": "transcribe",
-        "language": {"en": "english"}.get(t.language, t.language),
+        "task": task,
+        "language": "english" if task == "translate" else LANGUAGES.get(t.language, t.language),
         "duration": round(t.duration, 3),
         "text": t.text,
     }

@@ -66,11 +66,11 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
     return "audio_seconds", file_bytes / BYTES_PER_AUDIO_SECOND
 
 
-def render(transcript: Any, fmt: str, granularities: list[str] | None = None) -> bytes:
+def render(transcript: Any, fmt: str, granularities: list[str] | None = None, task: str = "transcribe") -> bytes:
     from modalities.asr.formats import to_srt, to_verbose, to_vtt
 
     if fmt == "verbose_json":
-        return json.dumps(to_verbose(transcript, granularities or ())).encode()
+        return json.dumps(to_verbose(transcript, granularities or (), task)).encode()
     if fmt == "json":
         return json.dumps({"text": transcript.text}).encode()
     return {"text": transcript.text + "\n", "srt": to_srt(transcript), "vtt": to_vtt(transcript)}[fmt].encode()
@@ -105,7 +105,7 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
         ctx.store.put,
         ctx.job_id,
         f"transcript.{ext}",
-        render(transcript, job.response_format, job.timestamp_granularities),
+        render(transcript, job.response_format, job.timestamp_granularities, job.task),
         _TYPES[ext],
     )
     ctx.progress(1, 1)
