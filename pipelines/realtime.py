@@ -67,7 +67,7 @@ from pipelines.realtime_events import (
     wants_audio,
 )
 from pipelines.services import Services
-from pipelines.speech import LLMOptions, TTSOptions
+from pipelines.speech import ASROptions, LLMOptions, TTSOptions
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -100,9 +100,12 @@ class RealtimeSession:
         self.vad_config = VADConfig()
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
         self.tts_options = TTSOptions(priority=INTERACTIVE)  # its first pieces go first
+        self.asr_options = ASROptions(priority=INTERACTIVE)  # its encoder passes go first
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
-        self.pipeline = voice_pipeline(services, self.conv, self.vad_config, self.llm_options, self.tts_options)
+        self.pipeline = voice_pipeline(
+            services, self.conv, self.vad_config, self.llm_options, self.tts_options, self.asr_options
+        )
         self.reply: Reply | None = None  # the latest response (active until done)
         self.in_band: Reply | None = None  # the latest response in the conversation (truncation)
         self.unheard: set[str] = set()  # user audio items created, their transcript still to come
@@ -133,6 +136,8 @@ class RealtimeSession:
         )
         self.tts_options.enabled = "audio" in c.modalities and self.services.tts is not None
         self.tts_options.voice = c.voice
+        heard = c.input_audio_transcription or {}
+        self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
         self.tts_options.sample_rate = RATE
         self.conv.instructions = c.instructions
 
@@ -234,6 +239,7 @@ class RealtimeSession:
         try:
             patch = realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch
             self._check_voice(patch)
+            self._check_language(patch)
             self.config.update(patch)
         except EventError as exc:
             if self.ga:
@@ -252,6 +258,18 @@ class RealtimeSession:
         error = unknown_voice(voice, voices) if isinstance(voice, str) and voices else None
         if error is not None:
             raise EventError(error, param="session.voice")
+
+    def _check_language(self, patch: Any) -> None:
+        """A transcription language the served ASR model lacks is refused here, not at each turn
+        (a model in another process is asked at the turn)."""
+        heard = patch.get("input_audio_transcription") if isinstance(patch, dict) else None
+        language = heard.get("language") if isinstance(heard, dict) else None
+        check = getattr(self.services.asr, "prompt_ids", None)
+        if isinstance(language, str) and check is not None:
+            try:
+                check(language)
+            except ValueError as exc:
+                raise EventError(str(exc), param="session.input_audio_transcription.language") from None
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         data = decode_audio_b64(event.get("audio"))

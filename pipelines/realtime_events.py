@@ -47,6 +47,9 @@ class SessionConfig:
     )
     temperature: float = 0.8
     max_response_output_tokens: int | str = "inf"
+    # ``language`` and ``prompt`` reach the ASR; null is kept as sent, but the turns are still
+    # transcribed: the replies need the text.
+    input_audio_transcription: dict[str, Any] | None = field(default_factory=lambda: {"model": "whisper"})
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
         return {
@@ -58,7 +61,7 @@ class SessionConfig:
             "voice": self.voice,
             "input_audio_format": "pcm16",
             "output_audio_format": "pcm16",
-            "input_audio_transcription": {"model": "whisper"},
+            "input_audio_transcription": self.input_audio_transcription,
             "turn_detection": self.turn_detection,
             "tools": [],
             "tool_choice": "none",
@@ -104,7 +107,32 @@ class SessionConfig:
             new["max_response_output_tokens"] = m
         if "turn_detection" in patch:
             new["turn_detection"] = _turn_detection(patch["turn_detection"], self.turn_detection)
+        if "input_audio_transcription" in patch:
+            new["input_audio_transcription"] = _transcription(patch["input_audio_transcription"])
         vars(self).update(new)
+
+
+MAX_TRANSCRIPTION_PROMPT_CHARS = 4000
+
+
+def _transcription(value: Any) -> dict[str, Any] | None:
+    """A session's ``input_audio_transcription``: ``model`` (any name: the served ASR model
+    transcribes), ``language`` (an ISO-639-1 code) and ``prompt``, each a string or absent."""
+    param = "session.input_audio_transcription"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise EventError("input_audio_transcription must be an object or null", param=param)
+    out: dict[str, Any] = {"model": value.get("model") or "whisper"}
+    limits = {"model": 200, "language": 16, "prompt": MAX_TRANSCRIPTION_PROMPT_CHARS}
+    for key, limit in limits.items():
+        v = value.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, str) or len(v) > limit:
+            raise EventError(f"{key} must be a string of at most {limit} characters", param=f"{param}.{key}")
+        out[key] = v
+    return out
 
 
 def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -46,6 +46,7 @@ GA_PARAMS = {
     "session.max_response_output_tokens": "session.max_output_tokens",
     "session.turn_detection": "session.audio.input.turn_detection",
     "session.voice": "session.audio.output.voice",
+    "session.input_audio_transcription": "session.audio.input.transcription",
 }
 
 
@@ -81,6 +82,8 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
         out["turn_detection"] = sides["input"]["turn_detection"]
     if "voice" in sides["output"]:
         out["voice"] = sides["output"]["voice"]
+    if "transcription" in sides["input"]:
+        out["input_audio_transcription"] = sides["input"]["transcription"]
     return out
 
 

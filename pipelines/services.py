@@ -68,13 +68,17 @@ class Services:
                 found[modality] = None
         return cls(**found)
 
-    async def transcribe(self, samples: np.ndarray, priority: int = 0) -> str:
-        """Text of one 16 kHz mono utterance (``priority``: ``TranscriptionRequest.priority``)."""
+    async def transcribe(
+        self, samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
+    ) -> str:
+        """Text of one 16 kHz mono utterance (``priority``, ``language``, ``prompt``: as
+        ``TranscriptionRequest``'s)."""
         if self.asr is None:
             raise ServiceMissing("no asr model is served")
         from modalities.asr.engine import TranscriptionRequest
 
-        result = await self.asr.run(TranscriptionRequest(np.asarray(samples, np.float32), priority=priority))
+        req = TranscriptionRequest(np.asarray(samples, np.float32), language, prompt, priority=priority)
+        result = await self.asr.run(req)
         return str(result.text)
 
     async def speak(

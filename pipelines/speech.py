@@ -121,6 +121,13 @@ class VAD(Processor):
             yield frame
 
 
+@dataclass
+class ASROptions:
+    language: str | None = None  # None: English for an English-only model, else detected
+    prompt: str | None = None  # Whisper's prompt: names and terms the speech may use
+    priority: int = 0  # of its transcriptions (``TranscriptionRequest.priority``)
+
+
 class ASR(Processor):
     """``UserAudio`` → ``Transcript`` (the audio is consumed). A tentative utterance starts its
     transcription in the background; the final one with the same ``turn_key`` takes that result
@@ -128,9 +135,9 @@ class ASR(Processor):
     In a concurrent run, a background transcript still unclaimed when it is ready is also passed
     on as a tentative ``Transcript`` (the LLM may start the reply speculatively)."""
 
-    def __init__(self, services: Services, priority: int = 0) -> None:
+    def __init__(self, services: Services, options: ASROptions | None = None) -> None:
         self.services = services
-        self.priority = priority  # of its transcriptions (``TranscriptionRequest.priority``)
+        self.options = options or ASROptions()  # live: a session.update changes it in place
         self.early: tuple[int, asyncio.Task[str]] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
@@ -148,11 +155,15 @@ class ASR(Processor):
         if frame.tentative:
             self.early = (frame.turn_key, asyncio.create_task(self._early(frame)))
             return
-        text = await (early[1] if early is not None else self.services.transcribe(frame.samples, self.priority))
+        text = await (early[1] if early is not None else self._transcribe(frame))
         yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
 
+    async def _transcribe(self, frame: UserAudio) -> str:
+        o = self.options
+        return await self.services.transcribe(frame.samples, o.priority, o.language, o.prompt)
+
     async def _early(self, frame: UserAudio) -> str:
-        text = await self.services.transcribe(frame.samples, self.priority)
+        text = await self._transcribe(frame)
         unclaimed = self.early is not None and self.early[1] is asyncio.current_task()
         if unclaimed and self.emit is not None and frame.respond:
             self.emit(Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, tentative=True))

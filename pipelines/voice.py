@@ -29,7 +29,7 @@ from pipelines.frames import AudioFrame, End, ErrorFrame, Frame, LLMDone, Transc
 from pipelines.processor import Pipeline
 from pipelines.services import ServiceMissing, Services
 from pipelines.speculation import SpeechPrefetch
-from pipelines.speech import ASR, LLM, TTS, VAD, LLMOptions, Resample, Sentences, TTSOptions
+from pipelines.speech import ASR, LLM, TTS, VAD, ASROptions, LLMOptions, Resample, Sentences, TTSOptions
 from pipelines.vad import VADConfig
 
 logger = logging.getLogger("mmserve.pipelines")
@@ -39,7 +39,12 @@ WARM_UP_TIMEOUT_S = 60.0
 
 
 def voice_pipeline(
-    services: Services, conv: Conversation, vad: VADConfig, llm: LLMOptions, tts: TTSOptions
+    services: Services,
+    conv: Conversation,
+    vad: VADConfig,
+    llm: LLMOptions,
+    tts: TTSOptions,
+    asr: ASROptions | None = None,
 ) -> Pipeline:
     """The stages of a live voice session over ``conv``; the options objects stay live (a
     ``session.update`` changes them in place)."""
@@ -48,7 +53,7 @@ def voice_pipeline(
         [
             Resample(ASR_RATE),
             VAD(vad),
-            ASR(services, INTERACTIVE),  # a live turn: its encoder passes go first
+            ASR(services, asr or ASROptions(priority=INTERACTIVE)),  # a live turn: its encoder passes go first
             LLM(services, conv, llm, prefetch),
             Sentences(),
             TTS(services, tts, prefetch),

@@ -373,23 +373,27 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     from engine.foreground import INTERACTIVE
     from pipelines.frames import UserAudio
     from pipelines.services import Services
-    from pipelines.speech import ASR
+    from pipelines.speech import ASR, ASROptions
 
     calls: list[int] = []
     priorities: list[int] = []
+    hints: list[tuple[str | None, str | None]] = []
 
     class Fake(Services):
-        async def transcribe(self, samples: np.ndarray, priority: int = 0) -> str:
+        async def transcribe(
+            self, samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
+        ) -> str:
             calls.append(samples.size)
             priorities.append(priority)
+            hints.append((language, prompt))
             await asyncio.sleep(0.01)
             return f"heard {samples.size}"
 
     def audio(n: int, key: int, tentative: bool) -> UserAudio:
         return UserAudio(np.zeros(n, np.float32), 16_000, tentative=tentative, turn_key=key)
 
-    async def run(frames: list[Frame], priority: int = 0) -> list[str]:
-        asr = ASR(Fake(), priority)
+    async def run(frames: list[Frame], priority: int = 0, **hint: str) -> list[str]:
+        asr = ASR(Fake(), ASROptions(priority=priority, **hint))
         return [f.text for f in await Pipeline([asr]).run_all(frames)]
 
     assert asyncio.run(run([audio(10, 1, True), audio(12, 1, False)])) == ["heard 10"] and calls == [10]
@@ -405,6 +409,10 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     assert asyncio.run(run([audio(10, 1, True), audio(12, 1, False)], INTERACTIVE)) == ["heard 10"]
     assert asyncio.run(run([audio(60, 4, False)], INTERACTIVE)) == ["heard 60"]
     assert calls == [10, 60] and priorities == [INTERACTIVE, INTERACTIVE]
+    # A session's transcription language and prompt reach both kinds of transcription.
+    hints.clear()
+    assert asyncio.run(run([audio(10, 5, True), audio(12, 5, False), audio(9, 6, False)], language="en", prompt="Oslo"))
+    assert hints == [("en", "Oslo"), ("en", "Oslo")]
 
 
 def test_chain_stages_skip_done_and_cancelled_work() -> None:
@@ -517,7 +525,9 @@ class _Speech:
         self.committed = asyncio.Event()
         self.before_commit: list[str] = []  # texts whose synthesis began before the commit
 
-    async def transcribe(self, samples: np.ndarray, priority: int = 0) -> str:
+    async def transcribe(
+        self, samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
+    ) -> str:
         self.transcribed.append(samples.size)
         await asyncio.sleep(0.02)
         return f"heard {samples.size}"
@@ -639,7 +649,7 @@ def test_a_realtime_session_asks_for_interactive_priority() -> None:
 
     ws = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))  # nothing is sent or received
     session = RealtimeSession(ws, Services(), "m")  # type: ignore[arg-type]
-    assert [s.priority for s in session.pipeline.stages if isinstance(s, ASR)] == [INTERACTIVE]
+    assert [s.options.priority for s in session.pipeline.stages if isinstance(s, ASR)] == [INTERACTIVE]
     assert [s.options.priority for s in session.pipeline.stages if isinstance(s, LLM)] == [INTERACTIVE]
 
 

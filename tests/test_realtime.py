@@ -803,3 +803,49 @@ def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_ne
         assert s.inbox.empty()  # no Interrupt("client_cancelled") for the next reply
 
     run(go())
+
+
+def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
+    """Session state only (a stand-in socket and ASR): ``input_audio_transcription`` (beta) and
+    ``audio.input.transcription`` (GA) set the live ASR options; a language the model lacks and a
+    prompt that is no string are errors naming the field, and change nothing."""
+    import types
+
+    from modalities.asr.engine import AsrEngine
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    class Socket:
+        app = types.SimpleNamespace(state=types.SimpleNamespace())
+
+        async def send_text(self, text: str) -> None:
+            sent.append(json.loads(text))
+
+    class EnglishOnly:  # AsrEngine.prompt_ids's checks, without a model
+        prompt_ids = AsrEngine.prompt_ids
+        whisper = types.SimpleNamespace(multilingual=False, tokenizer=None)
+        model_name, _tok, _no_ts = "whisper-tiny.en", {"<|startoftranscript|>": 1}, 2
+
+    async def go() -> None:
+        s = RealtimeSession(Socket(), Services(asr=EnglishOnly()), "m")
+        hint = {"model": "whisper-1", "language": "en", "prompt": "Oslo and Bergen"}
+        await s._handle(json.dumps({"type": "session.update", "session": {"input_audio_transcription": hint}}))
+        assert sent[-1]["type"] == "session.updated" and sent[-1]["session"]["input_audio_transcription"] == hint
+        assert (s.asr_options.language, s.asr_options.prompt) == ("en", "Oslo and Bergen")
+        bad = {"input_audio_transcription": {"language": "de"}}
+        await s._handle(json.dumps({"type": "session.update", "session": bad}))
+        error = sent[-1]["error"]
+        assert error["param"] == "session.input_audio_transcription.language" and "English-only" in error["message"]
+        assert s.asr_options.language == "en"
+        ga = {"type": "realtime", "audio": {"input": {"transcription": {"model": "x", "prompt": "Tromsø"}}}}
+        await s._handle(json.dumps({"type": "session.update", "session": ga}))
+        assert sent[-1]["session"]["audio"]["input"]["transcription"] == {"model": "x", "prompt": "Tromsø"}
+        assert (s.asr_options.language, s.asr_options.prompt) == (None, "Tromsø")
+        ga = {"type": "realtime", "audio": {"input": {"transcription": {"prompt": 7}}}}
+        await s._handle(json.dumps({"type": "session.update", "session": ga}))
+        assert sent[-1]["error"]["param"] == "session.audio.input.transcription.prompt"
+        assert s.asr_options.prompt == "Tromsø"
+
+    run(go())
