@@ -14,7 +14,7 @@ only, so never with word timestamps). Unreadable audio is a 400, a file over the
 limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
 duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails). Without
 ``language``, an English-only model hears English and a multilingual one the language it detects
-in each window (reported in verbose_json).
+in the first window encoded (reported in verbose_json).
 
 Translations (speech in any language the model knows, as English text) take ``file``, ``model``,
 ``prompt``, ``response_format`` and ``temperature`` as OpenAI's; they need a multilingual Whisper
@@ -24,8 +24,8 @@ Translations (speech in any language the model knows, as English text) take ``fi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -39,6 +39,7 @@ from modalities.asr.formats import RESPONSE_FORMATS, granularity_error, to_srt, 
 from modalities.audio import ASR_RATE, MAX_AUDIO_S, AudioDecodeError, AudioTooLong, decode_audio
 
 router = APIRouter(tags=["audio"])
+T = TypeVar("T")
 
 
 def pick_asr_engine(engines: dict[str, Any], aliases: dict[str, str], model: str | None) -> tuple[str, Any]:
@@ -85,12 +86,12 @@ async def _read_audio(file: UploadFile, engine: Any) -> Any:
         raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
 
 
-async def _run(request: Request, engine: Any, req: Any, duration: float, bad_option: str) -> Any:
-    """``engine.run(req)`` charged ``duration`` audio seconds (refunded when it fails); a
-    ``ValueError`` (what the model can't do) is a 400 naming ``bad_option``."""
+async def _charged(request: Request, duration: float, bad_option: str, work: Callable[[], Awaitable[T]]) -> T:
+    """``work()`` charged ``duration`` audio seconds against the tenant (refunded when it fails);
+    a ``ValueError`` (what the model can't do) is a 400 naming ``bad_option``."""
     ch = await charge(request, "audio_seconds", duration)  # the tenant's audio_seconds budget
     try:
-        return await engine.run(req)
+        return await work()
     except Exception as exc:
         await ch.refund()
         raise _mapped(exc, bad_option if isinstance(exc, ValueError) else "file") from exc
@@ -139,18 +140,11 @@ async def create_transcription(
         audio.samples, language or None, prompt or None, temperature, seed=seed, word_timestamps=words
     )
     if not stream:
-        transcript = await _run(request, engine, req, audio.duration, "language")
+        transcript = await _charged(request, audio.duration, "language", lambda: engine.run(req))
         return _response(transcript, response_format, granularities)
-
-    ch = await charge(request, "audio_seconds", audio.duration)
     deltas = engine.stream(req)
-    try:
-        first = await anext(deltas)  # admission errors become a status code, not a broken stream
-    except StopAsyncIteration:
-        first = None
-    except Exception as exc:
-        await ch.refund()
-        raise _mapped(exc, "language" if isinstance(exc, ValueError) else "file") from exc
+    # The first item before the status line: admission errors become a status code, not a broken stream.
+    first = await _charged(request, audio.duration, "language", lambda: anext(deltas, None))
     return StreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -172,7 +166,7 @@ async def create_translation(
         raise APIError(400, f"model {served} is English-only: it cannot translate", param="model")
     audio = await _read_audio(file, engine)
     req = TranscriptionRequest(audio.samples, None, prompt or None, temperature, task="translate")
-    transcript = await _run(request, engine, req, audio.duration, "model")
+    transcript = await _charged(request, audio.duration, "model", lambda: engine.run(req))
     return _response(transcript, response_format, [], "translate")
 
 

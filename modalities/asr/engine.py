@@ -173,8 +173,8 @@ class AsrEngine:
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, language: str | None = None, prompt: str | None = None, task: str = "transcribe") -> list[int]:
         """Decoder prompt: [<|startofprev|> prompt...] <|startoftranscript|> [lang task]
-        <|notimestamps|>. A multilingual model asked for no language gets none here: each window
-        gets the one it hears (``_with_language``). ``ValueError`` for what the model can't do."""
+        <|notimestamps|>. A multilingual model asked for no language gets none here: the language
+        heard is put in once the audio is encoded (``_with_language``). ``ValueError`` for what the model can't do."""
         tok = self.whisper.tokenizer
         ids: list[int] = []
         if prompt:

@@ -47,7 +47,8 @@ class Transcript:
 @dataclass
 class TranscriptionRequest:
     """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
-    ``language``: None = English for an English-only model, else detected in each window.
+    ``language``: None = English for an English-only model, else detected once, in the first
+    window encoded.
     ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
     ``word_timestamps``: also align every word (one extra decoder pass per window).
