@@ -205,10 +205,12 @@ def create_app(
     install_error_handlers(app)
 
     auth = [Depends(auth_dependency(keys))]
-    app.include_router(_common_router())
-    app.include_router(_models_router(), dependencies=auth)
-    for router in routers:
+    common, keyed = _common_router(), [_models_router(), *routers]
+    app.include_router(common)
+    for router in keyed:
         app.include_router(router, dependencies=auth)
+    # Every route, for ``route_info`` to name the route of a response a middleware gave before routing.
+    app.state.routes = [route for router in (common, *keyed) for route in router.routes]
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, route_limits=body_limits)
     app.add_middleware(KeyCheckMiddleware, store=keys)  # outside the body limits: a 401 reads no body
     app.add_middleware(HTTPMetricsMiddleware, metrics=app.state.metrics)

@@ -24,6 +24,7 @@ import uuid
 from typing import Any
 
 from starlette.requests import Request
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 access_logger = logging.getLogger("mmserve.access")
@@ -41,8 +42,10 @@ def annotate(request: Request, **fields: Any) -> None:
 
 def route_info(scope: Scope) -> tuple[str, str]:
     """``(route template, modality)`` of the matched route: ``modalities.<name>.*`` endpoints
-    belong to ``<name>``, ``gateway.*`` to ``gateway``, others to their package (e.g. ``jobs``)."""
-    route = scope.get("route")
+    belong to ``<name>``, ``gateway.*`` to ``gateway``, others to their package (e.g. ``jobs``).
+    A response a middleware gave before routing (a 401, 413, 415) is matched here, so it is
+    counted under its route too."""
+    route = scope.get("route") or _match(scope)
     path = getattr(route, "path", None)
     if not isinstance(path, str):
         return "other", "other"  # unknown paths: bounded label values for scanners
@@ -55,6 +58,12 @@ def route_info(scope: Scope) -> tuple[str, str]:
     else:
         modality = parts[-2]
     return path, modality
+
+
+def _match(scope: Scope) -> BaseRoute | None:
+    """The route for ``scope`` (its path, any method) among the app's ``state.routes``, or None."""
+    routes: list[BaseRoute] = getattr(getattr(scope.get("app"), "state", None), "routes", [])
+    return next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
 
 
 class RequestLogMiddleware:

@@ -128,6 +128,12 @@ def test_a_request_without_a_key_is_refused_before_its_body_is_read(base_url: st
         sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
         sock.sendall(b'Content-Length: 1048576\r\n\r\n{"input": ')
         assert sock.recv(4096).startswith(b"HTTP/1.1 401 ")
+    # the refusals are counted under their route, as a routed response is, not under "other"
+    metrics = httpx.get(f"{base_url}/metrics").text
+    refused = [line for line in metrics.splitlines() if line.startswith("mmserve_http_requests_total{")]
+    assert any('path="/v1/embeddings"' in line and 'status="401"' in line for line in refused), refused
+    assert any('modality="embed"' in line and 'status="415"' in line for line in refused), refused
+    assert not any('path="other"' in line and 'status="401"' in line for line in refused), refused
 
 
 def test_llm_limit_settles_to_real_usage_and_throttles_one_tenant(base_url: str) -> None:
