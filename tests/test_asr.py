@@ -12,7 +12,8 @@ model) on real synthetic speech (Piper and eSpeak NG voices):
 - Whisper's per-window figures: no-speech probability equals transformers' at the
   <|startoftranscript|> position, avg_logprob equals whisper's formula over ``generate()``'s scores;
   temperature fallback on a window the model cannot read (reversed speech), seeded and
-  reproducible; a noise window is judged silent and yields no text.
+  reproducible; a noise window is judged silent and yields no text; when every temperature
+  fails, the last decode stands, or with ``fallback_keep="best"`` the most likely one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.foreground import FOREGROUND, INTERACTIVE
 from engine.native import f16_linear_kernel
 from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
 from modalities.asr.model import load_whisper
+from modalities.asr.quality import WindowResult, kept
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
 from tests.helpers import DEADLINE_S, until
 
@@ -478,3 +480,41 @@ async def test_temperature_fallback_is_seeded_and_reproducible(engine: AsrEngine
     # Starting at 0.4 tries 0.4, 0.6, 0.8, 1.0 only.
     warm = await engine.run(TranscriptionRequest(clip, temperature=0.4, seed=7))
     assert warm.segments[0].temperature in (0.4, 0.6, 0.8, 1.0)
+
+
+def test_the_decode_kept_when_every_fallback_fails() -> None:
+    def attempt(t: float, lp: float, cr: float = 1.5) -> WindowResult:
+        return WindowResult(f"t{t}", [1], t, lp, cr, no_speech_prob=0.1)
+
+    failed = [attempt(0.0, -1.4), attempt(0.2, -1.1, cr=2.6), attempt(0.4, -1.2), attempt(1.0, -2.5)]
+    assert kept(failed) is failed[-1] and kept(failed, "last") is failed[-1]  # whisper's rule
+    assert kept(failed, "best") is failed[2]  # the likeliest of those not too repetitive
+    repetitive = [attempt(0.0, -1.3, cr=3.0), attempt(1.0, -1.6, cr=2.5)]
+    assert kept(repetitive, "best") is repetitive[0]  # all repetitive: the likeliest of all
+    passed = [attempt(0.0, -1.4), attempt(0.2, -0.5)]
+    assert kept(passed, "best") is passed[-1]  # an attempt that passes always stands
+    silent = [WindowResult("", [], 0.0, -1.5, 0.0, no_speech_prob=0.9)]
+    assert kept(silent, "best") is silent[0]
+
+
+async def test_fallback_keep_best_keeps_the_likeliest_attempt(engine: AsrEngine) -> None:
+    clip = await _unreadable(engine)
+    best_engine = AsrEngine(engine.whisper, AsrConfig(fallback_keep="best"))
+    try:
+        *_, (_, last) = [item async for item in engine.decode_window(clip, engine.prompt_ids(), seed=7)]
+        *_, (text, best) = [item async for item in best_engine.decode_window(clip, best_engine.prompt_ids(), seed=7)]
+    finally:
+        await best_engine.shutdown()
+    assert last is not None and best is not None
+    if not last.needs_fallback:
+        pytest.skip("a sampled decode of the unreadable clip passed the checks: nothing to choose")
+    assert last.temperature == 1.0 and best.avg_logprob >= last.avg_logprob
+    # the kept decode is one of the attempts: decoded alone at its temperature, with that
+    # attempt's seed (seed + attempt), it gives the same tokens
+    prompt = engine.prompt_ids()
+    enc, _ = await engine._encode(clip, prompt)
+    seed = 7 + round(best.temperature / 0.2) if best.temperature > 0 else None
+    ids = [ids async for _, ids, _, _ in engine._generate(enc, prompt, best.temperature, seed)][-1]
+    assert [t for t in ids if t != engine._eos] == best.tokens and text == best.text
+    with pytest.raises(ValueError, match="fallback_keep"):
+        AsrEngine(engine.whisper, AsrConfig(fallback_keep="first"))

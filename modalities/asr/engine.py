@@ -29,7 +29,15 @@ from modalities.asr.alignment import WordAligner, transcript_words
 from modalities.asr.encoder import RATE, EncoderBatcher
 from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
 from modalities.asr.model import WhisperModel, load_whisper
-from modalities.asr.quality import WindowResult, avg_logprob, compression_ratio, fallback_temperatures, passes_so_far
+from modalities.asr.quality import (
+    WindowResult,
+    avg_logprob,
+    check_fallback_keep,
+    compression_ratio,
+    fallback_temperatures,
+    kept,
+    passes_so_far,
+)
 from modalities.asr.types import Segment, Transcript, TranscriptDelta, TranscriptionRequest, Word
 from modalities.audio import MAX_AUDIO_S
 
@@ -66,6 +74,9 @@ class AsrConfig:
     # first piece) runs on the same CPU (engine.foreground); None: 0.25 s on a CPU, 0 on a GPU.
     # Decode steps do not wait: they hold voice turns' decodes too.
     foreground_wait_s: float | None = None
+    # A window whose every fallback fails keeps its last (1.0) decode ("last", openai-whisper's and
+    # transformers' rule) or its most likely one ("best", faster-whisper's): ``quality.kept``.
+    fallback_keep: str = "last"
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
 
 
@@ -85,6 +96,7 @@ class AsrEngine:
         from modalities.asr.decoder import WhisperDecoderAdapter
 
         self.config = config or AsrConfig()
+        check_fallback_keep(self.config.fallback_keep)
         self.whisper = whisper
         self.model_name = whisper.name
         self.max_file_mb = self.config.max_file_mb
@@ -269,7 +281,7 @@ class AsrEngine:
         ``heard``: the request's language, shared by its windows (``_with_language``)."""
         enc, no_speech = await self._encode(audio, prompt_ids, priority)
         prompt_ids, language = await self._with_language(enc, prompt_ids, heard)
-        temps = fallback_temperatures(temperature)
+        temps, attempts = fallback_temperatures(temperature), []
         for attempt, t in enumerate(temps):
             text, ids, lps = "", [], []
             async for delta, ids_so_far, finished, lps in self._generate(
@@ -283,9 +295,11 @@ class AsrEngine:
             text = text.strip()
             res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)
             res.language = language
+            attempts.append(res)
             if not res.needs_fallback or attempt == len(temps) - 1:
                 break
             self.num_fallback_decodes += 1
+        res = kept(attempts, self.config.fallback_keep)
         if words and not res.silent:
             res.words = await openmp.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
         yield ("" if res.silent else res.text), res

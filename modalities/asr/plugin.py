@@ -41,6 +41,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--asr-max-file-mb", type=float, default=DEFAULT_MAX_FILE_MB, help="largest accepted upload (413 above)"
     )
     g.add_argument(
+        "--asr-fallback-keep",
+        default="last",
+        choices=["last", "best"],
+        help="a window whose every fallback temperature fails keeps its last decode (whisper's rule) or its most likely",
+    )
+    g.add_argument(
         "--asr-max-audio-s", type=float, default=MAX_AUDIO_S, help="longest accepted decoded audio, seconds (413 above)"
     )
 
@@ -57,6 +63,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         device=getattr(args, "asr_device", "cpu"),
         max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
         max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
+        fallback_keep=getattr(args, "asr_fallback_keep", "last"),
     )
     try:
         engine = AsrEngine.from_config(config)

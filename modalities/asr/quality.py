@@ -2,7 +2,8 @@
 
 As ``whisper.transcribe`` does it: a window decoded at temperature ``t`` whose text is too
 repetitive (gzip compression ratio > 2.4) or too unlikely (mean token logprob < -1.0) is decoded
-again at ``t + 0.2``, ... up to 1.0; a window the model thinks silent (no-speech probability > 0.6)
+again at ``t + 0.2``, ... up to 1.0 (when all fail, ``kept`` says which decode stands); a window
+the model thinks silent (no-speech probability > 0.6)
 and whose text is unlikely (mean logprob ≤ -1.0) is neither retried nor transcribed.
 """
 
@@ -61,6 +62,27 @@ class WindowResult:
         """Decode again at the next temperature (never for a silent window)."""
         bad = self.compression_ratio > COMPRESSION_RATIO_THRESHOLD or self.avg_logprob < LOGPROB_THRESHOLD
         return bad and not self.silent
+
+
+FALLBACK_KEEP = ("last", "best")
+
+
+def check_fallback_keep(rule: str) -> str:
+    if rule not in FALLBACK_KEEP:
+        raise ValueError(f"fallback_keep must be one of {', '.join(FALLBACK_KEEP)}, got {rule!r}")
+    return rule
+
+
+def kept(attempts: list[WindowResult], rule: str = "last") -> WindowResult:
+    """The decode a window keeps of its ``attempts`` (in temperature order): the last one, unless
+    every attempt failed the checks and ``rule`` is ``"best"``: then the one with the best mean
+    logprob among those not too repetitive, else among all (faster-whisper's rule). ``"last"``
+    keeps the 1.0 sample, as ``whisper.transcribe`` and transformers' ``generate`` do."""
+    last = attempts[-1]
+    if rule == "last" or not last.needs_fallback:
+        return last
+    readable = [a for a in attempts if a.compression_ratio <= COMPRESSION_RATIO_THRESHOLD]
+    return max(readable or attempts, key=lambda a: a.avg_logprob)
 
 
 def passes_so_far(text: str, logprobs: list[float], no_speech_prob: float) -> bool:
