@@ -205,6 +205,7 @@ class ErrorFrame(SystemFrame):
     message: str
     stage: str = ""
     code: str | None = None
+    item_id: str = ""  # the conversation item of the frame it failed on, if any
 
 
 @dataclass

@@ -161,7 +161,8 @@ class _Concurrent:
             code = "invalid_value" if getattr(exc, "param", None) else None
             if code is None:
                 logger.exception("%s failed on %s", proc.name, type(frame).__name__)
-            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", stage=proc.name, code=code))
+            item = getattr(frame, "item_id", "")
+            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", proc.name, code, item))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

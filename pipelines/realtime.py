@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -31,6 +32,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
+from modalities.asr.types import whisper_languages
 from modalities.audio import from_pcm16, to_pcm16
 from modalities.tts.registry import unknown_voice
 from pipelines import realtime_ga
@@ -67,7 +69,7 @@ from pipelines.realtime_events import (
     wants_audio,
 )
 from pipelines.services import Services
-from pipelines.speech import ASROptions, LLMOptions, TTSOptions
+from pipelines.speech import ASR, ASROptions, LLMOptions, TTSOptions
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -239,8 +241,11 @@ class RealtimeSession:
         try:
             patch = realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch
             self._check_voice(patch)
-            self._check_language(patch)
-            self.config.update(patch)
+            staged = dataclasses.replace(self.config)
+            staged.update(patch)  # the patch's shape first, then what the models can do
+            if "input_audio_transcription" in patch:
+                self._check_language(staged.input_audio_transcription)
+            self.config = staged
         except EventError as exc:
             if self.ga:
                 exc.param = realtime_ga.ga_param(exc.param)
@@ -259,17 +264,21 @@ class RealtimeSession:
         if error is not None:
             raise EventError(error, param="session.voice")
 
-    def _check_language(self, patch: Any) -> None:
-        """A transcription language the served ASR model lacks is refused here, not at each turn
-        (a model in another process is asked at the turn)."""
-        heard = patch.get("input_audio_transcription") if isinstance(patch, dict) else None
-        language = heard.get("language") if isinstance(heard, dict) else None
+    def _check_language(self, heard: dict[str, Any] | None) -> None:
+        """A transcription language the served ASR model lacks is refused here, not at each turn.
+        A model in another process is not asked: a code Whisper does not know is refused, and one
+        its model lacks fails that turn's transcription."""
+        language = (heard or {}).get("language")
+        if language is None:
+            return
         check = getattr(self.services.asr, "prompt_ids", None)
-        if isinstance(language, str) and check is not None:
-            try:
+        try:
+            if check is not None:
                 check(language)
-            except ValueError as exc:
-                raise EventError(str(exc), param="session.input_audio_transcription.language") from None
+            elif language not in whisper_languages():
+                raise ValueError(f"unsupported language {language!r}")
+        except ValueError as exc:
+            raise EventError(str(exc), param="session.input_audio_transcription.language") from None
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         data = decode_audio_b64(event.get("audio"))
@@ -452,18 +461,30 @@ class RealtimeSession:
             await self._user_item_created(frame.item_id)
         elif isinstance(frame, Transcript):
             self.unheard.discard(frame.item_id)
-            await self.send(
-                "conversation.item.input_audio_transcription.completed",
-                item_id=frame.item_id,
-                content_index=0,
-                transcript=frame.text,
-                usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
-            )
+            if self.config.input_audio_transcription is not None:  # null: the client asked for none
+                await self.send(
+                    "conversation.item.input_audio_transcription.completed",
+                    item_id=frame.item_id,
+                    content_index=0,
+                    transcript=frame.text,
+                    usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
+                )
         elif isinstance(frame, Interrupt):
             await self._interrupted(frame)
         elif isinstance(frame, ErrorFrame):
             kind = "invalid_request_error" if frame.code else "server_error"
-            await self.send("error", error={"type": kind, "code": frame.code, "message": frame.message, "param": None})
+            error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
+            unheard = frame.item_id in self.unheard and frame.stage == ASR.__name__
+            self.unheard.discard(frame.item_id)  # its transcript will not come
+            if unheard and self.config.input_audio_transcription is not None:
+                await self.send(
+                    "conversation.item.input_audio_transcription.failed",
+                    item_id=frame.item_id,
+                    content_index=0,
+                    error=error,
+                )
+            else:
+                await self.send("error", error=error)
         elif isinstance(frame, LLMStarted):
             await self._started(frame)
         elif r is None or getattr(frame, "response_id", None) != r.id or r.done:

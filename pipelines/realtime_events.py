@@ -47,8 +47,9 @@ class SessionConfig:
     )
     temperature: float = 0.8
     max_response_output_tokens: int | str = "inf"
-    # ``language`` and ``prompt`` reach the ASR; null is kept as sent, but the turns are still
-    # transcribed: the replies need the text.
+    # ``language`` and ``prompt`` reach the ASR. Null sends no ``input_audio_transcription``
+    # events, as OpenAI's; the turns are still transcribed (the replies need the text). On by
+    # default here (OpenAI's default is null): mmserve transcribes every turn anyway.
     input_audio_transcription: dict[str, Any] | None = field(default_factory=lambda: {"model": "whisper"})
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
@@ -122,16 +123,16 @@ def _transcription(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise EventError("input_audio_transcription must be an object or null", param=param)
-    out: dict[str, Any] = {"model": value.get("model") or "whisper"}
+        raise EventError("the transcription settings must be an object or null", param=param)
+    out: dict[str, Any] = {"model": "whisper"}
     limits = {"model": 200, "language": 16, "prompt": MAX_TRANSCRIPTION_PROMPT_CHARS}
     for key, limit in limits.items():
         v = value.get(key)
-        if v is None:
+        if v is None or v == "":  # as absent (the HTTP API reads an empty form field so too)
             continue
         if not isinstance(v, str) or len(v) > limit:
             raise EventError(f"{key} must be a string of at most {limit} characters", param=f"{param}.{key}")
-        out[key] = v
+        out[key] = v.strip().lower() if key == "language" else v
     return out
 
 

@@ -77,7 +77,7 @@ class Services:
             raise ServiceMissing("no asr model is served")
         from modalities.asr.engine import TranscriptionRequest
 
-        req = TranscriptionRequest(np.asarray(samples, np.float32), language, prompt, priority=priority)
+        req = TranscriptionRequest(np.asarray(samples, np.float32), language=language, prompt=prompt, priority=priority)
         result = await self.asr.run(req)
         return str(result.text)
 

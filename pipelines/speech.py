@@ -131,14 +131,15 @@ class ASROptions:
 class ASR(Processor):
     """``UserAudio`` → ``Transcript`` (the audio is consumed). A tentative utterance starts its
     transcription in the background; the final one with the same ``turn_key`` takes that result
-    (the silence wait and the ASR overlap), any other discards it, and so does ``SpeechResumed``.
+    (the silence wait and the ASR overlap) if the language and prompt are still those it ran
+    with, any other discards it, and so does ``SpeechResumed``.
     In a concurrent run, a background transcript still unclaimed when it is ready is also passed
     on as a tentative ``Transcript`` (the LLM may start the reply speculatively)."""
 
     def __init__(self, services: Services, options: ASROptions | None = None) -> None:
         self.services = services
         self.options = options or ASROptions()  # live: a session.update changes it in place
-        self.early: tuple[int, asyncio.Task[str]] | None = None
+        self.early: tuple[tuple[int, str | None, str | None], asyncio.Task[str]] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, SpeechResumed):
@@ -149,11 +150,12 @@ class ASR(Processor):
             yield frame
             return
         early, self.early = self.early, None
-        if early is not None and (frame.tentative or early[0] != frame.turn_key):
+        key = (frame.turn_key, self.options.language, self.options.prompt)
+        if early is not None and (frame.tentative or early[0] != key):
             early[1].cancel()
             early = None
         if frame.tentative:
-            self.early = (frame.turn_key, asyncio.create_task(self._early(frame)))
+            self.early = (key, asyncio.create_task(self._early(frame)))
             return
         text = await (early[1] if early is not None else self._transcribe(frame))
         yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)

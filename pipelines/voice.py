@@ -44,7 +44,7 @@ def voice_pipeline(
     vad: VADConfig,
     llm: LLMOptions,
     tts: TTSOptions,
-    asr: ASROptions | None = None,
+    asr: ASROptions,
 ) -> Pipeline:
     """The stages of a live voice session over ``conv``; the options objects stay live (a
     ``session.update`` changes them in place)."""
@@ -53,7 +53,7 @@ def voice_pipeline(
         [
             Resample(ASR_RATE),
             VAD(vad),
-            ASR(services, asr or ASROptions(priority=INTERACTIVE)),  # a live turn: its encoder passes go first
+            ASR(services, asr),
             LLM(services, conv, llm, prefetch),
             Sentences(),
             TTS(services, tts, prefetch),
@@ -79,9 +79,8 @@ async def _turn(services: Services) -> None:
     tts = TTSOptions(priority=INTERACTIVE)
     question = [c async for c in services.speak(WARM_UP_QUESTION, None, tts.sample_rate, INTERACTIVE)]
     audio = np.concatenate([*question, np.zeros(tts.sample_rate, np.float32)])  # then 1 s of silence
-    pipeline = voice_pipeline(
-        services, Conversation(), VADConfig(), LLMOptions(max_tokens=16, priority=INTERACTIVE), tts
-    )
+    llm, asr = LLMOptions(max_tokens=16, priority=INTERACTIVE), ASROptions(priority=INTERACTIVE)
+    pipeline = voice_pipeline(services, Conversation(), VADConfig(), llm, tts, asr)
     over = asyncio.Event()
 
     async def source() -> AsyncIterator[Frame]:

@@ -650,7 +650,40 @@ def test_a_realtime_session_asks_for_interactive_priority() -> None:
     ws = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))  # nothing is sent or received
     session = RealtimeSession(ws, Services(), "m")  # type: ignore[arg-type]
     assert [s.options.priority for s in session.pipeline.stages if isinstance(s, ASR)] == [INTERACTIVE]
+    assert [s.options for s in session.pipeline.stages if isinstance(s, ASR)][0] is session.asr_options  # live
     assert [s.options.priority for s in session.pipeline.stages if isinstance(s, LLM)] == [INTERACTIVE]
+
+
+def test_a_pauses_transcript_is_kept_only_while_the_language_and_prompt_stand() -> None:
+    """The session's transcription options reach the ASR; a transcript begun at a pause is taken by
+    its commit only if a session.update has not changed them meanwhile."""
+    from pipelines.frames import Transcript
+    from pipelines.services import Services
+    from pipelines.speech import ASR, ASROptions
+
+    heard: list[tuple[str | None, str | None]] = []
+
+    async def transcribe(
+        samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
+    ) -> str:
+        heard.append((language, prompt))
+        return f"heard in {language}"
+
+    services = Services()
+    services.transcribe = transcribe  # type: ignore[method-assign]
+
+    async def turn(change: bool) -> list[str]:
+        options = ASROptions(language="en", prompt="Oslo")
+        asr = ASR(services, options)
+        assert [f async for f in asr.process(_utterance(100, 7, True))] == []  # runs in the background
+        await asyncio.sleep(0.01)
+        if change:
+            options.language = "de"  # a session.update between the pause and the commit
+        return [f.text for f in [f async for f in asr.process(_utterance(120, 7, False))] if isinstance(f, Transcript)]
+
+    assert asyncio.run(turn(False)) == ["heard in en"] and heard == [("en", "Oslo")]
+    heard.clear()
+    assert asyncio.run(turn(True)) == ["heard in de"] and heard == [("en", "Oslo"), ("de", "Oslo")]
 
 
 def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:

@@ -295,6 +295,14 @@ def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> 
             done = await c.until("conversation.item.input_audio_transcription.completed")
             assert "capital" in done["transcript"].lower() and "france" in done["transcript"].lower()
             await c.until("response.done")
+            # transcription null: no transcription events, but the turn is heard and answered
+            await c.send("session.update", session={"input_audio_transcription": None})
+            await c.until("session.updated")
+            first = len(c.events)
+            await c.send("input_audio_buffer.append", audio=base64.b64encode(server["question"]).decode())
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "completed" and done["response"]["output"]
+            assert not [t for t in c.types()[first:] if "input_audio_transcription" in t], c.types()[first:]
 
     run(go())
 
@@ -847,5 +855,61 @@ def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
         await s._handle(json.dumps({"type": "session.update", "session": ga}))
         assert sent[-1]["error"]["param"] == "session.audio.input.transcription.prompt"
         assert s.asr_options.prompt == "Tromsø"
+        await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime", "instructions": "Hi"}}))
+        assert sent[-1]["type"] == "session.updated" and s.asr_options.prompt == "Tromsø"  # kept
+
+    run(go())
+
+
+def test_transcription_events_follow_the_sessions_setting() -> None:
+    """Stand-ins again: a transcript is sent unless the session set its transcription to null; a
+    failed one is ``...transcription.failed`` for its item (a plain ``error`` when null); an ASR in
+    another process cannot be asked, so a code Whisper does not know is refused at the update."""
+    import types
+
+    from pipelines.frames import ErrorFrame, Transcript
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    class Socket:
+        app = types.SimpleNamespace(state=types.SimpleNamespace())
+
+        async def send_text(self, text: str) -> None:
+            sent.append(json.loads(text))
+
+    async def go() -> None:
+        s = RealtimeSession(Socket(), Services(asr=object()), "m")  # no prompt_ids: a remote engine
+        for language, ok in (("xx", False), ("de", True)):
+            patch = {"input_audio_transcription": {"language": language}}
+            await s._handle(json.dumps({"type": "session.update", "session": patch}))
+            assert (sent[-1]["type"] == "session.updated") == ok, sent[-1]
+        assert s.asr_options.language == "de"
+        # codes are read lower-cased, empty strings as absent; the patch's shape is checked first
+        cased = {"input_audio_transcription": {"model": "", "language": " EN ", "prompt": ""}}
+        await s._handle(json.dumps({"type": "session.update", "session": cased}))
+        assert sent[-1]["session"]["input_audio_transcription"] == {"model": "whisper", "language": "en"}
+        assert (s.asr_options.language, s.asr_options.prompt) == ("en", None)
+        both = {"temperature": 9, "input_audio_transcription": {"language": "xx"}}
+        await s._handle(json.dumps({"type": "session.update", "session": both}))
+        assert sent[-1]["error"]["param"] == "session.temperature" and s.asr_options.language == "en"
+        for null in (False, True):
+            if null:
+                await s._handle(json.dumps({"type": "session.update", "session": {"input_audio_transcription": None}}))
+                assert sent[-1]["session"]["input_audio_transcription"] is None
+            sent.clear()
+            s.unheard.update({"item_a", "item_b"})
+            await s._on_frame(Transcript("hello", 0, 900, item_id="item_a"))
+            await s._on_frame(ErrorFrame("ValueError: no", stage="ASR", item_id="item_b"))
+            assert not s.unheard  # neither transcript is awaited any more
+            if null:
+                assert [e["type"] for e in sent] == ["error"]
+            else:
+                completed, failed = sent
+                assert completed["type"] == "conversation.item.input_audio_transcription.completed"
+                assert completed["item_id"] == "item_a" and completed["transcript"] == "hello"
+                assert failed["type"] == "conversation.item.input_audio_transcription.failed"
+                assert failed["item_id"] == "item_b" and failed["error"]["message"] == "ValueError: no"
 
     run(go())

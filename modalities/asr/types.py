@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def whisper_languages() -> frozenset[str]:
+    """The language codes Whisper knows ("en", "de", ...: what a multilingual model may be asked)."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return frozenset(LANGUAGES)
+
+
 @dataclass
 class Segment:
     """One window's text (after stitching) with Whisper's per-window figures: the temperature of
