@@ -27,8 +27,8 @@ from engine import openmp
 from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, transcript_words
 from modalities.asr.encoder import RATE, EncoderBatcher
-from modalities.asr.longform import Window, plan_windows, stable_text, stitched_texts
-from modalities.asr.model import WhisperModel, load_whisper
+from modalities.asr.longform import Window, plan_windows, stable_text, window_segments
+from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
 from modalities.asr.quality import (
     WindowResult,
     avg_logprob,
@@ -38,7 +38,7 @@ from modalities.asr.quality import (
     kept,
     passes_so_far,
 )
-from modalities.asr.types import Segment, Transcript, TranscriptDelta, TranscriptionRequest, Word
+from modalities.asr.types import Transcript, TranscriptDelta, TranscriptionRequest, Word
 from modalities.audio import MAX_AUDIO_S
 
 logger = logging.getLogger("mmserve.asr")
@@ -139,7 +139,7 @@ class AsrEngine:
         self._lang_codes = {i: t.strip("<|>") for t, i in langs.items()}
         self._eos = gen.eos_token_id
         self._begin_suppress = list(getattr(gen, "begin_suppress_tokens", None) or [])
-        no_speech = _no_speech_token(whisper.tokenizer, self._no_ts)
+        no_speech = no_speech_token(whisper.tokenizer, self._no_ts)
         self.encoder = EncoderBatcher(whisper, self.adapter, no_speech, self.config.max_encoder_batch, wait_s)
         self._aligner: WordAligner | None = None  # built on the first request for word timestamps
         self.audio_seconds = 0.0
@@ -367,7 +367,7 @@ class AsrEngine:
         finally:
             for t in tasks:
                 t.cancel()
-        segments = _segments(windows, texts, results)  # type: ignore[arg-type] # all set
+        segments = window_segments(windows, texts, results)  # type: ignore[arg-type] # all set
         text = " ".join(s.text for s in segments)
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
@@ -394,32 +394,3 @@ class AsrEngine:
     ) -> AsyncIterator[TranscriptDelta]:
         async for delta in self.stream(TranscriptionRequest(audio, language, prompt, temperature)):
             yield delta
-
-
-def _segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
-    segments = []
-    for w, text, r in zip(windows, stitched_texts(windows, texts), results, strict=True):
-        if text:
-            segments.append(
-                Segment(
-                    len(segments),
-                    round(w.start, 3),
-                    round(w.end, 3),
-                    text,
-                    r.tokens,
-                    r.avg_logprob,
-                    r.temperature,
-                    r.compression_ratio,
-                    r.no_speech_prob,
-                )
-            )
-    return segments
-
-
-def _no_speech_token(tokenizer: Any, no_timestamps: int) -> int:
-    """Whisper's no-speech token: ``<|nospeech|>`` (v3 vocabularies), ``<|nocaptions|>`` (older)."""
-    for name in ("<|nospeech|>", "<|nocaptions|>"):
-        tid = tokenizer.convert_tokens_to_ids(name)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            return tid
-    return no_timestamps - 1  # where both vocabularies put it

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from modalities.asr.quality import WindowResult
+from modalities.asr.types import Segment
+
 RATE = 16_000
 
 
@@ -151,3 +154,24 @@ def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> st
         if live:
             parts.append(live)
     return " ".join(parts)
+
+
+def window_segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
+    """The transcript's segments: one per window that kept text after stitching, with its figures."""
+    segments = []
+    for w, text, r in zip(windows, stitched_texts(windows, texts), results, strict=True):
+        if text:
+            segments.append(
+                Segment(
+                    len(segments),
+                    round(w.start, 3),
+                    round(w.end, 3),
+                    text,
+                    r.tokens,
+                    r.avg_logprob,
+                    r.temperature,
+                    r.compression_ratio,
+                    r.no_speech_prob,
+                )
+            )
+    return segments

@@ -115,3 +115,12 @@ def load_whisper(spec: str | None = None, device: str = "cpu") -> WhisperModel:
     meta = path / META_FILE
     name = json.loads(meta.read_text()).get("served_name") if meta.is_file() else path.name
     return WhisperModel(model, tokenizer, fe, path, name or path.name)
+
+
+def no_speech_token(tokenizer: Any, no_timestamps: int) -> int:
+    """Whisper's no-speech token: ``<|nospeech|>`` (v3 vocabularies), ``<|nocaptions|>`` (older)."""
+    for name in ("<|nospeech|>", "<|nocaptions|>"):
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            return tid
+    return no_timestamps - 1  # where both vocabularies put it
