@@ -111,6 +111,7 @@ class RealtimeSession:
         self.reply: Reply | None = None  # the latest response (active until done)
         self.in_band: Reply | None = None  # the latest response in the conversation (truncation)
         self.unheard: set[str] = set()  # user audio items created, their transcript still to come
+        self.failed: set[str] = set()  # user audio items whose transcription failed (kept, with no text)
         self.turn_ended: float | None = None  # when the VAD ended the user's last turn (monotonic)
         self.metrics = getattr(ws.app.state, "metrics", None)
         self.requested = False  # a response.create is queued
@@ -333,7 +334,7 @@ class RealtimeSession:
     async def _ev_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
         item = self.conv.get(item_id) if isinstance(item_id, str) else None
-        if item is None and isinstance(item_id, str) and item_id in self.unheard:  # no transcript yet
+        if item is None and isinstance(item_id, str) and item_id in self.unheard | self.failed:  # no transcript
             user_audio = item_event(item_id, "user", [content_part("user", True, None)])
             await self.send("conversation.item.retrieved", item=user_audio)
             return
@@ -348,8 +349,9 @@ class RealtimeSession:
         item_id = event.get("item_id")
         if self.active and self.reply is not None and item_id == self.reply.item_id:
             raise EventError("the active response's item cannot be deleted; cancel it first", param="item_id")
-        if not isinstance(item_id, str) or not self.conv.remove(item_id):
+        if not isinstance(item_id, str) or not (self.conv.remove(item_id) or item_id in self.failed):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        self.failed.discard(item_id)
         await self.send("conversation.item.deleted", item_id=item_id)
 
     async def _ev_response_create(self, event: dict[str, Any]) -> None:
@@ -476,6 +478,8 @@ class RealtimeSession:
             error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
             unheard = frame.item_id in self.unheard and frame.stage == ASR.__name__
             self.unheard.discard(frame.item_id)  # its transcript will not come
+            if unheard:  # the item stays, as audio with no transcript
+                self.failed.add(frame.item_id)
             if unheard and self.config.input_audio_transcription is not None:
                 await self.send(
                     "conversation.item.input_audio_transcription.failed",

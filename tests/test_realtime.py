@@ -902,7 +902,7 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
             s.unheard.update({"item_a", "item_b"})
             await s._on_frame(Transcript("hello", 0, 900, item_id="item_a"))
             await s._on_frame(ErrorFrame("ValueError: no", stage="ASR", item_id="item_b"))
-            assert not s.unheard  # neither transcript is awaited any more
+            assert not s.unheard and s.failed == {"item_b"}  # the failed one stays, with no transcript
             if null:
                 assert [e["type"] for e in sent] == ["error"]
             else:
@@ -911,5 +911,10 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
                 assert completed["item_id"] == "item_a" and completed["transcript"] == "hello"
                 assert failed["type"] == "conversation.item.input_audio_transcription.failed"
                 assert failed["item_id"] == "item_b" and failed["error"]["message"] == "ValueError: no"
+            await s._handle(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_b"}))
+            assert sent[-1]["type"] == "conversation.item.retrieved" and sent[-1]["item"]["id"] == "item_b"
+            await s._handle(json.dumps({"type": "conversation.item.delete", "item_id": "item_b"}))
+            assert (sent[-1]["type"], sent[-1].get("item_id")) == ("conversation.item.deleted", "item_b")
+            assert not s.failed
 
     run(go())
