@@ -20,9 +20,9 @@ import openai
 import pytest
 import torch
 
-from modalities.asr.engine import AsrEngine, TranscriptionRequest
+from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
 from modalities.asr.model import load_whisper
-from modalities.asr.speech_corpus import synth_espeak
+from modalities.asr.speech_corpus import SENTENCES, synth_espeak
 from modalities.audio import encode_audio
 from tests.helpers import serve_app
 
@@ -121,6 +121,42 @@ async def test_a_request_detects_its_language_once_and_a_prompt_cannot_name_it(
     assert japanese not in prompt
     transcript = await base.run(TranscriptionRequest(_german(), prompt="Wetter <|ja|>"))
     assert transcript.language == "de" and calls == [1, 1]
+
+
+async def test_language_per_window_detects_each_windows_language(
+    base: AsrEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """German speech, then English (code-switching): with ``language_per_window`` each window
+    detects its own language, as transformers does on that window alone (a first window of
+    German with some English may be heard as another language: the check is equality), and
+    decodes as its ``generate()`` does; the request reports the first window's language."""
+    gap = np.zeros(RATE // 2, np.float32)
+    german = [_german(), *synth_espeak(MORE_GERMAN[:4], voice="de")]
+    english = synth_espeak(SENTENCES[:6], voice="en-us")
+    audio = np.concatenate([part for clip in [*german, *english] for part in (clip, gap)])
+    engine = AsrEngine(base.whisper, AsrConfig(language_per_window=True))
+    calls: list[int] = []
+    detect = engine.encoder.detect_language
+
+    async def counted(enc: Any, lang_ids: list[int]) -> int:
+        calls.append(lang := await detect(enc, lang_ids))
+        return lang
+
+    monkeypatch.setattr(engine.encoder, "detect_language", counted)
+    try:
+        transcript = await engine.run(TranscriptionRequest(audio))
+        windows = engine._windows(audio, None)
+    finally:
+        await engine.shutdown()
+    assert len(windows) >= 2 and len(calls) == len(windows)
+    # each window's prompt from generate() holds the language transformers detects on it alone
+    clips = [audio[int(w.start * RATE) : int(w.end * RATE)] for w in windows]
+    references = [_generate(clip, "transcribe") for clip in clips]
+    assert sorted(calls) == sorted(r[1] for r in references)  # (the windows detect concurrently)
+    lang_to_id = base.whisper.model.generation_config.lang_to_id
+    assert references[-1][1] == lang_to_id["<|en|>"] != references[0][1]  # the last window is English
+    assert transcript.language == base._lang_codes[references[0][1]]
+    assert transcript.segments[-1].tokens == references[-1][references[-1].index(base._no_ts) + 1 :]
 
 
 def test_an_english_only_model_cannot_translate() -> None:

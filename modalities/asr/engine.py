@@ -77,6 +77,9 @@ class AsrConfig:
     # A window whose every fallback fails keeps its last (1.0) decode ("last", openai-whisper's and
     # transformers' rule) or its most likely one ("best", faster-whisper's): ``quality.kept``.
     fallback_keep: str = "last"
+    # A multilingual model asked for no language detects it on a request's first window, for all
+    # its windows (whisper.transcribe's rule), or on each window (code-switching audio).
+    language_per_window: bool = False
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
 
 
@@ -331,14 +334,14 @@ class AsrEngine:
         queue: asyncio.Queue[tuple[int, str, WindowResult | None] | BaseException] = asyncio.Queue()
         seed = req.seed or 0
 
-        heard = Heard()
+        shared = None if self.config.language_per_window else Heard()  # the request's language
 
         async def run(i: int, w: Window) -> None:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 # Each window its own seeds, reproducible whatever else is decoding.
                 async for text, res in self.decode_window(
-                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps, req.priority, heard
+                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps, req.priority, shared
                 ):
                     await queue.put((i, text, res))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer

@@ -47,6 +47,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="a window whose every fallback temperature fails keeps its last decode (whisper's rule) or its most likely",
     )
     g.add_argument(
+        "--asr-language-per-window",
+        action="store_true",
+        help="a multilingual model given no language detects it on every 30 s window, not once per request",
+    )
+    g.add_argument(
         "--asr-max-audio-s", type=float, default=MAX_AUDIO_S, help="longest accepted decoded audio, seconds (413 above)"
     )
 
@@ -64,6 +69,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
         max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
         fallback_keep=getattr(args, "asr_fallback_keep", "last"),
+        language_per_window=getattr(args, "asr_language_per_window", False),
     )
     try:
         engine = AsrEngine.from_config(config)
