@@ -58,6 +58,9 @@ def _to_mono_f32(data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(data)
 
 
+UNKNOWN_FRAMES = 1 << 62  # libsndfile reports SF_COUNT_MAX (2^63 - 1) frames for an unknown length
+
+
 def _check_length(samples: int, rate: float, max_seconds: float | None) -> None:
     if max_seconds is not None and rate > 0 and samples / rate > max_seconds:
         raise AudioTooLong(samples / rate, max_seconds)
@@ -72,7 +75,8 @@ def _decode_soundfile(data: bytes, max_seconds: float | None) -> Audio | None:
         return None
     with f:
         rate = int(f.samplerate)
-        _check_length(max(f.frames, 0), rate, max_seconds)  # before decoding a sample
+        if 0 < f.frames < UNKNOWN_FRAMES:  # libsndfile's count when the header has none (a streamed FLAC)
+            _check_length(f.frames, rate, max_seconds)  # before decoding a sample
         blocks, total = [], 0
         try:
             while (block := f.read(BLOCK_FRAMES, dtype="float32", always_2d=True)).shape[0]:

@@ -78,6 +78,24 @@ def test_too_long_audio_is_refused_before_it_is_all_decoded(monkeypatch: pytest.
     assert 10 <= calls[-1] < 12  # stopped within a frame or so of the limit, not after 30 s
 
 
+def test_a_flac_of_unknown_length_decodes_and_stops_at_the_limit() -> None:
+    """A streamed FLAC (ours, or ffmpeg's to a pipe) has no sample count in its header: libsndfile
+    reports 2^63 - 1 frames. It decodes, and is held to the limit as it decodes."""
+    import io
+
+    import soundfile as sf
+
+    from modalities import audio as audio_mod
+
+    tone = (np.sin(np.arange(8000 * 30) / 5) * 0.3).astype(np.float32)  # 30 s at 8 kHz
+    enc = audio_mod.StreamEncoder("flac", 8000)
+    data = b"".join(enc.encode(tone[i : i + 4000]) for i in range(0, tone.size, 4000)) + enc.close()
+    assert sf.info(io.BytesIO(data)).frames >= audio_mod.UNKNOWN_FRAMES  # the case at hand
+    assert decode_audio(data, max_seconds=60).duration == pytest.approx(30)
+    with pytest.raises(audio_mod.AudioTooLong):
+        decode_audio(data, max_seconds=10)
+
+
 def _counting(check, calls):  # type: ignore[no-untyped-def]
     def wrapped(samples: int, rate: float, max_seconds: float | None) -> None:
         calls.append(samples / rate if rate else 0.0)
