@@ -396,6 +396,13 @@ async def test_cross_attention_cache_released_and_bad_language(engine: AsrEngine
         await engine.transcribe(corpus("piper")[1], language="de")
     silence = np.zeros(RATE * 40, np.float32)  # no speech at all: VAD finds nothing
     assert (await engine.transcribe(silence)).text == ""
+    # a clip of one window with no speech is not decoded either (Whisper hears "you" in it)
+    for seconds in (0.001, 5.0, 29.0):
+        quiet = np.zeros(int(RATE * seconds), np.float32)
+        transcript = await engine.run(TranscriptionRequest(quiet))
+        assert transcript.text == "" and transcript.segments == []
+    whole = await engine.run(TranscriptionRequest(np.zeros(RATE * 5, np.float32), vad=False))
+    assert whole.text  # asked to decode it as it is, Whisper's words of silence
 
 
 async def test_preemption_under_a_tiny_kv_cache_gives_the_same_tokens(engine: AsrEngine) -> None:

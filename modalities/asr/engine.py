@@ -313,12 +313,18 @@ class AsrEngine:
         return self._aligner.words(enc, prompt_ids, tokens, num_samples)
 
     def _windows(self, audio: np.ndarray, vad: bool | None) -> list[Window]:
+        """The windows to decode. ``vad`` None: a clip of one window is decoded whole (as
+        ``generate()`` would) unless the VAD hears no speech in it at all: then nothing is, for
+        Whisper makes words of silence ("you"); a longer one is cut into windows of speech."""
         duration = len(audio) / RATE
-        if vad is False or (vad is None and duration <= WINDOW_S):
+        if vad is False:
             return [Window(0.0, duration)] if duration <= WINDOW_S else plan_windows(audio, [(0.0, duration)])
         from modalities.vad import speech_segments
 
-        return plan_windows(audio, speech_segments(audio, self.config.vad_backend))
+        speech = speech_segments(audio, self.config.vad_backend)
+        if vad is None and duration <= WINDOW_S:
+            return [Window(0.0, duration)] if speech else []
+        return plan_windows(audio, speech)
 
     async def stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
         """Text as it decodes, in order; the last item carries the full ``Transcript``.

@@ -55,8 +55,10 @@ class Transcript:
 class TranscriptionRequest:
     """What ``run``/``stream`` take (picklable): 16 kHz mono float32 audio plus options.
     ``language``: None = English for an English-only model, else detected once, in the first
-    window encoded.
-    ``vad``: None = only for audio longer than one window. ``temperature``: the first decode's;
+    window encoded (per window with ``AsrConfig.language_per_window``).
+    ``vad``: None = windows of speech for audio longer than one window, a shorter clip whole
+    unless it holds no speech at all; True = windows of speech; False = the audio as it is.
+    ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
     ``word_timestamps``: also align every word (one extra decoder pass per window).
     ``priority``: lower is encoded and admitted to the decoder first; a window of priority < 0
