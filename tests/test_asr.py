@@ -124,7 +124,12 @@ async def test_long_span_is_split_with_overlap_and_stitched(engine: AsrEngine) -
     audio, _ = long_recording("piper", gap_s=0.25)
     transcript = await engine.run(TranscriptionRequest(audio, vad=False))
     assert len(transcript.segments) >= 2
-    assert transcript.segments[1].start < transcript.segments[0].end  # the windows overlap
+    # the windows overlap; their segments meet in the middle of the overlap instead
+    windows = engine._windows(audio, False)
+    assert windows[1].overlaps_prev and windows[1].start < windows[0].end
+    assert transcript.segments[1].start == transcript.segments[0].end
+    assert transcript.segments[0].end == round((windows[1].start + windows[0].end) / 2, 3)
+    assert transcript.segments[0].start == 0.0 and transcript.segments[-1].end == round(windows[-1].end, 3)
     ref, hyp = normalize_text(" ".join(SENTENCES)).split(), normalize_text(transcript.text).split()
     assert _wer(SENTENCES, transcript.text) <= 0.05, transcript.text
     # Nothing lost or doubled at the cut: no run of words missing or repeated (tiny.en's own

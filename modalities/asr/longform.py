@@ -157,15 +157,24 @@ def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> st
 
 
 def window_segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
-    """The transcript's segments: one per window that kept text after stitching, with its figures."""
+    """The transcript's segments: one per window that kept text after stitching, with its figures.
+    Windows that overlap (a long span split) meet in the middle of their overlap, so segments do
+    not overlap (a subtitle shows one cue at a time); where the stitch gave the overlap's words is
+    not known in time without word timestamps."""
+    starts = [w.start for w in windows]
+    for i in range(1, len(windows)):
+        if windows[i].overlaps_prev:
+            starts[i] = (windows[i].start + windows[i - 1].end) / 2
+    last = len(windows) - 1
+    ends = [starts[i + 1] if i < last and windows[i + 1].overlaps_prev else w.end for i, w in enumerate(windows)]
     segments = []
-    for w, text, r in zip(windows, stitched_texts(windows, texts), results, strict=True):
+    for start, end, text, r in zip(starts, ends, stitched_texts(windows, texts), results, strict=True):
         if text:
             segments.append(
                 Segment(
                     len(segments),
-                    round(w.start, 3),
-                    round(w.end, 3),
+                    round(start, 3),
+                    round(end, 3),
                     text,
                     r.tokens,
                     r.avg_logprob,
