@@ -118,6 +118,9 @@ class ResponseRequest(Frame):
     input: list[tuple[str, str]] | None = None
     out_of_band: bool = False
     metadata: dict[str, Any] | None = None  # the client's, echoed with the reply
+    temperature: float | None = None  # for this reply only (None: the session's)
+    max_tokens: int | None = None  # for this reply only (None: the session's)
+    voice: str | None = None  # for this reply only (None: the session's)
 
 
 @dataclass
@@ -136,6 +139,7 @@ class LLMStarted(ReplyFrame):
     audio: bool | None = None
     out_of_band: bool = False  # the item is not in the conversation
     metadata: dict[str, Any] | None = None  # of the ResponseRequest that asked for it
+    voice: str | None = None  # of the ResponseRequest that asked for it (None: the session's)
 
 
 @dataclass

@@ -61,15 +61,18 @@ from pipelines.realtime_events import (
     Reply,
     SessionConfig,
     check_instructions,
+    check_max_tokens,
+    check_temperature,
     content_part,
     decode_audio_b64,
     item_event,
     message_text,
+    reply_tokens,
     response_event,
     wants_audio,
 )
 from pipelines.services import Services
-from pipelines.speech import ASR, ASROptions, LLMOptions, TTSOptions
+from pipelines.speech import ASR, ASROptions, LLMOptions, TTSOptions, spoken
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -134,9 +137,7 @@ class RealtimeSession:
             self.vad_config.eager_ms = int(td.get("speculative_silence_ms", VADConfig.eager_ms))
             self.vad_config.floor_dbfs = float(td.get("silence_floor_dbfs", VADConfig.floor_dbfs))
         self.llm_options.temperature = c.temperature
-        self.llm_options.max_tokens = (
-            256 if c.max_response_output_tokens == "inf" else int(c.max_response_output_tokens)
-        )
+        self.llm_options.max_tokens = reply_tokens(c.max_response_output_tokens)
         self.tts_options.enabled = "audio" in c.modalities and self.services.tts is not None
         self.tts_options.voice = c.voice
         heard = c.input_audio_transcription or {}
@@ -256,14 +257,28 @@ class RealtimeSession:
         self._apply_config()
         await self.send("session.updated", session=self.config.to_dict(self.id))
 
-    def _check_voice(self, patch: Any) -> None:
+    def _check_voice(self, patch: Any, param: str = "session.voice") -> None:
         """A voice the TTS lacks is refused (OpenAI's names play the default voice), as
         ``/v1/audio/speech`` refuses it."""
         voice = patch.get("voice") if isinstance(patch, dict) else None
+        if voice is not None and not isinstance(voice, str):
+            raise EventError("voice must be a string", param=param)
         voices = getattr(self.services.tts, "voices", None)
         error = unknown_voice(voice, voices) if isinstance(voice, str) and voices else None
         if error is not None:
-            raise EventError(error, param="session.voice")
+            raise EventError(error, param=param)
+
+    def _response_voice(self, response: dict[str, Any]) -> str | None:
+        """A ``response.create``'s own voice (beta ``voice``, GA ``audio.output.voice``), checked."""
+        if not self.ga:
+            self._check_voice(response, "response.voice")
+            return response.get("voice")
+        audio = response.get("audio") or {}
+        output = (audio.get("output") or {}) if isinstance(audio, dict) else None
+        if not isinstance(output, dict):
+            raise EventError("response.audio must be an object with an object output", param="response.audio")
+        self._check_voice(output, "response.audio.output.voice")
+        return output.get("voice")
 
     def _check_language(self, heard: dict[str, Any] | None) -> None:
         """A transcription language the served ASR model lacks is refused here, not at each turn.
@@ -373,8 +388,21 @@ class RealtimeSession:
         metadata = response.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise EventError("response.metadata must be an object", param="response.metadata")
+        temperature = response.get("temperature")
+        if temperature is not None:
+            temperature = check_temperature(temperature, "response.temperature")
+        limit_key = "max_output_tokens" if self.ga else "max_response_output_tokens"
+        limit = response.get(limit_key)
+        max_tokens = None if limit is None else reply_tokens(check_max_tokens(limit, f"response.{limit_key}"))
         request = ResponseRequest(
-            instructions, audio, self._response_input(response.get("input")), conversation == "none", metadata
+            instructions,
+            audio,
+            self._response_input(response.get("input")),
+            conversation == "none",
+            metadata,
+            temperature,
+            max_tokens,
+            self._response_voice(response),
         )
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
@@ -531,7 +559,7 @@ class RealtimeSession:
 
     async def _started(self, frame: LLMStarted) -> None:
         self.requested = False
-        audio = self.tts_options.enabled and frame.audio is not False
+        audio = spoken(frame.audio, self.tts_options, self.services)
         self.reply = r = Reply(
             frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=frame.metadata
         )

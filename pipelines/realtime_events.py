@@ -94,18 +94,10 @@ class SessionConfig:
             if key in patch and patch[key] != "pcm16":
                 raise EventError(f"{key} {patch[key]!r} is not supported; use 'pcm16'", param=f"session.{key}")
         if "temperature" in patch:
-            t = patch["temperature"]
-            if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 2.0:
-                raise EventError("temperature must be a number in [0, 2]", param="session.temperature")
-            new["temperature"] = float(t)
+            new["temperature"] = check_temperature(patch["temperature"], "session.temperature")
         if "max_response_output_tokens" in patch:
             m = patch["max_response_output_tokens"]
-            if m != "inf" and (isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= 4096):
-                raise EventError(
-                    "max_response_output_tokens must be an integer in [1, 4096] or 'inf'",
-                    param="session.max_response_output_tokens",
-                )
-            new["max_response_output_tokens"] = m
+            new["max_response_output_tokens"] = check_max_tokens(m, "session.max_response_output_tokens")
         if "turn_detection" in patch:
             new["turn_detection"] = _turn_detection(patch["turn_detection"], self.turn_detection)
         if "input_audio_transcription" in patch:
@@ -114,6 +106,7 @@ class SessionConfig:
 
 
 MAX_TRANSCRIPTION_PROMPT_CHARS = 4000
+MAX_REPLY_TOKENS = 256  # a reply's tokens under "inf"
 
 
 def _transcription(value: Any) -> dict[str, Any] | None:
@@ -173,6 +166,24 @@ def wants_audio(mods: Any, ga: bool, param: str) -> bool:
     if mods not in allowed:
         raise EventError(f"{param.split('.')[-1]} must be one of {list(allowed)}", param=param)
     return "audio" in mods
+
+
+def check_temperature(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 2.0:
+        raise EventError("temperature must be a number in [0, 2]", param=param)
+    return float(value)
+
+
+def check_max_tokens(value: Any, param: str) -> int | str:
+    """A reply's token limit: an integer in [1, 4096], or "inf"."""
+    if value != "inf" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096):
+        raise EventError(f"{param.rsplit('.', 1)[-1]} must be an integer in [1, 4096] or 'inf'", param=param)
+    return value  # type: ignore[no-any-return]
+
+
+def reply_tokens(limit: int | str) -> int:
+    """The engine's ``max_tokens`` for a checked limit ("inf": as many as a reply gets here)."""
+    return MAX_REPLY_TOKENS if limit == "inf" else int(limit)
 
 
 def check_instructions(value: Any, param: str) -> str:

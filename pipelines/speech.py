@@ -228,24 +228,28 @@ class LLM(Processor):
         else:
             yield frame
 
-    def _params(self) -> tuple[int, float]:
-        return self.options.max_tokens, self.options.temperature
+    def _params(self, req: ResponseRequest | None = None) -> tuple[int, float]:
+        """(max_tokens, temperature) of a reply: ``req``'s where it sets them, else the options'."""
+        o = self.options
+        if req is None:
+            return o.max_tokens, o.temperature
+        return req.max_tokens or o.max_tokens, o.temperature if req.temperature is None else req.temperature
 
-    def _prompt(self, conv: Conversation) -> list[int]:
+    def _prompt(self, conv: Conversation, max_tokens: int | None = None) -> list[int]:
         engine = self.services.llm
         max_len = getattr(engine, "max_model_len", None)
-        max_tokens = self.options.max_tokens
+        max_tokens = max_tokens or self.options.max_tokens
         return conv.prompt_ids(engine.tokenizer, max_len - max_tokens if max_len else None, max_tokens)
 
-    def _generate(self, request_id: str, ids: list[int]) -> AsyncIterator[Any]:
+    def _generate(self, request_id: str, ids: list[int], params: tuple[int, float] | None = None) -> AsyncIterator[Any]:
         from engine.sampling_params import SamplingParams
 
-        max_tokens, temperature = self._params()
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        max_tokens, temperature = params or self._params()
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         # Response ids count per session; the engine is shared by every session, so its request
         # id needs a process-unique suffix.
         request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
-        return self.services.llm.generate(request_id, ids, params, priority=self.options.priority)
+        return self.services.llm.generate(request_id, ids, sampling, priority=self.options.priority)
 
     def _speculate(self, text: str) -> None:
         """Start the reply the conversation would get if the turn ended with ``text``."""
@@ -285,9 +289,7 @@ class LLM(Processor):
             items = None if req.input is None else [Item("", role, text) for role, text in req.input]
             prompt = conv.context(items, item, req.instructions)
         self.active = response_id
-        yield LLMStarted(
-            response_id, item_id=item.id, audio=req.audio, out_of_band=req.out_of_band, metadata=req.metadata
-        )
+        yield LLMStarted(response_id, item.id, req.audio, req.out_of_band, req.metadata, req.voice)
         final, error, mapped = None, None, None
         ids: list[int] = []
         spec = None
@@ -296,14 +298,14 @@ class LLM(Processor):
         try:
             # A long render runs on a thread, over a snapshot: the session may add or delete items
             # meanwhile; the items the render left out stay out of the live conversation.
-            rendered = prompt.snapshot()
-            ids = await run_sized(rendered.chars(), self._prompt, rendered)
+            rendered, params = prompt.snapshot(), self._params(req)
+            ids = await run_sized(rendered.chars(), self._prompt, rendered, params[0])
             if prompt is conv:
                 conv.keep_from(rendered)
-            if spec is not None and not spec.matches(ids, self._params()):
+            if spec is not None and not spec.matches(ids, params):
                 spec.cancel()
                 spec = None
-            outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids)
+            outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids, params)
             async for out in outputs:
                 final = out
                 delta = out.outputs[0].delta_text
@@ -377,6 +379,12 @@ class TTSOptions:
     priority: int = 0  # of the synthesis requests (``TTSRequest.priority``)
 
 
+def spoken(asked: bool | None, options: TTSOptions, services: Services) -> bool:
+    """Whether a reply is spoken: as its ``response.create`` asks (``asked``), else as the
+    session's options say; never without a TTS engine."""
+    return (options.enabled if asked is None else asked) and services.tts is not None
+
+
 class TTS(Processor):
     """``Sentence`` → ``TTSAudio`` chunks at ``options.sample_rate`` (consumed); after the
     reply's ``LLMDone``, ``TTSDone``. Cancelling ``process`` closes the TTS stream, which stops
@@ -391,26 +399,29 @@ class TTS(Processor):
         self.services = services
         self.options = options or TTSOptions()
         self.prefetch = prefetch
-        self.silent: set[str] = set()  # replies asked for as text only (``LLMStarted.audio`` False)
+        self.silent: set[str] = set()  # replies not spoken: text only, asked so or as the session says
+        self.voices: dict[str, str] = {}  # replies asked for in a voice of their own
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, LLMStarted):
-            if frame.audio is False:
+            if not spoken(frame.audio, self.options, self.services):
                 self.silent.add(frame.response_id)
+            elif frame.voice is not None:
+                self.voices[frame.response_id] = frame.voice
             yield frame
         elif isinstance(frame, Sentence):
             if frame.response_id in self.silent:
                 if self.prefetch is not None and frame.index == 0:
                     self.prefetch.cancel()  # a speculative first sentence nobody will hear
                 return
-            if not (self.options.enabled and self.services.tts is not None):
-                return
-            early = self.prefetch.take(frame.text) if self.prefetch is not None and frame.index == 0 else None
-            o = self.options
+            o, voice = self.options, self.voices.get(frame.response_id)
+            early = None
+            if self.prefetch is not None and frame.index == 0 and voice is None:  # (made in the session's voice)
+                early = self.prefetch.take(frame.text)
             chunks = (
                 early.replay()
                 if early is not None
-                else self.services.speak(frame.text, o.voice, o.sample_rate, o.priority)
+                else self.services.speak(frame.text, voice or o.voice, o.sample_rate, o.priority)
             )
             first = True
             try:
@@ -425,6 +436,7 @@ class TTS(Processor):
                     early.cancel()  # a barge-in left the replay: stop the synthesis too
         elif isinstance(frame, LLMDone):
             self.silent.discard(frame.response_id)
+            self.voices.pop(frame.response_id, None)
             yield frame
             yield TTSDone(frame.response_id)
         else:
@@ -432,6 +444,7 @@ class TTS(Processor):
 
     async def on_interrupt(self) -> None:
         self.silent.clear()  # the cut replies' LLMDone may never come
+        self.voices.clear()
         self.close()
 
     def close(self) -> None:

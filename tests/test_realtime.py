@@ -331,6 +331,42 @@ def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> N
     run(go())
 
 
+def test_a_response_create_sets_its_own_modalities_limit_temperature_and_voice(server: dict[str, Any]) -> None:
+    """Per reply, in a text session: audio asked for is spoken, the token limit and temperature
+    hold for that reply only; values the session would refuse are refused here too."""
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await text_session(c, 12)
+            await c.send("conversation.item.create", item=user_item("Tell me about the sea."))
+            await c.until("conversation.item.created")
+            first = len(c.events)
+            spoken = {"modalities": ["audio", "text"], "max_response_output_tokens": 3, "voice": "alloy"}
+            await c.send("response.create", response={**spoken, "temperature": 0})
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "completed" and done["response"]["usage"]["output_tokens"] <= 3
+            kinds = c.types()[first:]
+            assert "response.audio.delta" in kinds and "response.audio_transcript.delta" in kinds, kinds
+            first = len(c.events)
+            await c.send("response.create", response={"conversation": "none"})  # the session's again
+            done = await c.until("response.done")
+            assert 3 < done["response"]["usage"]["output_tokens"] <= 12
+            assert "response.text.delta" in c.types()[first:] and "response.audio.delta" not in c.types()[first:]
+            for bad, param in (
+                ({"temperature": 9}, "response.temperature"),
+                ({"max_response_output_tokens": 0}, "response.max_response_output_tokens"),
+                ({"voice": "nobody"}, "response.voice"),
+                ({"voice": 5}, "response.voice"),
+            ):
+                await c.send("response.create", response=bad)
+                assert (await c.until("error"))["error"]["param"] == param, bad
+            await c.send("response.create", response={"max_response_output_tokens": "inf"})
+            assert (await c.until("response.done"))["response"]["status"] == "completed"
+
+    run(go())
+
+
 def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str, Any]) -> None:
     """Out-of-band replies and per-response context (input, instructions) leave the conversation as it was."""
     from pipelines.conversation import DEFAULT_INSTRUCTIONS, Conversation
