@@ -1,8 +1,9 @@
 """A voice conversation: ordered items rendered through the model's chat template.
 
-Items are only ever appended or (the last assistant item) truncated, and every turn renders the
-whole list with the same template, so turn N's prompt starts with turn N-1's prompt and its reply:
-the engine's prefix cache keeps the conversation warm across turns.
+Turns append items (a client may also insert or delete one), the last assistant item may be
+truncated, and every turn renders the whole list with the same template, so turn N's prompt starts
+with turn N-1's prompt and its reply: the engine's prefix cache keeps the conversation warm across
+turns.
 """
 
 from __future__ import annotations
@@ -41,11 +42,26 @@ class Conversation:
     _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
 
     def new_id(self, kind: str = "item") -> str:
-        return f"{kind}_{next(self._ids):06d}"
+        """A fresh id, none of an item's (a client may have named one so)."""
+        taken = {i.id for i in self.items}
+        while (candidate := f"{kind}_{next(self._ids):06d}") in taken:
+            pass
+        return candidate
 
-    def add(self, role: str, text: str = "", item_id: str | None = None, audio: bool = False) -> Item:
+    def add(
+        self, role: str, text: str = "", item_id: str | None = None, audio: bool = False, after: str | None = None
+    ) -> Item:
+        """A new item at the end, or right after item ``after`` ("root": first); KeyError if
+        there is no such item."""
         item = Item(item_id or self.new_id(), role, text, audio=audio)
-        self.items.append(item)
+        if after is None:
+            self.items.append(item)
+            return item
+        at = 0 if after == "root" else next((k + 1 for k, i in enumerate(self.items) if i.id == after), None)
+        if at is None:
+            raise KeyError(after)
+        self.items.insert(at, item)
+        self._first += at < self._first  # among the items left out, it is left out too
         return item
 
     def get(self, item_id: str) -> Item | None:

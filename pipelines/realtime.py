@@ -337,12 +337,24 @@ class RealtimeSession:
         await self.send("input_audio_buffer.cleared")
 
     async def _ev_conversation_item_create(self, event: dict[str, Any]) -> None:
+        """A text message, at the end or after ``previous_item_id`` ("root": first), with the
+        client's ``item.id`` if it gives one."""
         role, text = message_text(event.get("item"))
-        previous = self.conv.items[-1].id if self.conv.items else None
-        item = self.conv.add(role, text)
+        item_id, after = event["item"].get("id"), event.get("previous_item_id")
+        if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= 64):
+            raise EventError("item.id must be a string of 1 to 64 characters", param="item.id")
+        if item_id is not None and (self.conv.get(item_id) or item_id in self.unheard | self.failed):
+            raise EventError(f"an item {item_id!r} already exists", param="item.id")
+        if after is not None and not isinstance(after, str):
+            raise EventError("previous_item_id must be a string", param="previous_item_id")
+        try:
+            item = self.conv.add(role, text, item_id, after=after)
+        except KeyError:
+            raise EventError(f"no item {after!r} in the conversation", "item_not_found", "previous_item_id") from None
+        at = self.conv.items.index(item)
         await self.send(
             "conversation.item.created",
-            previous_item_id=previous,
+            previous_item_id=self.conv.items[at - 1].id if at else None,
             item=item_event(item.id, role, [content_part(role, False, text)]),
         )
 

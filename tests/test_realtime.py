@@ -954,3 +954,45 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
             assert not s.failed
 
     run(go())
+
+
+def test_items_keep_the_clients_ids_and_go_where_it_says() -> None:
+    """Stand-ins: ``conversation.item.create`` keeps a client's ``item.id`` (a duplicate is an
+    error) and inserts after ``previous_item_id`` ("root": first; an unknown one is an error)."""
+    import types
+
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    class Socket:
+        app = types.SimpleNamespace(state=types.SimpleNamespace())
+
+        async def send_text(self, text: str) -> None:
+            sent.append(json.loads(text))
+
+    async def create(s: RealtimeSession, text: str, **fields: Any) -> dict[str, Any]:
+        item = {**user_item(text), **fields.pop("item", {})}
+        await s._handle(json.dumps({"type": "conversation.item.create", "item": item, **fields}))
+        return sent[-1]
+
+    async def go() -> None:
+        s = RealtimeSession(Socket(), Services(), "m")
+        a = await create(s, "a", item={"id": "msg_a"})
+        assert a["type"] == "conversation.item.created" and a["item"]["id"] == "msg_a" and a["previous_item_id"] is None
+        assert (await create(s, "again", item={"id": "msg_a"}))["error"]["param"] == "item.id"
+        assert (await create(s, "bad", item={"id": 5}))["error"]["param"] == "item.id"
+        b = await create(s, "b")
+        assert b["previous_item_id"] == "msg_a"
+        first = await create(s, "first", previous_item_id="root")
+        assert first["previous_item_id"] is None
+        middle = await create(s, "middle", item={"id": "item_000009"}, previous_item_id="msg_a")
+        assert middle["previous_item_id"] == "msg_a"
+        err = await create(s, "lost", previous_item_id="msg_nope")
+        assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "previous_item_id"
+        assert [i.text for i in s.conv.items] == ["first", "a", "middle", "b"]
+        ids = [await create(s, f"n{k}") for k in range(12)]  # generated ids skip the client's
+        assert len({i.id for i in s.conv.items}) == len(s.conv.items) and all(e["item"]["id"] for e in ids)
+
+    run(go())
