@@ -139,7 +139,7 @@ class RealtimeSession:
         self.llm_options.temperature = c.temperature
         self.llm_options.max_tokens = reply_tokens(c.max_response_output_tokens)
         self.tts_options.enabled = "audio" in c.modalities and self.services.tts is not None
-        self.tts_options.voice = c.voice
+        self.tts_options.voice, self.tts_options.speed = c.voice, c.speed
         heard = c.input_audio_transcription or {}
         self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
         self.tts_options.sample_rate = RATE
@@ -177,7 +177,7 @@ class RealtimeSession:
                 if message["type"] == "websocket.disconnect":
                     break
                 if message.get("text") is None:  # a binary frame: the protocol is JSON text
-                    await self.send_error("events are JSON text frames, not binary", code="invalid_json")
+                    await self.send_error("events are JSON text frames, not binary", "invalid_json", event_id=None)
                     continue
                 await self._handle(message["text"])
         except (WebSocketDisconnect, RuntimeError):
@@ -221,6 +221,9 @@ class RealtimeSession:
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise EventError("an event must be a JSON object with a string 'type'", param="type")
             event_id = event.get("event_id")
+            if event_id is not None and (not isinstance(event_id, str) or len(event_id) > 512):
+                event_id = None  # not echoed: it is no id
+                raise EventError("event_id must be a string of at most 512 characters", param="event_id")
             where = lone_surrogate(event) if may_hold_lone_surrogate(raw) else None
             if where is not None:
                 raise EventError("a lone surrogate is not a character", param=where or None)
@@ -452,6 +455,8 @@ class RealtimeSession:
 
     async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
         reply, end_ms = self.in_band, event.get("audio_end_ms")
+        if event.get("content_index", 0) != 0 or isinstance(event.get("content_index"), bool | float):
+            raise EventError("content_index must be 0: an assistant item has one content part", param="content_index")
         if reply is None or event.get("item_id") != reply.item_id:
             raise EventError("item_id must be the latest assistant item", code="item_not_found", param="item_id")
         if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:

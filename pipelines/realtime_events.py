@@ -47,6 +47,7 @@ class SessionConfig:
     )
     temperature: float = 0.8
     max_response_output_tokens: int | str = "inf"
+    speed: float = 1.0  # of the spoken replies (OpenAI's range: 0.25 to 1.5)
     # ``language`` and ``prompt`` reach the ASR. Null sends no ``input_audio_transcription``
     # events, as OpenAI's; the turns are still transcribed (the replies need the text). On by
     # default here (OpenAI's default is null): mmserve transcribes every turn anyway.
@@ -60,6 +61,7 @@ class SessionConfig:
             "modalities": self.modalities,
             "instructions": self.instructions,
             "voice": self.voice,
+            "speed": self.speed,
             "input_audio_format": "pcm16",
             "output_audio_format": "pcm16",
             "input_audio_transcription": self.input_audio_transcription,
@@ -86,6 +88,11 @@ class SessionConfig:
             if patch["voice"] is not None and not isinstance(patch["voice"], str):
                 raise EventError("voice must be a string", param="session.voice")
             new["voice"] = patch["voice"]
+        if "speed" in patch:
+            v = patch["speed"]
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0.25 <= v <= 1.5:
+                raise EventError("speed must be a number in [0.25, 1.5]", param="session.speed")
+            new["speed"] = float(v)
         if "instructions" in patch:
             new["instructions"] = check_instructions(
                 "" if patch["instructions"] is None else patch["instructions"], "session.instructions"

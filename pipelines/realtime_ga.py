@@ -35,9 +35,12 @@ PCM = {"type": "audio/pcm", "rate": RATE}
 
 def is_ga(session: Any) -> bool:
     """Whether a ``session.update``'s session object is in the GA shape."""
-    if isinstance(session, dict) and session.get("type") == "transcription":
+    kind = session.get("type") if isinstance(session, dict) else None
+    if kind == "transcription":
         raise EventError("transcription sessions are not supported; use type 'realtime'", param="session.type")
-    return isinstance(session, dict) and session.get("type") == "realtime"
+    if kind not in (None, "realtime"):
+        raise EventError(f"session.type must be 'realtime', got {kind!r}", param="session.type")
+    return kind == "realtime"
 
 
 # Beta parameter paths in ``SessionConfig.update``'s errors -> the GA field a client sent.
@@ -46,6 +49,7 @@ GA_PARAMS = {
     "session.max_response_output_tokens": "session.max_output_tokens",
     "session.turn_detection": "session.audio.input.turn_detection",
     "session.voice": "session.audio.output.voice",
+    "session.speed": "session.audio.output.speed",
     "session.input_audio_transcription": "session.audio.input.transcription",
 }
 
@@ -80,8 +84,9 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
             )
     if "turn_detection" in sides["input"]:
         out["turn_detection"] = sides["input"]["turn_detection"]
-    if "voice" in sides["output"]:
-        out["voice"] = sides["output"]["voice"]
+    for key in ("voice", "speed"):
+        if key in sides["output"]:
+            out[key] = sides["output"][key]
     if "transcription" in sides["input"]:
         out["input_audio_transcription"] = sides["input"]["transcription"]
     return out
@@ -103,7 +108,7 @@ def session_object(beta: dict[str, Any]) -> dict[str, Any]:
                 "turn_detection": beta["turn_detection"],
                 "noise_reduction": None,
             },
-            "output": {"format": dict(PCM), "voice": beta["voice"], "speed": 1.0},
+            "output": {"format": dict(PCM), "voice": beta["voice"], "speed": beta["speed"]},
         },
         "tools": beta["tools"],
         "tool_choice": beta["tool_choice"],

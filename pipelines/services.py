@@ -82,16 +82,16 @@ class Services:
         return str(result.text)
 
     async def speak(
-        self, text: str, voice: str | None, sample_rate: int, priority: int = 0
+        self, text: str, voice: str | None, sample_rate: int, priority: int = 0, speed: float = 1.0
     ) -> AsyncIterator[np.ndarray]:
         """Float32 chunks of ``text`` spoken at ``sample_rate``; closing the iterator stops the
-        synthesis inside the TTS engine (``priority``: ``TTSRequest.priority``)."""
+        synthesis inside the TTS engine (``priority``, ``speed``: ``TTSRequest``'s)."""
         if self.tts is None:
             raise ServiceMissing("no tts model is served")
         from modalities.tts.protocol import TTSRequest
 
         voices = getattr(self.tts, "voices", None) or []
-        stream = self.tts.stream(TTSRequest(text, voice if voice in voices else None, 1.0, sample_rate, priority))
+        stream = self.tts.stream(TTSRequest(text, voice if voice in voices else None, speed, sample_rate, priority))
         try:
             async for chunk in stream:
                 yield np.asarray(chunk, np.float32)

@@ -93,7 +93,7 @@ class SpeechPrefetch:
         self.cancel()
         if self.options.enabled and self.services.tts is not None and text:
             o = self.options
-            stream = self.services.speak(text, o.voice, o.sample_rate, o.priority)
+            stream = self.services.speak(text, o.voice, o.sample_rate, o.priority, o.speed)
             self.pending = (self._key(text), Buffered(stream))
 
     def take(self, text: str) -> Buffered[Any] | None:

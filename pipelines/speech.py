@@ -377,6 +377,7 @@ class TTSOptions:
     voice: str | None = None
     sample_rate: int = 24_000
     priority: int = 0  # of the synthesis requests (``TTSRequest.priority``)
+    speed: float = 1.0  # ``TTSRequest.speed``
 
 
 def spoken(asked: bool | None, options: TTSOptions, services: Services) -> bool:
@@ -421,7 +422,7 @@ class TTS(Processor):
             chunks = (
                 early.replay()
                 if early is not None
-                else self.services.speak(frame.text, voice or o.voice, o.sample_rate, o.priority)
+                else self.services.speak(frame.text, voice or o.voice, o.sample_rate, o.priority, o.speed)
             )
             first = True
             try:

@@ -532,7 +532,9 @@ class _Speech:
         await asyncio.sleep(0.02)
         return f"heard {samples.size}"
 
-    async def speak(self, text: str, voice: str | None, rate: int, priority: int = 0) -> AsyncIterator[np.ndarray]:
+    async def speak(
+        self, text: str, voice: str | None, rate: int, priority: int = 0, speed: float = 1.0
+    ) -> AsyncIterator[np.ndarray]:
         self.spoken.append(text)
         if not self.committed.is_set():
             self.before_commit.append(text)

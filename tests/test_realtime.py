@@ -996,3 +996,54 @@ def test_items_keep_the_clients_ids_and_go_where_it_says() -> None:
         assert len({i.id for i in s.conv.items}) == len(s.conv.items) and all(e["item"]["id"] for e in ids)
 
     run(go())
+
+
+def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
+    """Stand-ins: the replies' ``speed`` (beta ``speed``, GA ``audio.output.speed``, 0.25 to 1.5)
+    reaches the TTS options and requests; a GA session's ``type``, an ``event_id`` and a
+    truncation's ``content_index`` that are not what the protocol allows are errors."""
+    import types
+
+    from modalities.tts.protocol import TTSRequest
+    from pipelines.realtime import RealtimeSession
+    from pipelines.services import Services
+    from pipelines.speech import TTS
+
+    sent: list[dict[str, Any]] = []
+    asked: list[TTSRequest] = []
+
+    class Socket:
+        app = types.SimpleNamespace(state=types.SimpleNamespace())
+
+        async def send_text(self, text: str) -> None:
+            sent.append(json.loads(text))
+
+    class Voice:  # a TTS engine that records what it is asked
+        voices = ["joe"]
+
+        async def stream(self, req: TTSRequest) -> Any:
+            asked.append(req)
+            yield np.zeros(10, np.float32)
+
+    async def update(s: RealtimeSession, session: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        await s._handle(json.dumps({"type": "session.update", "session": session, **extra}))
+        return sent[-1]
+
+    async def go() -> None:
+        s = RealtimeSession(Socket(), Services(tts=Voice()), "m")
+        assert (await update(s, {"speed": 1.25}))["session"]["speed"] == 1.25 and s.tts_options.speed == 1.25
+        assert [st.options for st in s.pipeline.stages if isinstance(st, TTS)][0] is s.tts_options  # live
+        assert (await update(s, {"speed": 5}))["error"]["param"] == "session.speed" and s.tts_options.speed == 1.25
+        [_ async for _ in s.services.speak("Hi.", None, 24_000, 0, s.tts_options.speed)]
+        assert asked[-1].speed == 1.25
+        ga = {"type": "realtime", "audio": {"output": {"speed": 0.5}}}
+        assert (await update(s, ga))["session"]["audio"]["output"]["speed"] == 0.5 and s.tts_options.speed == 0.5
+        ga["audio"]["output"]["speed"] = 0.1
+        assert (await update(s, ga))["error"]["param"] == "session.audio.output.speed"
+        assert (await update(s, {"type": "foo"}))["error"]["param"] == "session.type"
+        error = await update(s, {"instructions": "x"}, event_id={"a": 1})
+        assert error["error"]["param"] == "event_id" and error["error"]["event_id"] is None
+        await s._handle(json.dumps({"type": "conversation.item.truncate", "item_id": "i", "content_index": "0"}))
+        assert sent[-1]["error"]["param"] == "content_index"
+
+    run(go())
