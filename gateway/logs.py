@@ -45,7 +45,9 @@ def route_info(scope: Scope) -> tuple[str, str]:
     belong to ``<name>``, ``gateway.*`` to ``gateway``, others to their package (e.g. ``jobs``).
     A response a middleware gave before routing (a 401, 413, 415) is matched here, so it is
     counted under its route too."""
-    route = scope.get("route") or _match(scope)
+    route = scope.get("route")
+    if route is None:
+        route = scope["route"] = _match(scope)  # (kept: the log and the metrics both ask)
     path = getattr(route, "path", None)
     if not isinstance(path, str):
         return "other", "other"  # unknown paths: bounded label values for scanners
@@ -61,9 +63,13 @@ def route_info(scope: Scope) -> tuple[str, str]:
 
 
 def _match(scope: Scope) -> BaseRoute | None:
-    """The route for ``scope`` (its path, any method) among the app's ``state.routes``, or None."""
+    """The route for ``scope`` among the app's ``state.routes``, as the router picks it: the first
+    to match path and method, else the first to match the path; None if none does."""
     routes: list[BaseRoute] = getattr(getattr(scope.get("app"), "state", None), "routes", [])
-    return next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
+    matches = [(r, r.matches(scope)[0]) for r in routes]
+    return next((r for r, m in matches if m == Match.FULL), None) or next(
+        (r for r, m in matches if m == Match.PARTIAL), None
+    )
 
 
 class RequestLogMiddleware:

@@ -1,9 +1,9 @@
 """A voice conversation: ordered items rendered through the model's chat template.
 
-Turns append items (a client may also insert or delete one), the last assistant item may be
-truncated, and every turn renders the whole list with the same template, so turn N's prompt starts
-with turn N-1's prompt and its reply: the engine's prefix cache keeps the conversation warm across
-turns.
+Turns append items and the last assistant item may be truncated, and every turn renders the
+whole list with the same template, so turn N's prompt starts with turn N-1's prompt and its reply:
+the engine's prefix cache keeps the conversation warm across turns. (A client that inserts or
+deletes an item changes the prompt from there on: the cache keeps only what comes before it.)
 """
 
 from __future__ import annotations
@@ -42,11 +42,7 @@ class Conversation:
     _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
 
     def new_id(self, kind: str = "item") -> str:
-        """A fresh id, none of an item's (a client may have named one so)."""
-        taken = {i.id for i in self.items}
-        while (candidate := f"{kind}_{next(self._ids):06d}") in taken:
-            pass
-        return candidate
+        return f"{kind}_{next(self._ids):06d}"
 
     def add(
         self, role: str, text: str = "", item_id: str | None = None, audio: bool = False, after: str | None = None

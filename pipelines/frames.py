@@ -133,7 +133,8 @@ class ReplyFrame(Frame):
 @dataclass
 class LLMStarted(ReplyFrame):
     """A reply began (``response_id`` names it in every later frame of that reply); its text
-    goes into conversation item ``item_id``; ``audio`` False: text only, whatever the session says."""
+    goes into conversation item ``item_id``; ``audio``: spoken or not, whatever the session says
+    (None: as it says)."""
 
     item_id: str = ""
     audio: bool | None = None

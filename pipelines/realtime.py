@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -72,7 +73,7 @@ from pipelines.realtime_events import (
     wants_audio,
 )
 from pipelines.services import Services
-from pipelines.speech import ASR, ASROptions, LLMOptions, TTSOptions, spoken
+from pipelines.speech import ASROptions, LLMOptions, TTSOptions, spoken
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -93,6 +94,7 @@ CLIENT_EVENTS = frozenset(
         "response.cancel",
     )
 )
+SERVER_ID = re.compile(r"(item|item_in|item_cm|resp)_\d{6}")  # the ids the server makes
 INBOX_FRAMES = 256  # client events queued for the pipeline; beyond this the WebSocket reader waits
 
 
@@ -330,7 +332,8 @@ class RealtimeSession:
                 code="input_audio_buffer_commit_empty",
             )
         self.appended_ms = 0.0
-        item_id = self.conv.new_id("item_in")
+        item_id = self.conv.new_id("item_cm")  # (the VAD's turns are item_in_...)
+        self.unheard.add(item_id)  # before its frame goes: an ASR may fail it at once
         await self.inbox.put(CommitFrame(item_id=item_id))
         await self._user_item_created(item_id)
 
@@ -346,6 +349,8 @@ class RealtimeSession:
         item_id, after = event["item"].get("id"), event.get("previous_item_id")
         if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= 64):
             raise EventError("item.id must be a string of 1 to 64 characters", param="item.id")
+        if item_id is not None and SERVER_ID.fullmatch(item_id):
+            raise EventError(f"item ids like {item_id!r} are the server's; choose another", param="item.id")
         if item_id is not None and (self.conv.get(item_id) or item_id in self.unheard | self.failed):
             raise EventError(f"an item {item_id!r} already exists", param="item.id")
         if after is not None and not isinstance(after, str):
@@ -521,8 +526,8 @@ class RealtimeSession:
         elif isinstance(frame, ErrorFrame):
             kind = "invalid_request_error" if frame.code else "server_error"
             error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
-            unheard = frame.item_id in self.unheard and frame.stage == ASR.__name__
-            self.unheard.discard(frame.item_id)  # its transcript will not come
+            unheard = frame.item_id in self.unheard  # its transcript will not come
+            self.unheard.discard(frame.item_id)
             if unheard:  # the item stays, as audio with no transcript
                 self.failed.add(frame.item_id)
             if unheard and self.config.input_audio_transcription is not None:

@@ -128,11 +128,13 @@ def _transcription(value: Any) -> dict[str, Any] | None:
     limits = {"model": 200, "language": 16, "prompt": MAX_TRANSCRIPTION_PROMPT_CHARS}
     for key, limit in limits.items():
         v = value.get(key)
+        if isinstance(v, str) and key == "language":
+            v = v.strip().lower()
         if v is None or v == "":  # as absent (the HTTP API reads an empty form field so too)
             continue
         if not isinstance(v, str) or len(v) > limit:
             raise EventError(f"{key} must be a string of at most {limit} characters", param=f"{param}.{key}")
-        out[key] = v.strip().lower() if key == "language" else v
+        out[key] = v
     return out
 
 

@@ -77,7 +77,11 @@ class Services:
             raise ServiceMissing("no asr model is served")
         from modalities.asr.engine import TranscriptionRequest
 
-        req = TranscriptionRequest(np.asarray(samples, np.float32), language=language, prompt=prompt, priority=priority)
+        # vad=False: a turn has been through the session's own VAD (its threshold, its floor); the
+        # ASR's defaults must not judge it again.
+        req = TranscriptionRequest(
+            np.asarray(samples, np.float32), language=language, prompt=prompt, vad=False, priority=priority
+        )
         result = await self.asr.run(req)
         return str(result.text)
 

@@ -80,14 +80,14 @@ class Buffered(Generic[T]):
 class SpeechPrefetch:
     """Speculative synthesis of one piece of text (a speculative reply's first sentence), shared
     by the LLM stage that starts it and the TTS stage that takes it. ``options`` is the TTS
-    stage's ``TTSOptions`` (enabled, voice, sample rate, priority)."""
+    stage's ``TTSOptions`` (enabled, voice, sample rate, priority, speed)."""
 
     def __init__(self, services: Any, options: Any) -> None:
         self.services, self.options = services, options
-        self.pending: tuple[tuple[str, str | None, int], Buffered[Any]] | None = None
+        self.pending: tuple[tuple[str, str | None, int, float], Buffered[Any]] | None = None
 
-    def _key(self, text: str) -> tuple[str, str | None, int]:
-        return text, self.options.voice, self.options.sample_rate
+    def _key(self, text: str) -> tuple[str, str | None, int, float]:
+        return text, self.options.voice, self.options.sample_rate, self.options.speed
 
     def start(self, text: str) -> None:
         self.cancel()

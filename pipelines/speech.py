@@ -417,8 +417,11 @@ class TTS(Processor):
                 return
             o, voice = self.options, self.voices.get(frame.response_id)
             early = None
-            if self.prefetch is not None and frame.index == 0 and voice is None:  # (made in the session's voice)
-                early = self.prefetch.take(frame.text)
+            if self.prefetch is not None and frame.index == 0:
+                if voice is None:
+                    early = self.prefetch.take(frame.text)
+                else:  # made in the session's voice: nobody will hear it
+                    self.prefetch.cancel()
             chunks = (
                 early.replay()
                 if early is not None

@@ -112,11 +112,12 @@ def test_interrupt_cancels_work_in_flight_and_drops_queued_replies() -> None:
 
 def test_errors_become_error_frames_and_the_stage_keeps_going() -> None:
     async def run() -> list[Frame]:
-        src = _source([Transcript("boom"), Transcript("ok")])
+        src = _source([Transcript("boom", item_id="item_7"), Transcript("ok")])
         return [f async for f in Pipeline([Boom(), Upper()]).stream(src)]
 
     out = asyncio.run(run())
     assert isinstance(out[0], ErrorFrame) and "bad frame" in out[0].message and out[0].stage == "Boom"
+    assert out[0].item_id == "item_7"  # the item whose frame failed (a realtime session fails its transcript)
     assert [f.text for f in out if isinstance(f, Transcript)] == ["OK"]
 
 

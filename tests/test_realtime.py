@@ -987,12 +987,13 @@ def test_items_keep_the_clients_ids_and_go_where_it_says() -> None:
         assert b["previous_item_id"] == "msg_a"
         first = await create(s, "first", previous_item_id="root")
         assert first["previous_item_id"] is None
-        middle = await create(s, "middle", item={"id": "item_000009"}, previous_item_id="msg_a")
+        assert (await create(s, "x", item={"id": "item_000009"}))["error"]["param"] == "item.id"  # the server's kind
+        middle = await create(s, "middle", item={"id": "msg_m"}, previous_item_id="msg_a")
         assert middle["previous_item_id"] == "msg_a"
         err = await create(s, "lost", previous_item_id="msg_nope")
         assert err["error"]["code"] == "item_not_found" and err["error"]["param"] == "previous_item_id"
         assert [i.text for i in s.conv.items] == ["first", "a", "middle", "b"]
-        ids = [await create(s, f"n{k}") for k in range(12)]  # generated ids skip the client's
+        ids = [await create(s, f"n{k}") for k in range(12)]
         assert len({i.id for i in s.conv.items}) == len(s.conv.items) and all(e["item"]["id"] for e in ids)
 
     run(go())
@@ -1005,6 +1006,7 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
     import types
 
     from modalities.tts.protocol import TTSRequest
+    from pipelines.frames import LLMStarted, Sentence
     from pipelines.realtime import RealtimeSession
     from pipelines.services import Services
     from pipelines.speech import TTS
@@ -1034,8 +1036,11 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         assert (await update(s, {"speed": 1.25}))["session"]["speed"] == 1.25 and s.tts_options.speed == 1.25
         assert [st.options for st in s.pipeline.stages if isinstance(st, TTS)][0] is s.tts_options  # live
         assert (await update(s, {"speed": 5}))["error"]["param"] == "session.speed" and s.tts_options.speed == 1.25
-        [_ async for _ in s.services.speak("Hi.", None, 24_000, 0, s.tts_options.speed)]
-        assert asked[-1].speed == 1.25
+        tts = next(st for st in s.pipeline.stages if isinstance(st, TTS))  # the session's stage speaks so
+        for reply, voice in (("r1", None), ("r2", "joe")):  # and a reply may have a voice of its own
+            [f async for f in tts.process(LLMStarted(reply, voice=voice))]
+            [f async for f in tts.process(Sentence(reply, "Hi.", 0))]
+            assert (asked[-1].speed, asked[-1].voice) == (1.25, voice)
         ga = {"type": "realtime", "audio": {"output": {"speed": 0.5}}}
         assert (await update(s, ga))["session"]["audio"]["output"]["speed"] == 0.5 and s.tts_options.speed == 0.5
         ga["audio"]["output"]["speed"] = 0.1

@@ -11,6 +11,7 @@ from typing import Any
 from gateway.plugins import Built
 from modalities.asr.api import router
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
+from modalities.asr.quality import FALLBACK_KEEP
 from modalities.audio import MAX_AUDIO_S
 
 __all__ = ["add_models_commands", "add_serve_args", "build", "remote_engines", "router"]
@@ -34,7 +35,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speech-to-text model: tiny.en (default), base, a CTranslate2 Whisper directory or a HF Whisper directory",
     )
-    g.add_argument("--asr-vad", default="webrtc", choices=["webrtc", "silero"], help="VAD for long audio")
+    g.add_argument(
+        "--asr-vad",
+        default="webrtc",
+        choices=["webrtc", "silero"],
+        help="VAD: windows of speech for long audio, and no decode of a short clip without speech",
+    )
     g.add_argument("--asr-max-num-seqs", type=int, default=64, help="decoder sequences batched together")
     g.add_argument("--asr-device", default="cpu", help="where Whisper runs: cpu (default) or cuda")
     g.add_argument(
@@ -43,7 +49,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--asr-fallback-keep",
         default="last",
-        choices=["last", "best"],
+        choices=list(FALLBACK_KEEP),
         help="a window whose every fallback temperature fails keeps its last decode (whisper's rule) or its most likely",
     )
     g.add_argument(
