@@ -27,7 +27,7 @@ from engine import openmp
 from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, transcript_words
 from modalities.asr.encoder import RATE, EncoderBatcher
-from modalities.asr.longform import Window, plan_windows, stable_text, window_segments
+from modalities.asr.longform import Window, meet_at_words, plan_windows, stable_text, window_segments
 from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
 from modalities.asr.quality import (
     WindowResult,
@@ -381,6 +381,8 @@ class AsrEngine:
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
         words = transcript_words(windows, texts, results) if req.word_timestamps else None  # type: ignore[arg-type]
+        if words:
+            meet_at_words(segments, words)
         heard = next((r.language for r in results if r is not None and r.language and not r.silent), None)
         language = req.language or heard or "en"
         yield TranscriptDelta("", Transcript(text, segments, language, len(audio) / RATE, words))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from modalities.asr.quality import WindowResult
-from modalities.asr.types import Segment
+from modalities.asr.types import Segment, Word
 
 RATE = 16_000
 
@@ -184,3 +184,13 @@ def window_segments(windows: list[Window], texts: list[str], results: list[Windo
                 )
             )
     return segments
+
+
+def meet_at_words(segments: list[Segment], words: list[Word]) -> None:
+    """Where two segments meet inside an overlap (``window_segments``), move the meeting point to
+    the later one's first word: with word times, where the stitch cut is known."""
+    first = 0
+    for prev, seg in zip(segments, segments[1:], strict=False):
+        first += len(prev.text.split())
+        if seg.start == prev.end and first < len(words):
+            prev.end = seg.start = round(words[first].start, 3)
