@@ -45,9 +45,9 @@ def route_info(scope: Scope) -> tuple[str, str]:
     belong to ``<name>``, ``gateway.*`` to ``gateway``, others to their package (e.g. ``jobs``).
     A response a middleware gave before routing (a 401, 413, 415) is matched here, so it is
     counted under its route too."""
-    route = scope.get("route")
-    if route is None:
-        route = scope["route"] = _match(scope)  # (kept: the log and the metrics both ask)
+    if "route" not in scope:  # answered before routing; matched once (the log and the metrics both ask)
+        scope["route"] = _match(scope)
+    route = scope["route"]
     path = getattr(route, "path", None)
     if not isinstance(path, str):
         return "other", "other"  # unknown paths: bounded label values for scanners

@@ -89,10 +89,7 @@ class SessionConfig:
                 raise EventError("voice must be a string", param="session.voice")
             new["voice"] = patch["voice"]
         if "speed" in patch:
-            v = patch["speed"]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0.25 <= v <= 1.5:
-                raise EventError("speed must be a number in [0.25, 1.5]", param="session.speed")
-            new["speed"] = float(v)
+            new["speed"] = check_number(patch["speed"], 0.25, 1.5, "session.speed")
         if "instructions" in patch:
             new["instructions"] = check_instructions(
                 "" if patch["instructions"] is None else patch["instructions"], "session.instructions"
@@ -118,7 +115,7 @@ MAX_REPLY_TOKENS = 256  # a reply's tokens under "inf"
 
 def _transcription(value: Any) -> dict[str, Any] | None:
     """A session's ``input_audio_transcription``: ``model`` (any name: the served ASR model
-    transcribes), ``language`` (an ISO-639-1 code) and ``prompt``, each a string or absent."""
+    transcribes), ``language`` (a Whisper language code, lower-cased) and ``prompt``, each a string or absent."""
     param = "session.input_audio_transcription"
     if value is None:
         return None
@@ -177,10 +174,15 @@ def wants_audio(mods: Any, ga: bool, param: str) -> bool:
     return "audio" in mods
 
 
-def check_temperature(value: Any, param: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 2.0:
-        raise EventError("temperature must be a number in [0, 2]", param=param)
+def check_number(value: Any, lo: float, hi: float, param: str) -> float:
+    """``value`` as a float if it is a number (not a boolean) in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise EventError(f"{param.rsplit('.', 1)[-1]} must be a number in [{lo:g}, {hi:g}]", param=param)
     return float(value)
+
+
+def check_temperature(value: Any, param: str) -> float:
+    return check_number(value, 0.0, 2.0, param)
 
 
 def check_max_tokens(value: Any, param: str) -> int | str:

@@ -140,6 +140,22 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+def _stand_in(services: Any, sent: list[dict[str, Any]]) -> Any:
+    """A ``RealtimeSession`` over a stand-in socket that receives nothing and puts each event it
+    sends into ``sent``: session state only, no server."""
+    import types
+
+    from pipelines.realtime import RealtimeSession
+
+    class Socket:
+        app = types.SimpleNamespace(state=types.SimpleNamespace())
+
+        async def send_text(self, text: str) -> None:
+            sent.append(json.loads(text))
+
+    return RealtimeSession(Socket(), services, "m")  # type: ignore[arg-type]
+
+
 def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
@@ -824,20 +840,11 @@ def test_speech_resuming_after_a_pause_aborts_the_speculation(
 def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_next() -> None:
     """Session state only (a stand-in socket): response.create, response.cancel before it started,
     then a barge-in drops that reply's start; the user's next reply must not be cancelled."""
-    import types
-
     from pipelines.frames import Interrupt, LLMStarted
-    from pipelines.realtime import RealtimeSession
     from pipelines.services import Services
 
-    class Socket:
-        app = types.SimpleNamespace(state=types.SimpleNamespace())
-
-        async def send_text(self, text: str) -> None:
-            pass
-
     async def go() -> None:
-        s = RealtimeSession(Socket(), Services(), "m")  # type: ignore[arg-type]
+        s = _stand_in(Services(), [])
         await s._handle(json.dumps({"type": "response.create"}))
         s.inbox.get_nowait()  # (the pipeline takes the request)
         await s._handle(json.dumps({"type": "response.cancel"}))
@@ -856,16 +863,9 @@ def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
     import types
 
     from modalities.asr.engine import AsrEngine
-    from pipelines.realtime import RealtimeSession
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
-
-    class Socket:
-        app = types.SimpleNamespace(state=types.SimpleNamespace())
-
-        async def send_text(self, text: str) -> None:
-            sent.append(json.loads(text))
 
     class EnglishOnly:  # AsrEngine.prompt_ids's checks, without a model
         prompt_ids = AsrEngine.prompt_ids
@@ -873,7 +873,7 @@ def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
         model_name, _tok, _no_ts = "whisper-tiny.en", {"<|startoftranscript|>": 1}, 2
 
     async def go() -> None:
-        s = RealtimeSession(Socket(), Services(asr=EnglishOnly()), "m")
+        s = _stand_in(Services(asr=EnglishOnly()), sent)
         hint = {"model": "whisper-1", "language": "en", "prompt": "Oslo and Bergen"}
         await s._handle(json.dumps({"type": "session.update", "session": {"input_audio_transcription": hint}}))
         assert sent[-1]["type"] == "session.updated" and sent[-1]["session"]["input_audio_transcription"] == hint
@@ -901,22 +901,14 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
     """Stand-ins again: a transcript is sent unless the session set its transcription to null; a
     failed one is ``...transcription.failed`` for its item (a plain ``error`` when null); an ASR in
     another process cannot be asked, so a code Whisper does not know is refused at the update."""
-    import types
 
     from pipelines.frames import ErrorFrame, Transcript
-    from pipelines.realtime import RealtimeSession
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
 
-    class Socket:
-        app = types.SimpleNamespace(state=types.SimpleNamespace())
-
-        async def send_text(self, text: str) -> None:
-            sent.append(json.loads(text))
-
     async def go() -> None:
-        s = RealtimeSession(Socket(), Services(asr=object()), "m")  # no prompt_ids: a remote engine
+        s = _stand_in(Services(asr=object()), sent)  # no prompt_ids: a remote engine
         for language, ok in (("xx", False), ("de", True)):
             patch = {"input_audio_transcription": {"language": language}}
             await s._handle(json.dumps({"type": "session.update", "session": patch}))
@@ -959,18 +951,11 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
 def test_items_keep_the_clients_ids_and_go_where_it_says() -> None:
     """Stand-ins: ``conversation.item.create`` keeps a client's ``item.id`` (a duplicate is an
     error) and inserts after ``previous_item_id`` ("root": first; an unknown one is an error)."""
-    import types
 
     from pipelines.realtime import RealtimeSession
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
-
-    class Socket:
-        app = types.SimpleNamespace(state=types.SimpleNamespace())
-
-        async def send_text(self, text: str) -> None:
-            sent.append(json.loads(text))
 
     async def create(s: RealtimeSession, text: str, **fields: Any) -> dict[str, Any]:
         item = {**user_item(text), **fields.pop("item", {})}
@@ -978,7 +963,7 @@ def test_items_keep_the_clients_ids_and_go_where_it_says() -> None:
         return sent[-1]
 
     async def go() -> None:
-        s = RealtimeSession(Socket(), Services(), "m")
+        s = _stand_in(Services(), sent)
         a = await create(s, "a", item={"id": "msg_a"})
         assert a["type"] == "conversation.item.created" and a["item"]["id"] == "msg_a" and a["previous_item_id"] is None
         assert (await create(s, "again", item={"id": "msg_a"}))["error"]["param"] == "item.id"
@@ -1003,7 +988,6 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
     """Stand-ins: the replies' ``speed`` (beta ``speed``, GA ``audio.output.speed``, 0.25 to 1.5)
     reaches the TTS options and requests; a GA session's ``type``, an ``event_id`` and a
     truncation's ``content_index`` that are not what the protocol allows are errors."""
-    import types
 
     from modalities.tts.protocol import TTSRequest
     from pipelines.frames import LLMStarted, Sentence
@@ -1013,12 +997,6 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
 
     sent: list[dict[str, Any]] = []
     asked: list[TTSRequest] = []
-
-    class Socket:
-        app = types.SimpleNamespace(state=types.SimpleNamespace())
-
-        async def send_text(self, text: str) -> None:
-            sent.append(json.loads(text))
 
     class Voice:  # a TTS engine that records what it is asked
         voices = ["joe"]
@@ -1032,7 +1010,7 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         return sent[-1]
 
     async def go() -> None:
-        s = RealtimeSession(Socket(), Services(tts=Voice()), "m")
+        s = _stand_in(Services(tts=Voice()), sent)
         assert (await update(s, {"speed": 1.25}))["session"]["speed"] == 1.25 and s.tts_options.speed == 1.25
         assert [st.options for st in s.pipeline.stages if isinstance(st, TTS)][0] is s.tts_options  # live
         assert (await update(s, {"speed": 5}))["error"]["param"] == "session.speed" and s.tts_options.speed == 1.25
