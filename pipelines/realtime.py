@@ -18,62 +18,49 @@ Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
-from gateway.errors import lone_surrogate, may_hold_lone_surrogate
-from modalities.asr.types import whisper_languages
-from modalities.audio import from_pcm16, to_pcm16
-from modalities.tts.registry import unknown_voice
+from modalities.audio import from_pcm16
 from pipelines import realtime_ga
-from pipelines.conversation import Conversation, Spoken, heard_text
+from pipelines.conversation import Conversation
 from pipelines.frames import (
     AudioFrame,
     ClearFrame,
     CommitFrame,
     End,
-    ErrorFrame,
     Frame,
     Interrupt,
-    LLMDone,
-    LLMStarted,
     ResponseRequest,
-    SpeechStarted,
-    SpeechStopped,
-    TextDelta,
-    Transcript,
-    TTSAudio,
-    TTSDone,
 )
 from pipelines.realtime_events import (
     RATE,
     EventError,
-    Reply,
     SessionConfig,
     check_instructions,
+    check_language,
     check_max_tokens,
     check_temperature,
+    check_voice,
     content_part,
     decode_audio_b64,
     item_event,
     message_text,
+    parse_event,
     reply_tokens,
-    response_event,
     wants_audio,
 )
+from pipelines.realtime_output import ServerEvents
 from pipelines.services import Services
-from pipelines.speech import ASROptions, LLMOptions, TTSOptions, spoken
+from pipelines.speech import ASROptions, LLMOptions, TTSOptions
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -98,7 +85,10 @@ SERVER_ID = re.compile(r"(item|item_in|item_cm|resp)_\d{6}")  # the ids the serv
 INBOX_FRAMES = 256  # client events queued for the pipeline; beyond this the WebSocket reader waits
 
 
-class RealtimeSession:
+class RealtimeSession(ServerEvents):
+    """One session: its client events become frames for the voice pipeline (``ServerEvents``
+    turns the pipeline's output back into events)."""
+
     def __init__(self, ws: WebSocket, services: Services, model: str) -> None:
         self.ws, self.services = ws, services
         self.id = f"sess_{next(_sessions):06d}"
@@ -113,18 +103,18 @@ class RealtimeSession:
         self.pipeline = voice_pipeline(
             services, self.conv, self.vad_config, self.llm_options, self.tts_options, self.asr_options
         )
-        self.reply: Reply | None = None  # the latest response (active until done)
-        self.in_band: Reply | None = None  # the latest response in the conversation (truncation)
-        self.unheard: set[str] = set()  # user audio items created, their transcript still to come
-        self.failed: set[str] = set()  # user audio items whose transcription failed (kept, with no text)
-        self.turn_ended: float | None = None  # when the VAD ended the user's last turn (monotonic)
+        self.reply = None
+        self.in_band = None
+        self.unheard = set()
+        self.failed = set()
+        self.turn_ended = None
         self.metrics = getattr(ws.app.state, "metrics", None)
-        self.requested = False  # a response.create is queued
-        self.cancel_pending = False  # ... and a response.cancel came before it started
-        self.appended_ms = 0.0  # audio appended since the last turn boundary
+        self.requested = False
+        self.cancel_pending = False
+        self.appended_ms = 0.0
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
-        self.ga = False  # the GA dialect (pipelines.realtime_ga), once a session.update says so
+        self.ga = False
 
     # -- configuration ------------------------------------------------------------------------
     def _apply_config(self) -> None:
@@ -150,22 +140,6 @@ class RealtimeSession:
     @property
     def active(self) -> bool:
         return self.requested or (self.reply is not None and not self.reply.done)
-
-    # -- sending ------------------------------------------------------------------------------
-    async def send(self, type_: str, in_conversation: bool = True, **fields: Any) -> None:
-        """One server event (``in_conversation`` False: its item is an out-of-band reply's)."""
-        events = [{"type": type_, **fields}]
-        if self.ga:
-            events = realtime_ga.translate(events[0], in_conversation)
-        async with self._send_lock:
-            for event in events:
-                await self.ws.send_text(json.dumps({"event_id": f"event_{next(self._event_ids):06d}", **event}))
-
-    async def send_error(
-        self, message: str, code: str = "invalid_value", param: str | None = None, **extra: Any
-    ) -> None:
-        err = {"type": "invalid_request_error", "code": code, "message": message, "param": param, **extra}
-        await self.send("error", error=err)
 
     # -- main loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -214,27 +188,11 @@ class RealtimeSession:
     async def _handle(self, raw: str) -> None:
         event_id = None
         try:
-            try:
-                event = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise EventError(f"the event is not valid JSON: {exc.msg}", code="invalid_json") from exc
-            except RecursionError as exc:
-                raise EventError("the event is nested too deeply", code="invalid_json") from exc
-            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-                raise EventError("an event must be a JSON object with a string 'type'", param="type")
+            event = parse_event(raw, CLIENT_EVENTS)
             event_id = event.get("event_id")
-            if event_id is not None and (not isinstance(event_id, str) or len(event_id) > 512):
-                event_id = None  # not echoed: it is no id
-                raise EventError("event_id must be a string of at most 512 characters", param="event_id")
-            where = lone_surrogate(event) if may_hold_lone_surrogate(raw) else None
-            if where is not None:
-                raise EventError("a lone surrogate is not a character", param=where or None)
-            kind = event["type"]
-            if kind not in CLIENT_EVENTS:
-                raise EventError(f"unknown or unsupported event type {kind!r}", param="type")
-            await getattr(self, "_ev_" + kind.replace(".", "_"))(event)
+            await getattr(self, "_ev_" + event["type"].replace(".", "_"))(event)
         except EventError as exc:
-            await self.send_error(str(exc), exc.code, exc.param, event_id=event_id)
+            await self.send_error(str(exc), exc.code, exc.param, event_id=event_id or exc.event_id)
         except (WebSocketDisconnect, RuntimeError):
             raise  # the client left (the reader ends the session)
         except Exception as exc:  # noqa: BLE001 - a bug in one handler must not end the session
@@ -247,11 +205,11 @@ class RealtimeSession:
         self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
         try:
             patch = realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch
-            self._check_voice(patch)
+            check_voice(self.services.tts, patch)
             staged = dataclasses.replace(self.config)
             staged.update(patch)  # the patch's shape first, then what the models can do
             if "input_audio_transcription" in patch:
-                self._check_language(staged.input_audio_transcription)
+                check_language(self.services.asr, staged.input_audio_transcription)
             self.config = staged
         except EventError as exc:
             if self.ga:
@@ -262,44 +220,17 @@ class RealtimeSession:
         self._apply_config()
         await self.send("session.updated", session=self.config.to_dict(self.id))
 
-    def _check_voice(self, patch: Any, param: str = "session.voice") -> None:
-        """A voice the TTS lacks is refused (OpenAI's names play the default voice), as
-        ``/v1/audio/speech`` refuses it."""
-        voice = patch.get("voice") if isinstance(patch, dict) else None
-        if voice is not None and not isinstance(voice, str):
-            raise EventError("voice must be a string", param=param)
-        voices = getattr(self.services.tts, "voices", None)
-        error = unknown_voice(voice, voices) if isinstance(voice, str) and voices else None
-        if error is not None:
-            raise EventError(error, param=param)
-
     def _response_voice(self, response: dict[str, Any]) -> str | None:
         """A ``response.create``'s own voice (beta ``voice``, GA ``audio.output.voice``), checked."""
         if not self.ga:
-            self._check_voice(response, "response.voice")
+            check_voice(self.services.tts, response, "response.voice")
             return response.get("voice")
         audio = response.get("audio") or {}
         output = (audio.get("output") or {}) if isinstance(audio, dict) else None
         if not isinstance(output, dict):
             raise EventError("response.audio must be an object with an object output", param="response.audio")
-        self._check_voice(output, "response.audio.output.voice")
+        check_voice(self.services.tts, output, "response.audio.output.voice")
         return output.get("voice")
-
-    def _check_language(self, heard: dict[str, Any] | None) -> None:
-        """A transcription language the served ASR model lacks is refused here, not at each turn.
-        A model in another process is not asked: a code Whisper does not know is refused, and one
-        its model lacks fails that turn's transcription."""
-        language = (heard or {}).get("language")
-        if language is None:
-            return
-        check = getattr(self.services.asr, "prompt_ids", None)
-        try:
-            if check is not None:
-                check(language)
-            elif language not in whisper_languages():
-                raise ValueError(f"unsupported language {language!r}")
-        except ValueError as exc:
-            raise EventError(str(exc), param="session.input_audio_transcription.language") from None
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         data = decode_audio_b64(event.get("audio"))
@@ -471,169 +402,3 @@ class RealtimeSession:
                 f"audio_end_ms {end_ms} is past the item's audio ({reply.audio_ms:.0f} ms)", param="audio_end_ms"
             )
         await self._truncate(reply, end_ms)
-
-    def _observe_turn(self, first_audio: float) -> None:
-        """Server-side voice-to-voice: the VAD's end of turn to the first reply audio sent."""
-        if self.metrics is not None and self.turn_ended is not None:
-            self.metrics.observe(
-                "realtime_turn_to_first_audio_seconds",
-                first_audio - self.turn_ended,
-                help="/v1/realtime: end of the user's turn (VAD) to the first reply audio",
-                model=self.config.model,
-            )
-        self.turn_ended = None
-
-    # -- pipeline output ----------------------------------------------------------------------
-    async def _user_item_created(self, item_id: str) -> None:
-        previous = self.conv.items[-1].id if self.conv.items else None
-        await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
-        content = [content_part("user", True, None)]
-        self.unheard.add(item_id)
-        await self.send(
-            "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
-        )
-
-    async def _truncate(self, reply: Reply, audio_end_ms: float) -> None:
-        item = self.conv.get(reply.item_id)
-        if item is not None:
-            item.text = heard_text(reply.spoken, audio_end_ms) if reply.audio else item.text
-            item.truncated = True
-        await self.send(
-            "conversation.item.truncated", item_id=reply.item_id, content_index=0, audio_end_ms=int(audio_end_ms)
-        )
-
-    async def _on_frame(self, frame: Frame) -> None:
-        r = self.reply
-        if isinstance(frame, SpeechStarted):
-            await self.send("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=frame.item_id)
-        elif isinstance(frame, SpeechStopped):
-            self.appended_ms = 0.0
-            self.turn_ended = frame.created
-            await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
-            await self._user_item_created(frame.item_id)
-        elif isinstance(frame, Transcript):
-            self.unheard.discard(frame.item_id)
-            if self.config.input_audio_transcription is not None:  # null: the client asked for none
-                await self.send(
-                    "conversation.item.input_audio_transcription.completed",
-                    item_id=frame.item_id,
-                    content_index=0,
-                    transcript=frame.text,
-                    usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
-                )
-        elif isinstance(frame, Interrupt):
-            await self._interrupted(frame)
-        elif isinstance(frame, ErrorFrame):
-            kind = "invalid_request_error" if frame.code else "server_error"
-            error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
-            unheard = frame.item_id in self.unheard  # its transcript will not come
-            self.unheard.discard(frame.item_id)
-            if unheard:  # the item stays, as audio with no transcript
-                self.failed.add(frame.item_id)
-            if unheard and self.config.input_audio_transcription is not None:
-                await self.send(
-                    "conversation.item.input_audio_transcription.failed",
-                    item_id=frame.item_id,
-                    content_index=0,
-                    error=error,
-                )
-            else:
-                await self.send("error", error=error)
-        elif isinstance(frame, LLMStarted):
-            await self._started(frame)
-        elif r is None or getattr(frame, "response_id", None) != r.id or r.done:
-            return  # a frame of a cancelled reply
-        elif isinstance(frame, TextDelta):
-            r.text += frame.text
-            kind = "response.audio_transcript.delta" if r.audio else "response.text.delta"
-            await self.send(kind, **self._where(r), delta=frame.text)
-        elif isinstance(frame, TTSAudio):
-            pcm = to_pcm16(frame.samples)
-            ms = len(frame.samples) / frame.sample_rate * 1000
-            if frame.text or not r.spoken:
-                r.spoken.append(Spoken(frame.text, 0.0))
-            r.spoken[-1].ms += ms
-            r.audio_ms += ms
-            if r.first_audio is None:
-                r.first_audio = time.monotonic()
-                if not r.out_of_band:  # a turn's reply, not a side request
-                    self._observe_turn(r.first_audio)
-            await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
-        elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
-            err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
-            await self.send("error", error=err)
-            await self._finish(r, "failed", "error")
-        elif isinstance(frame, LLMDone):
-            r.text = frame.text
-            cached = frame.cached_tokens
-            r.usage = {
-                "total_tokens": frame.prompt_tokens + frame.completion_tokens,
-                "input_tokens": frame.prompt_tokens,
-                "output_tokens": frame.completion_tokens,
-                "input_token_details": {"cached_tokens": cached, "text_tokens": frame.prompt_tokens, "audio_tokens": 0},
-                "output_token_details": {"text_tokens": frame.completion_tokens, "audio_tokens": 0},
-            }
-        elif isinstance(frame, TTSDone):
-            await self._finish(r, "completed")
-
-    def _where(self, r: Reply) -> dict[str, Any]:
-        return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
-
-    async def _started(self, frame: LLMStarted) -> None:
-        self.requested = False
-        audio = spoken(frame.audio, self.tts_options, self.services)
-        self.reply = r = Reply(
-            frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=frame.metadata
-        )
-        if not r.out_of_band:
-            self.in_band = r
-        if (reply_item := self.conv.get(r.item_id)) is not None:
-            reply_item.audio = audio
-        await self.send("response.created", response=response_event(r, "in_progress", []))
-        item = item_event(r.item_id, "assistant", [], status="in_progress")
-        await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
-        if not r.out_of_band:
-            previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
-            await self.send("conversation.item.created", previous_item_id=previous, item=item)
-        await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", audio, ""))
-        if self.cancel_pending:  # cancelled before it started
-            self.cancel_pending = False
-            await self.inbox.put(Interrupt("client_cancelled"))
-
-    def _part(self, r: Reply) -> dict[str, Any]:
-        item = self.conv.get(r.item_id)
-        return content_part("assistant", r.audio, item.text if item is not None else r.text)
-
-    async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
-        r.done = True
-        where = self._where(r)
-        part = self._part(r)
-        if status == "completed":
-            if r.audio:
-                await self.send("response.audio.done", **where)
-                await self.send("response.audio_transcript.done", **where, transcript=part["transcript"])
-            else:
-                await self.send("response.text.done", **where, text=part["text"])
-            await self.send("response.content_part.done", **where, part=part)
-        item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
-        if (conv_item := self.conv.get(r.item_id)) is not None:
-            conv_item.status = item["status"]
-        await self.send("response.output_item.done", not r.out_of_band, response_id=r.id, output_index=0, item=item)
-        await self.send("response.done", response=response_event(r, status, [item], reason))
-
-    async def _interrupted(self, frame: Interrupt) -> None:
-        """Cancel the active response; the conversation keeps what the user heard of the latest
-        reply in it (an out-of-band response may have come after that reply)."""
-        r, talk = self.reply, self.in_band
-        self.requested = self.cancel_pending = False  # (a barge-in may drop a queued reply's start)
-        if r is not None and not r.done:
-            if r is talk:
-                if r.audio:
-                    await self._truncate(r, r.played_ms())
-                elif (item := self.conv.get(r.item_id)) is not None:
-                    item.truncated = True  # text only: the client saw every delta sent
-                talk = None  # cut here
-            reason = "turn_detected" if frame.reason == "speech_started" else "client_cancelled"
-            await self._finish(r, "cancelled", reason)
-        if talk is not None and talk.playing():  # finished sending but still playing: cut what is unheard
-            await self._truncate(talk, talk.played_ms())

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.errors import lone_surrogate, may_hold_lone_surrogate
+from modalities.asr.types import whisper_languages
+from modalities.tts.registry import unknown_voice
 from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
@@ -23,9 +27,33 @@ MAX_INSTRUCTIONS_CHARS = 16_384
 
 
 class EventError(ValueError):
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+    def __init__(
+        self, message: str, code: str = "invalid_value", param: str | None = None, event_id: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.code, self.param = code, param
+        self.code, self.param, self.event_id = code, param, event_id
+
+
+def parse_event(raw: str, known: frozenset[str]) -> dict[str, Any]:
+    """A client event's text as a JSON object with a ``type`` in ``known`` and, if any, a string
+    ``event_id``; otherwise an ``EventError`` (carrying the ``event_id`` once that is valid)."""
+    try:
+        event = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise EventError(f"the event is not valid JSON: {exc.msg}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise EventError("the event is nested too deeply", code="invalid_json") from exc
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        raise EventError("an event must be a JSON object with a string 'type'", param="type")
+    event_id = event.get("event_id")
+    if event_id is not None and (not isinstance(event_id, str) or len(event_id) > 512):
+        raise EventError("event_id must be a string of at most 512 characters", param="event_id")  # not echoed
+    where = lone_surrogate(event) if may_hold_lone_surrogate(raw) else None
+    if where is not None:
+        raise EventError("a lone surrogate is not a character", param=where or None, event_id=event_id)
+    if event["type"] not in known:
+        raise EventError(f"unknown or unsupported event type {event['type']!r}", param="type", event_id=event_id)
+    return event
 
 
 @dataclass
@@ -162,6 +190,35 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
             )
         out["create_response"] = td["create_response"]
     return out
+
+
+def check_voice(tts: Any, patch: Any, param: str = "session.voice") -> None:
+    """A voice the TTS lacks is refused (OpenAI's names play the default voice), as
+    ``/v1/audio/speech`` refuses it."""
+    voice = patch.get("voice") if isinstance(patch, dict) else None
+    if voice is not None and not isinstance(voice, str):
+        raise EventError("voice must be a string", param=param)
+    voices = getattr(tts, "voices", None)
+    error = unknown_voice(voice, voices) if isinstance(voice, str) and voices else None
+    if error is not None:
+        raise EventError(error, param=param)
+
+
+def check_language(asr: Any, heard: dict[str, Any] | None) -> None:
+    """A transcription language the served ASR model lacks is refused at ``session.update``, not
+    at each turn. A model in another process is not asked: a code Whisper does not know is
+    refused, and one its model lacks fails that turn's transcription."""
+    language = (heard or {}).get("language")
+    if language is None:
+        return
+    check = getattr(asr, "prompt_ids", None)
+    try:
+        if check is not None:
+            check(language)
+        elif language not in whisper_languages():
+            raise ValueError(f"unsupported language {language!r}")
+    except ValueError as exc:
+        raise EventError(str(exc), param="session.input_audio_transcription.language") from None
 
 
 def wants_audio(mods: Any, ga: bool, param: str) -> bool:

@@ -1,0 +1,245 @@
+"""The server side of a ``/v1/realtime`` session: the voice pipeline's output frames as
+OpenAI Realtime server events (``RealtimeSession`` handles the client's events).
+
+A response's lifecycle: ``LLMStarted`` opens it (``response.created``, its item and content
+part), ``TextDelta`` and ``TTSAudio`` stream into it, ``LLMDone`` records its text and usage,
+``TTSDone`` completes it, and an ``Interrupt`` (barge-in or ``response.cancel``) cancels it,
+truncating its item to what the client has played.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import time
+from typing import Any
+
+from fastapi import WebSocket
+
+from modalities.audio import to_pcm16
+from pipelines import realtime_ga
+from pipelines.conversation import Conversation, Spoken, heard_text
+from pipelines.frames import (
+    ErrorFrame,
+    Frame,
+    Interrupt,
+    LLMDone,
+    LLMStarted,
+    SpeechStarted,
+    SpeechStopped,
+    TextDelta,
+    Transcript,
+    TTSAudio,
+    TTSDone,
+)
+from pipelines.realtime_events import Reply, SessionConfig, content_part, item_event, response_event
+from pipelines.services import Services
+from pipelines.speech import TTSOptions, spoken
+
+
+class ServerEvents:
+    """Sends server events and turns pipeline frames into them; the session's state is shared
+    with ``RealtimeSession``, which sets every attribute below."""
+
+    ws: WebSocket
+    services: Services
+    config: SessionConfig
+    conv: Conversation
+    tts_options: TTSOptions
+    inbox: asyncio.Queue[Frame]
+    reply: Reply | None  # the latest response (active until done)
+    in_band: Reply | None  # the latest response in the conversation (truncation)
+    unheard: set[str]  # user audio items created, their transcript still to come
+    failed: set[str]  # user audio items whose transcription failed (kept, with no text)
+    turn_ended: float | None  # when the VAD ended the user's last turn (monotonic)
+    metrics: Any
+    requested: bool  # a response.create is queued
+    cancel_pending: bool  # ... and a response.cancel came before it started
+    appended_ms: float  # audio appended since the last turn boundary
+    ga: bool  # the GA dialect (pipelines.realtime_ga), once a session.update says so
+    _event_ids: itertools.count[int]
+    _send_lock: asyncio.Lock
+
+    # -- sending ------------------------------------------------------------------------------
+    async def send(self, type_: str, in_conversation: bool = True, **fields: Any) -> None:
+        """One server event (``in_conversation`` False: its item is an out-of-band reply's)."""
+        events = [{"type": type_, **fields}]
+        if self.ga:
+            events = realtime_ga.translate(events[0], in_conversation)
+        async with self._send_lock:
+            for event in events:
+                await self.ws.send_text(json.dumps({"event_id": f"event_{next(self._event_ids):06d}", **event}))
+
+    async def send_error(
+        self, message: str, code: str = "invalid_value", param: str | None = None, **extra: Any
+    ) -> None:
+        err = {"type": "invalid_request_error", "code": code, "message": message, "param": param, **extra}
+        await self.send("error", error=err)
+
+    # -- pipeline output ----------------------------------------------------------------------
+    def _observe_turn(self, first_audio: float) -> None:
+        """Server-side voice-to-voice: the VAD's end of turn to the first reply audio sent."""
+        if self.metrics is not None and self.turn_ended is not None:
+            self.metrics.observe(
+                "realtime_turn_to_first_audio_seconds",
+                first_audio - self.turn_ended,
+                help="/v1/realtime: end of the user's turn (VAD) to the first reply audio",
+                model=self.config.model,
+            )
+        self.turn_ended = None
+
+    async def _user_item_created(self, item_id: str) -> None:
+        previous = self.conv.items[-1].id if self.conv.items else None
+        await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
+        content = [content_part("user", True, None)]
+        self.unheard.add(item_id)
+        await self.send(
+            "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
+        )
+
+    async def _truncate(self, reply: Reply, audio_end_ms: float) -> None:
+        item = self.conv.get(reply.item_id)
+        if item is not None:
+            item.text = heard_text(reply.spoken, audio_end_ms) if reply.audio else item.text
+            item.truncated = True
+        await self.send(
+            "conversation.item.truncated", item_id=reply.item_id, content_index=0, audio_end_ms=int(audio_end_ms)
+        )
+
+    async def _on_frame(self, frame: Frame) -> None:
+        r = self.reply
+        if isinstance(frame, SpeechStarted):
+            await self.send("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=frame.item_id)
+        elif isinstance(frame, SpeechStopped):
+            self.appended_ms = 0.0
+            self.turn_ended = frame.created
+            await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
+            await self._user_item_created(frame.item_id)
+        elif isinstance(frame, Transcript):
+            self.unheard.discard(frame.item_id)
+            if self.config.input_audio_transcription is not None:  # null: the client asked for none
+                await self.send(
+                    "conversation.item.input_audio_transcription.completed",
+                    item_id=frame.item_id,
+                    content_index=0,
+                    transcript=frame.text,
+                    usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
+                )
+        elif isinstance(frame, Interrupt):
+            await self._interrupted(frame)
+        elif isinstance(frame, ErrorFrame):
+            kind = "invalid_request_error" if frame.code else "server_error"
+            error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
+            unheard = frame.item_id in self.unheard  # its transcript will not come
+            self.unheard.discard(frame.item_id)
+            if unheard:  # the item stays, as audio with no transcript
+                self.failed.add(frame.item_id)
+            if unheard and self.config.input_audio_transcription is not None:
+                await self.send(
+                    "conversation.item.input_audio_transcription.failed",
+                    item_id=frame.item_id,
+                    content_index=0,
+                    error=error,
+                )
+            else:
+                await self.send("error", error=error)
+        elif isinstance(frame, LLMStarted):
+            await self._started(frame)
+        elif r is None or getattr(frame, "response_id", None) != r.id or r.done:
+            return  # a frame of a cancelled reply
+        elif isinstance(frame, TextDelta):
+            r.text += frame.text
+            kind = "response.audio_transcript.delta" if r.audio else "response.text.delta"
+            await self.send(kind, **self._where(r), delta=frame.text)
+        elif isinstance(frame, TTSAudio):
+            pcm = to_pcm16(frame.samples)
+            ms = len(frame.samples) / frame.sample_rate * 1000
+            if frame.text or not r.spoken:
+                r.spoken.append(Spoken(frame.text, 0.0))
+            r.spoken[-1].ms += ms
+            r.audio_ms += ms
+            if r.first_audio is None:
+                r.first_audio = time.monotonic()
+                if not r.out_of_band:  # a turn's reply, not a side request
+                    self._observe_turn(r.first_audio)
+            await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
+        elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
+            err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
+            await self.send("error", error=err)
+            await self._finish(r, "failed", "error")
+        elif isinstance(frame, LLMDone):
+            r.text = frame.text
+            cached = frame.cached_tokens
+            r.usage = {
+                "total_tokens": frame.prompt_tokens + frame.completion_tokens,
+                "input_tokens": frame.prompt_tokens,
+                "output_tokens": frame.completion_tokens,
+                "input_token_details": {"cached_tokens": cached, "text_tokens": frame.prompt_tokens, "audio_tokens": 0},
+                "output_token_details": {"text_tokens": frame.completion_tokens, "audio_tokens": 0},
+            }
+        elif isinstance(frame, TTSDone):
+            await self._finish(r, "completed")
+
+    def _where(self, r: Reply) -> dict[str, Any]:
+        return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
+
+    async def _started(self, frame: LLMStarted) -> None:
+        self.requested = False
+        audio = spoken(frame.audio, self.tts_options, self.services)
+        self.reply = r = Reply(
+            frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=frame.metadata
+        )
+        if not r.out_of_band:
+            self.in_band = r
+        if (reply_item := self.conv.get(r.item_id)) is not None:
+            reply_item.audio = audio
+        await self.send("response.created", response=response_event(r, "in_progress", []))
+        item = item_event(r.item_id, "assistant", [], status="in_progress")
+        await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
+        if not r.out_of_band:
+            previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
+            await self.send("conversation.item.created", previous_item_id=previous, item=item)
+        await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", audio, ""))
+        if self.cancel_pending:  # cancelled before it started
+            self.cancel_pending = False
+            await self.inbox.put(Interrupt("client_cancelled"))
+
+    def _part(self, r: Reply) -> dict[str, Any]:
+        item = self.conv.get(r.item_id)
+        return content_part("assistant", r.audio, item.text if item is not None else r.text)
+
+    async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
+        r.done = True
+        where = self._where(r)
+        part = self._part(r)
+        if status == "completed":
+            if r.audio:
+                await self.send("response.audio.done", **where)
+                await self.send("response.audio_transcript.done", **where, transcript=part["transcript"])
+            else:
+                await self.send("response.text.done", **where, text=part["text"])
+            await self.send("response.content_part.done", **where, part=part)
+        item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
+        if (conv_item := self.conv.get(r.item_id)) is not None:
+            conv_item.status = item["status"]
+        await self.send("response.output_item.done", not r.out_of_band, response_id=r.id, output_index=0, item=item)
+        await self.send("response.done", response=response_event(r, status, [item], reason))
+
+    async def _interrupted(self, frame: Interrupt) -> None:
+        """Cancel the active response; the conversation keeps what the user heard of the latest
+        reply in it (an out-of-band response may have come after that reply)."""
+        r, talk = self.reply, self.in_band
+        self.requested = self.cancel_pending = False  # (a barge-in may drop a queued reply's start)
+        if r is not None and not r.done:
+            if r is talk:
+                if r.audio:
+                    await self._truncate(r, r.played_ms())
+                elif (item := self.conv.get(r.item_id)) is not None:
+                    item.truncated = True  # text only: the client saw every delta sent
+                talk = None  # cut here
+            reason = "turn_detected" if frame.reason == "speech_started" else "client_cancelled"
+            await self._finish(r, "cancelled", reason)
+        if talk is not None and talk.playing():  # finished sending but still playing: cut what is unheard
+            await self._truncate(talk, talk.played_ms())
