@@ -9,9 +9,11 @@ Audio is mono float32 at 16 kHz.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,15 +45,11 @@ class SileroClassifier:
     _context_samples = 64
 
     def __init__(self, path: str | None = None) -> None:
-        import onnxruntime as ort
-
         if path is None:
             from importlib.resources import files
 
             path = str(files("silero_vad") / "data" / "silero_vad.onnx")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = opts.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+        self._session = _onnx_session(path)  # shared: the recurrent state lives here, not in it
         self._sr = np.array(RATE, dtype=np.int64)
         self.reset()
 
@@ -64,6 +62,17 @@ class SileroClassifier:
         out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._sr})
         self._context = x[:, -self._context_samples :]
         return float(out[0, 0])
+
+
+@functools.cache
+def _onnx_session(path: str) -> Any:
+    """One onnxruntime session per model file and process (building one takes ~70 ms; ``run``
+    is safe to call from several threads at once)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+    return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 def make_classifier(backend: str = "webrtc") -> WebRtcClassifier | SileroClassifier:

@@ -83,3 +83,22 @@ def test_level_floor_cuts_the_hangover_on_clean_audio_only(
         assert end - 0.03 <= f <= p - 0.06, (end, f, p)  # still after the speech, sooner than without
     noise = np.random.default_rng(0).normal(0, 10 ** (-40 / 20), audio.size).astype(np.float32)  # -40 dBFS
     assert _stops(audio + noise, -50.0) == _stops(audio + noise, None)
+
+
+def test_silero_classifiers_share_one_model_but_not_their_state(
+    recording: tuple[np.ndarray, list[tuple[float, float]]],
+) -> None:
+    """Every Silero classifier runs on one onnxruntime session (building one per call cost ~70 ms),
+    and each keeps its own recurrent state: interleaved streams score as they do alone."""
+    audio, _ = recording
+    n = make_classifier("silero").frame_samples
+    frames = [audio[i : i + n] for i in range(0, 40 * n, n)]
+    alone = make_classifier("silero")
+    expected = [alone(f) for f in frames]
+    a, b = make_classifier("silero"), make_classifier("silero")
+    assert a._session is b._session is alone._session
+    got = []
+    for f in frames:
+        got.append(a(f))
+        b(np.flip(f).copy())  # another stream's audio between a's frames
+    assert got == expected and max(expected) > 0.5  # (the stretch holds speech)
