@@ -126,6 +126,7 @@ class RealtimeSession(ServerEvents):
             self.vad_config.prefix_padding_ms = int(td["prefix_padding_ms"])
             self.vad_config.silence_duration_ms = int(td["silence_duration_ms"])
             self.vad_config.create_response = bool(td.get("create_response", True))
+            self.vad_config.interrupt_response = bool(td.get("interrupt_response", True))
             self.vad_config.eager_ms = int(td.get("speculative_silence_ms", VADConfig.eager_ms))
             self.vad_config.floor_dbfs = float(td.get("silence_floor_dbfs", VADConfig.floor_dbfs))
         self.llm_options.temperature = c.temperature
@@ -213,7 +214,7 @@ class RealtimeSession(ServerEvents):
             self.config = staged
         except EventError as exc:
             if self.ga:
-                exc.param = realtime_ga.ga_param(exc.param)
+                raise realtime_ga.ga_error(exc) from None
             raise
         if "audio" in self.config.modalities and self.services.tts is None:
             self.config.modalities = ["text"]

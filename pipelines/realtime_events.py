@@ -71,6 +71,7 @@ class SessionConfig:
             "prefix_padding_ms": 300,
             "silence_duration_ms": 500,
             "create_response": True,
+            "interrupt_response": True,
         }
     )
     temperature: float = 0.8
@@ -133,7 +134,9 @@ class SessionConfig:
         if "turn_detection" in patch:
             new["turn_detection"] = _turn_detection(patch["turn_detection"], self.turn_detection)
         if "input_audio_transcription" in patch:
-            new["input_audio_transcription"] = _transcription(patch["input_audio_transcription"])
+            new["input_audio_transcription"] = _transcription(
+                patch["input_audio_transcription"], self.input_audio_transcription
+            )
         vars(self).update(new)
 
 
@@ -141,26 +144,31 @@ MAX_TRANSCRIPTION_PROMPT_CHARS = 4000
 MAX_REPLY_TOKENS = 256  # a reply's tokens under "inf"
 
 
-def _transcription(value: Any) -> dict[str, Any] | None:
+def _transcription(value: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
     """A session's ``input_audio_transcription``: ``model`` (any name: the served ASR model
-    transcribes), ``language`` (a Whisper language code, lower-cased) and ``prompt``, each a string or absent."""
+    transcribes), ``language`` (a Whisper language code, lower-cased) and ``prompt``, each a
+    string or absent. A field the patch leaves out keeps its value (OpenAI: "only the fields that
+    are present are updated"); null or "" clears it."""
     param = "session.input_audio_transcription"
     if value is None:
         return None
     if not isinstance(value, dict):
         raise EventError("the transcription settings must be an object or null", param=param)
-    out: dict[str, Any] = {"model": "whisper"}
+    out = dict(current or {})
     limits = {"model": 200, "language": 16, "prompt": MAX_TRANSCRIPTION_PROMPT_CHARS}
     for key, limit in limits.items():
-        v = value.get(key)
+        if key not in value:
+            continue
+        v = value[key]
         if isinstance(v, str) and key == "language":
             v = v.strip().lower()
         if v is None or v == "":  # as absent (the HTTP API reads an empty form field so too)
+            out.pop(key, None)
             continue
         if not isinstance(v, str) or len(v) > limit:
             raise EventError(f"{key} must be a string of at most {limit} characters", param=f"{param}.{key}")
         out[key] = v
-    return out
+    return {"model": "whisper", **out}
 
 
 def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -183,12 +191,11 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
             if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
                 raise EventError(f"turn_detection.{key} must be in [{lo}, {hi}]", param=f"session.turn_detection.{key}")
             out[key] = v
-    if "create_response" in td:
-        if not isinstance(td["create_response"], bool):
-            raise EventError(
-                "turn_detection.create_response must be a boolean", param="session.turn_detection.create_response"
-            )
-        out["create_response"] = td["create_response"]
+    for key in ("create_response", "interrupt_response"):
+        if key in td:
+            if not isinstance(td[key], bool):
+                raise EventError(f"turn_detection.{key} must be a boolean", param=f"session.turn_detection.{key}")
+            out[key] = td[key]
     return out
 
 

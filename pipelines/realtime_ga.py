@@ -16,6 +16,7 @@ beta event names (``session.created`` is always sent in the beta shape, before a
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pipelines.realtime_events import RATE, EventError, wants_audio
@@ -60,6 +61,16 @@ def ga_param(param: str | None) -> str | None:
         if param is not None and (param == beta or param.startswith(beta + ".")):
             return ga + param[len(beta) :]
     return param
+
+
+# A beta field's name where an error message names it (not inside another name or path).
+_BETA_NAMES = re.compile(r"(?<![\w.])(" + "|".join(b.removeprefix("session.") for b in GA_PARAMS) + r")\b")
+
+
+def ga_error(exc: EventError) -> EventError:
+    """A ``session.update`` error in the GA client's terms: its param and the fields its message names."""
+    message = _BETA_NAMES.sub(lambda m: GA_PARAMS["session." + m[1]].removeprefix("session."), str(exc))
+    return EventError(message, exc.code, ga_param(exc.param), exc.event_id)
 
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:

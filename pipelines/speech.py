@@ -68,12 +68,12 @@ class Resample(Processor):
 
 
 class VAD(Processor):
-    """Turn detection on 16 kHz audio. With ``config.server_vad`` it emits ``SpeechStarted`` (and
-    an ``Interrupt``: barge-in), then ``SpeechStopped`` and the utterance as ``UserAudio`` after
-    ``silence_duration_ms`` of silence; after a shorter pause (``eager_ms``) a tentative
-    ``UserAudio`` of the speech so far, and ``SpeechResumed`` if speech follows it. ``CommitFrame``
-    turns the buffered audio into one utterance (manual turns); ``ClearFrame`` drops it. Audio
-    frames are consumed."""
+    """Turn detection on 16 kHz audio. With ``config.server_vad`` it emits ``SpeechStarted`` (and,
+    with ``interrupt_response``, an ``Interrupt``: barge-in), then ``SpeechStopped`` and the
+    utterance as ``UserAudio`` after ``silence_duration_ms`` of silence; after a shorter pause
+    (``eager_ms``) a tentative ``UserAudio`` of the speech so far, and ``SpeechResumed`` if speech
+    follows it. ``CommitFrame`` turns the buffered audio into one utterance (manual turns);
+    ``ClearFrame`` drops it. Audio frames are consumed."""
 
     def __init__(self, config: VADConfig | None = None) -> None:
         self.config = config or VADConfig()
@@ -95,7 +95,8 @@ class VAD(Processor):
             for ev in events:
                 if ev.kind == "start":
                     yield SpeechStarted(ev.ms, item_id=self._next_item())
-                    yield Interrupt("speech_started")
+                    if self.config.interrupt_response:
+                        yield Interrupt("speech_started")
                 elif ev.kind == "resume":
                     yield SpeechResumed()
                 else:  # "pause": a tentative utterance for speculation; "stop": the committed one

@@ -23,6 +23,9 @@ class VADConfig:
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
+    # Speech starting cancels the reply in flight (barge-in); False: the reply plays out and the
+    # new turn's reply follows it.
+    interrupt_response: bool = True
     min_speech_ms: int = 150
     # A pause this long starts the turn's work speculatively (ASR, then the reply's LLM and first
     # sentence's TTS), unseen by the client until silence_duration_ms commits the turn (0: off).

@@ -704,7 +704,7 @@ def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:
 
 def test_realtime_ga_session_patch_and_event_translation() -> None:
     from pipelines.realtime_events import EventError
-    from pipelines.realtime_ga import ga_param, is_ga, session_patch, translate
+    from pipelines.realtime_ga import ga_error, ga_param, is_ga, session_patch, translate
 
     assert is_ga({"type": "realtime"}) and not is_ga({"modalities": ["text"]})
     with pytest.raises(EventError):
@@ -730,6 +730,15 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
     ]
     assert ga_param("session.turn_detection.threshold") == "session.audio.input.turn_detection.threshold"
     assert ga_param("session.output_modalities") == "session.output_modalities"
+    # an error's message names the fields as the GA client sent them, not inside other names
+    beta = EventError("turn_detection.threshold must be in [0, 1]; modalities", param="session.turn_detection")
+    err = ga_error(beta)
+    assert str(err) == "audio.input.turn_detection.threshold must be in [0, 1]; output_modalities"
+    assert err.param == "session.audio.input.turn_detection" and err.code == beta.code
+    assert (
+        str(ga_error(EventError("output_modalities and audio.output.voice")))
+        == "output_modalities and audio.output.voice"
+    )
 
 
 def test_tts_stage_leaves_a_text_only_reply_unspoken() -> None:

@@ -498,6 +498,36 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
     run(go())
 
 
+def test_with_interrupt_response_off_the_reply_plays_out_then_the_turn_is_answered(server: dict[str, Any]) -> None:
+    """``turn_detection.interrupt_response: false``: the user speaking over a reply does not
+    cancel or truncate it; their turn is answered once it is done."""
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            td = {"type": "server_vad", "interrupt_response": False}
+            await c.send(
+                "session.update", session={"temperature": 0, "max_response_output_tokens": 150, "turn_detection": td}
+            )
+            assert (await c.until("session.updated"))["session"]["turn_detection"]["interrupt_response"] is False
+            await c.send(
+                "conversation.item.create", item=user_item("Tell me a very long story about a dragon and a knight.")
+            )
+            await c.send("response.create")
+            rid = (await c.until("response.audio.delta"))["response_id"]
+            await c.stream(server["question"])  # the user talks over the reply
+            first = await c.until("response.done", response__id=rid)
+            assert c.index("input_audio_buffer.speech_started") < c.events.index(first)  # ... while it played
+            assert first["response"]["status"] == "completed"
+            await c.until("conversation.item.input_audio_transcription.completed")
+            second = await c.until("response.done")
+            assert second["response"]["status"] == "completed" and second["response"]["id"] != rid
+            assert "conversation.item.truncated" not in c.types()
+
+    run(go())
+
+
 def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -> None:
     bad = [
         "not json",
@@ -859,8 +889,8 @@ def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_ne
 
 def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
     """Session state only (a stand-in socket and ASR): ``input_audio_transcription`` (beta) and
-    ``audio.input.transcription`` (GA) set the live ASR options; a language the model lacks and a
-    prompt that is no string are errors naming the field, and change nothing."""
+    ``audio.input.transcription`` (GA) set the live ASR options, field by field; a language the
+    model lacks and a prompt that is no string are errors naming the field, and change nothing."""
     import types
 
     from modalities.asr.engine import AsrEngine
@@ -884,7 +914,13 @@ def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
         error = sent[-1]["error"]
         assert error["param"] == "session.input_audio_transcription.language" and "English-only" in error["message"]
         assert s.asr_options.language == "en"
+        # a field the patch leaves out keeps its value (as OpenAI's updates); null clears one
         ga = {"type": "realtime", "audio": {"input": {"transcription": {"model": "x", "prompt": "Tromsø"}}}}
+        await s._handle(json.dumps({"type": "session.update", "session": ga}))
+        heard = {"model": "x", "language": "en", "prompt": "Tromsø"}
+        assert sent[-1]["session"]["audio"]["input"]["transcription"] == heard
+        assert (s.asr_options.language, s.asr_options.prompt) == ("en", "Tromsø")
+        ga = {"type": "realtime", "audio": {"input": {"transcription": {"language": None}}}}
         await s._handle(json.dumps({"type": "session.update", "session": ga}))
         assert sent[-1]["session"]["audio"]["input"]["transcription"] == {"model": "x", "prompt": "Tromsø"}
         assert (s.asr_options.language, s.asr_options.prompt) == (None, "Tromsø")
