@@ -44,9 +44,11 @@ class RemoteLLMEngine(AsyncEngine):
         from transformers import AutoConfig, AutoTokenizer
 
         from engine.model_loader import resolve_model_path, served_name
+        from modalities.llm.chat import override_template
 
         path = resolve_model_path(spec)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        override_template(tokenizer, getattr(args, "chat_template", None))  # the gateway renders prompts
         if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token
         config = AutoConfig.from_pretrained(path, local_files_only=True)

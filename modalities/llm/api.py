@@ -34,6 +34,7 @@ from modalities.llm.serving import (
     start_generation,
     validate_ids,
 )
+from modalities.llm.tools import ToolCall, ToolCallStream, ToolError, check_tools, parse_tool_calls
 
 router = APIRouter(tags=["llm"], strict_content_type=False)
 
@@ -182,14 +183,38 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, limit: int, si
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
 
 
-def _chat_choice_chunk(co: CompletionOutput, tokenizer: Any, cache: dict[int, str], want_lp: bool) -> dict[str, Any]:
+def _chat_choice_chunk(
+    co: CompletionOutput, tokenizer: Any, cache: dict[int, str], want_lp: bool, calls: ToolCallStream | None
+) -> dict[str, Any]:
+    """One choice's delta; with ``calls``, its text goes through the tool-call parser and the
+    calls come whole in the last delta (finish reason "tool_calls")."""
+    delta: dict[str, Any] = {"content": co.delta_text}
+    finish = co.finish_reason
+    if calls is not None:
+        delta["content"] = calls.feed(co.delta_text)
+        if co.finished:
+            tail, found = calls.finish()
+            delta["content"] += tail
+            if found:
+                delta["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(found)]
+                finish = "tool_calls" if finish == "stop" else finish
     return {
         "index": co.index,
-        "delta": {"content": co.delta_text},
+        "delta": delta,
         "logprobs": chat_logprobs(tokenizer, co.delta_logprobs, cache) if want_lp else None,
-        "finish_reason": co.finish_reason,
+        "finish_reason": finish,
         "stop_reason": co.stop_reason,
     }
+
+
+def _chat_message(co: CompletionOutput, parse: bool) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's message and finish reason (calls parsed out with ``parse``)."""
+    text, calls = parse_tool_calls(co.text) if parse else (co.text, list[ToolCall]())
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if not calls:
+        return message, co.finish_reason
+    message.update(content=text.strip() or None, tool_calls=[c.to_openai() for c in calls])
+    return message, "tool_calls" if co.finish_reason == "stop" else co.finish_reason
 
 
 @router.post("/v1/chat/completions")
@@ -197,6 +222,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     """OpenAI ``POST /v1/chat/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
+    try:
+        parse = check_tools(body.tools, body.tool_choice, tokenizer)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
     prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body, int(engine.max_model_len), size)
     try:
@@ -222,6 +251,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             return out
 
         async def events() -> AsyncIterator[str]:
+            calls = {i: ToolCallStream() for i in range(body.n)} if parse else {}
             for i in range(body.n):
                 role = {"role": "assistant", "content": ""}
                 yield sse(chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
@@ -232,7 +262,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                         continue
                     if co.finished:
                         tracker.finished.add(co.index)
-                    data = chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp)])
+                    data = chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp, calls.get(co.index))])
                     if not body.include_usage and tracker.all_finished:
                         data["timing"] = tracker.timing()[1]
                     yield sse(data)
@@ -245,16 +275,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     if finals is None:
         return disconnected_response()
     response.headers["Server-Timing"] = tracker.timing()[0]
-    choices = [
-        {
-            "index": co.index,
-            "message": {"role": "assistant", "content": co.text, "refusal": None},
-            "logprobs": chat_logprobs(tokenizer, co.logprobs, cache) if want_lp else None,
-            "finish_reason": co.finish_reason,
-            "stop_reason": co.stop_reason,
-        }
-        for co in sorted(finals[0].outputs, key=lambda c: c.index)
-    ]
+    choices = []
+    for co in sorted(finals[0].outputs, key=lambda c: c.index):
+        message, finish = _chat_message(co, parse)
+        choices.append(
+            {
+                "index": co.index,
+                "message": message,
+                "logprobs": chat_logprobs(tokenizer, co.logprobs, cache) if want_lp else None,
+                "finish_reason": finish,
+                "stop_reason": co.stop_reason,
+            }
+        )
     await tracker.done("ok")
     return {
         "id": request_id,

@@ -23,3 +23,11 @@ def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: A
     """The text ``render_chat`` tokenizes (``add_generation_prompt`` defaults to True)."""
     kwargs.setdefault("add_generation_prompt", True)
     return str(tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))
+
+
+def override_template(tokenizer: Any, path: str | None) -> None:
+    """``--chat-template``: the Jinja template in ``path`` replaces the model's own (None: keep it)."""
+    if path is not None:
+        from pathlib import Path
+
+        tokenizer.chat_template = Path(path).read_text(encoding="utf-8")

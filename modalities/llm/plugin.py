@@ -18,6 +18,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("llm")
     g.add_argument("--llm", default="smollm2", help="'smollm2', a .gguf file or a local HF directory")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file that replaces the model's own (e.g. one that renders tools in "
+        "the Hermes <tool_call> format, which function calling needs)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-gb", type=float, default=None)
@@ -83,6 +89,7 @@ def build(args: Any, explicit: bool = False) -> Built:
     """One ``AsyncEngine`` per ``--llm`` model, served as ``--served-model-name`` or its own name."""
     from engine import token_bound
     from engine.async_engine import AsyncEngine
+    from modalities.llm.chat import override_template
 
     llm = getattr(args, "llm", None)
     models = [llm] if isinstance(llm, str) else list(llm or [])
@@ -91,6 +98,7 @@ def build(args: Any, explicit: bool = False) -> Built:
     built = Built()
     for i, model in enumerate(models):
         engine = AsyncEngine.from_config(engine_config(args, model))
+        override_template(engine.tokenizer, getattr(args, "chat_template", None))
         token_bound.prepare(engine.tokenizer)  # not on the first long prompt's path
         name = served_names[i] if i < len(served_names) else engine.model_name
         built.engines[name] = engine

@@ -1,0 +1,144 @@
+"""Tool calls (OpenAI function calling) in a model's text, in the Hermes format: the chat template
+renders the ``tools`` and earlier calls, and the model writes each call as
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5, Hermes, and any model
+served with such a template via ``--chat-template``).
+
+Shared by ``/v1/chat/completions`` and the realtime sessions: ``check_tools`` validates a
+request's ``tools``/``tool_choice``, ``parse_tool_calls`` splits a finished text, and
+``ToolCallStream`` does the same as deltas arrive (text that may open a call is held back until
+it is clear). A block that is not a JSON call stays text, as vLLM's Hermes parser leaves it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# mmserve's ChatML template with tools in this format (``--chat-template`` for SmolLM2 and the like)
+CHATML_TOOLS = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+MAX_TOOLS = 128  # as OpenAI's limit
+
+
+class ToolError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's wire form)
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders tools and calls in the Hermes format this module parses."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template and OPEN in template
+
+
+def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -> bool:
+    """Validate a request's ``tools`` and ``tool_choice`` (``where``: the params' prefix); True
+    when the reply is to be parsed for calls. Only "auto" and "none" are served: "required" or a
+    named function would need constrained decoding."""
+    if tool_choice not in (None, "auto", "none"):
+        raise ToolError(
+            "tool_choice must be 'auto' or 'none' here ('required' and named functions are not supported)",
+            where + "tool_choice",
+        )
+    if tools is None:
+        return False
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ToolError(f"tools must be a list of at most {MAX_TOOLS} tools", where + "tools")
+    for k, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(name, str) or not name:
+            raise ToolError(
+                "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}",
+                f"{where}tools[{k}]",
+            )
+    if not tools or tool_choice == "none":
+        return False
+    if not template_takes_tools(tokenizer):
+        raise ToolError(
+            "this model's chat template does not render tools in the Hermes <tool_call> format; "
+            "serve it with --chat-template pointing at one that does",
+            where + "tools",
+        )
+    return True
+
+
+def _call(block: str) -> ToolCall | None:
+    try:
+        obj = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """A finished reply as (its text outside the calls, the calls)."""
+    stream = ToolCallStream()
+    head = stream.feed(text)
+    tail, calls = stream.finish()
+    return head + tail, calls
+
+
+class ToolCallStream:
+    """Incremental ``parse_tool_calls``: ``feed`` returns the text that is surely no call;
+    ``finish`` returns what was held back and the calls."""
+
+    def __init__(self) -> None:
+        self._buf = ""  # held back: a possible OPEN's start, or an open call's text
+        self._open = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> str:
+        self._buf += delta
+        out = []
+        while True:
+            if self._open:
+                end = self._buf.find(CLOSE)
+                if end < 0:
+                    return "".join(out)
+                block, self._buf, self._open = self._buf[:end], self._buf[end + len(CLOSE) :], False
+                call = _call(block.strip())
+                if call is None:
+                    out.append(OPEN + block + CLOSE)  # not a call: it was text
+                else:
+                    self.calls.append(call)
+                continue
+            start = self._buf.find(OPEN)
+            if start >= 0:
+                out.append(self._buf[:start])
+                self._buf, self._open = self._buf[start + len(OPEN) :], True
+                continue
+            keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self._buf.endswith(OPEN[:n])), 0)
+            out.append(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return "".join(out)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
+        of the JSON), else it is text."""
+        rest, self._buf = self._buf, ""
+        if self._open:
+            self._open = False
+            call = _call(rest.strip())
+            if call is not None:
+                self.calls.append(call)
+                return "", self.calls
+            return OPEN + rest, self.calls
+        return rest, self.calls

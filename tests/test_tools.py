@@ -1,0 +1,135 @@
+"""Function calling: the Hermes tool-call parser (pure logic), then ``/v1/chat/completions`` with
+tools on the real SmolLM2 served with ``--chat-template`` (mmserve's ChatML template with tools),
+through the official ``openai`` client. Two earlier calls in the conversation teach the 135M
+model the format: asked about a third city, it calls the tool for that city by itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from modalities.llm.tools import CHATML_TOOLS, ToolCallStream, ToolError, check_tools, parse_tool_calls
+from tests.helpers import serve_app
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def _call(city: str, k: int) -> dict[str, Any]:
+    arguments = json.dumps({"city": city})
+    return {"id": f"call_{k}", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+# Two calls made earlier (the tools' results left out: with them the small model answers in kind).
+SHOTS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("Paris", 1)]},
+    {"role": "user", "content": "Weather in Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("Rome", 2)]},
+    {"role": "user", "content": "Weather in Oslo?"},
+]
+
+
+def test_parser_splits_calls_from_text_whole_or_in_any_pieces() -> None:
+    text = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>{"name": "g"}'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me look.\n\n" and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}'), ("g", "{}")]
+    for size in (1, 3, 7):  # streamed: the same text and calls, and no piece of a tag leaks out
+        stream = ToolCallStream()
+        streamed = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        assert "<" not in streamed
+        tail, got = stream.finish()
+        assert streamed + tail == content and [c.arguments for c in got] == ['{"x": 1}', "{}"]
+    # not a call: kept as text, as are a lone "<" and an unclosed block that is no JSON
+    for text in ("a <tool_call>not json</tool_call> b", "x < y", "<tool_call>{'name'"):
+        assert parse_tool_calls(text) == (text, [])
+    assert (
+        parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>')[1][0].arguments
+        == '{"a": 2}'
+    )
+
+
+def test_tools_and_tool_choice_are_checked() -> None:
+    class Plain:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    class Hermes:
+        chat_template = CHATML_TOOLS.read_text()
+
+    assert check_tools([WEATHER], None, Hermes()) and check_tools([WEATHER], "auto", Hermes())
+    assert not check_tools([WEATHER], "none", Plain()) and not check_tools([], None, Plain())
+    assert not check_tools(None, None, Plain())
+    bad = [
+        ([WEATHER], "required", Hermes(), "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, Hermes(), "tool_choice"),
+        ([{"type": "function", "function": {}}], None, Hermes(), "tools[0]"),
+        ([{"type": "retrieval"}], None, Hermes(), "tools[0]"),
+        ("get_weather", None, Hermes(), "tools"),
+        ([WEATHER], None, Plain(), "tools"),  # a template that cannot show the model its tools
+    ]
+    for tools, choice, tokenizer, param in bad:
+        with pytest.raises(ToolError) as err:
+            check_tools(tools, choice, tokenizer)
+        assert err.value.param == param
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_dir: Any) -> Iterator[openai.OpenAI]:
+    import asyncio
+
+    from gateway.app import create_app
+    from modalities.llm.plugin import build, router
+
+    built = build(
+        argparse.Namespace(llm=str(smollm2_dir), served_model_name="smollm2", chat_template=str(CHATML_TOOLS))
+    )
+    app = create_app(built.engines, routers=[router])
+    with serve_app(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    for engine in built.engines.values():
+        asyncio.run(engine.shutdown())
+
+
+def test_a_chat_completion_calls_the_tool(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="smollm2", messages=SHOTS, tools=[WEATHER], temperature=0, max_tokens=40)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    # streamed: no tag in the text, and the same call in the last delta
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2", messages=SHOTS, tools=[WEATHER], temperature=0, max_tokens=40, stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert "<tool_call>" not in text and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    # tool_choice "none": the model's text comes back as it is
+    plain = client.chat.completions.create(
+        model="smollm2", messages=SHOTS, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=40
+    )
+    assert plain.choices[0].message.tool_calls is None and "<tool_call>" in (plain.choices[0].message.content or "")
+
+
+def test_bad_tools_are_400s(client: openai.OpenAI) -> None:
+    for extra, param in (({"tool_choice": "required"}, "tool_choice"), ({"tools": [{"type": "web"}]}, "tools[0]")):
+        kwargs: dict[str, Any] = {"tools": [WEATHER], **extra}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="smollm2", messages=SHOTS, max_tokens=4, **kwargs)
+        assert err.value.status_code == 400 and err.value.body["param"] == param  # type: ignore[index]
