@@ -22,9 +22,10 @@ DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two 
 
 @dataclass
 class Item:
-    """One conversation item (OpenAI Realtime ``message``); ``truncated`` freezes ``text``;
-    ``audio``: its content is audio (a user's speech, a spoken reply) and ``text`` its transcript;
-    ``status``: "incomplete" once a reply is cancelled."""
+    """One conversation item: an OpenAI Realtime ``message`` (``truncated`` freezes ``text``;
+    ``audio``: its content is audio, a user's speech or a spoken reply, and ``text`` its
+    transcript; ``status``: "incomplete" once a reply is cancelled), or with ``kind``
+    "function_call" (``text``: the arguments) or "function_call_output" (``text``: the output)."""
 
     id: str
     role: str
@@ -32,12 +33,25 @@ class Item:
     truncated: bool = False
     audio: bool = False
     status: str = "completed"
+    kind: str = "message"
+    call_id: str = ""
+    name: str = ""  # a function call's
+
+    def message(self) -> dict[str, Any] | None:
+        """The chat message for the template (None: an empty message, left out)."""
+        if self.kind == "function_call":
+            call = {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.text}}
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+        if self.kind == "function_call_output":
+            return {"role": "tool", "tool_call_id": self.call_id, "content": self.text}
+        return {"role": self.role, "content": self.text} if self.text.strip() else None
 
 
 @dataclass
 class Conversation:
     instructions: str = DEFAULT_INSTRUCTIONS
     items: list[Item] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # chat-completions shaped, for the template
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
     _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
 
@@ -45,11 +59,17 @@ class Conversation:
         return f"{kind}_{next(self._ids):06d}"
 
     def add(
-        self, role: str, text: str = "", item_id: str | None = None, audio: bool = False, after: str | None = None
+        self,
+        role: str,
+        text: str = "",
+        item_id: str | None = None,
+        audio: bool = False,
+        after: str | None = None,
+        **fields: Any,
     ) -> Item:
         """A new item at the end, or right after item ``after`` ("root": first); KeyError if
-        there is no such item."""
-        item = Item(item_id or self.new_id(), role, text, audio=audio)
+        there is no such item. ``fields``: an ``Item``'s others (a function call's)."""
+        item = Item(item_id or self.new_id(), role, text, audio=audio, **fields)
         if after is None:
             self.items.append(item)
             return item
@@ -90,16 +110,21 @@ class Conversation:
             _first=self._first if items is None else 0,
         )
 
-    def messages(self, first: int = 0) -> list[dict[str, str]]:
+    def messages(self, first: int = 0) -> list[dict[str, Any]]:
         """Chat messages: the instructions as system message, then every non-empty item from ``first``."""
-        msgs = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        msgs += [{"role": i.role, "content": i.text} for i in self.items[first:] if i.text.strip()]
-        return msgs
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return msgs + [m for i in self.items[first:] if (m := i.message()) is not None]
+
+    def _render(self, tokenizer: Any, first: int, text: bool = False) -> Any:
+        kwargs = {"tools": self.tools} if self.tools else {}
+        render = render_chat_text if text else render_chat
+        return render(tokenizer, self.messages(first), **kwargs)
 
     def chars(self) -> int:
         """Characters of what the next render holds: the instructions and the items with text
         from the first one that still fits."""
-        return len(self.instructions) + sum(len(i.text) for i in self.items[self._first :] if i.text.strip())
+        texts = sum(len(i.text) for i in self.items[self._first :] if i.text.strip())
+        return len(self.instructions) + texts + (len(str(self.tools)) if self.tools else 0)
 
     def snapshot(self) -> Conversation:
         """A copy with its own item list, to render on a thread while this one changes."""
@@ -119,12 +144,12 @@ class Conversation:
         (``max_tokens``: the reply's room, for its message). How many to leave out is searched
         for (``_fewest_dropped``): a few renders, not one per item left out."""
         if limit is None:
-            return render_chat(tokenizer, self.messages(self._first))
+            return self._render(tokenizer, self._first)
         last = max((k for k, item in enumerate(self.items) if item.text.strip()), default=0)
         if self.chars() > limit:  # (a shorter text: no length bound hits)
 
             def text(first: int) -> str:
-                return render_chat_text(tokenizer, self.messages(first))
+                return str(self._render(tokenizer, first, text=True))
 
             self._first = _fewest_dropped(self._first, last, lambda k: min_tokens(tokenizer, text(k)) <= limit)
             if self._first >= last:
@@ -133,7 +158,7 @@ class Conversation:
 
         def ids(first: int) -> list[int]:
             if first not in renders:
-                renders[first] = render_chat(tokenizer, self.messages(first))
+                renders[first] = self._render(tokenizer, first)
             return renders[first]
 
         self._first = _fewest_dropped(self._first, last, lambda k: len(ids(k)) <= limit)

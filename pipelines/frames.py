@@ -151,6 +151,16 @@ class TextDelta(ReplyFrame):
 
 
 @dataclass
+class ToolCall(ReplyFrame):
+    """The reply calls a function (``modalities.llm.tools``): conversation item ``item_id``."""
+
+    item_id: str
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+@dataclass
 class LLMDone(ReplyFrame):
     """The reply's full text; ``cancelled`` when an interrupt cut it short; ``error`` when the
     engine refused or failed the request (the reply is over, as failed), with OpenAI's error

@@ -45,13 +45,17 @@ from pipelines.realtime_events import (
     RATE,
     EventError,
     SessionConfig,
+    chat_tools,
     check_instructions,
     check_language,
     check_max_tokens,
     check_temperature,
+    check_template,
     check_voice,
     content_part,
     decode_audio_b64,
+    function_item,
+    function_item_event,
     item_event,
     message_text,
     parse_event,
@@ -133,6 +137,9 @@ class RealtimeSession(ServerEvents):
         self.llm_options.max_tokens = reply_tokens(c.max_response_output_tokens)
         self.tts_options.enabled = "audio" in c.modalities and self.services.tts is not None
         self.tts_options.voice, self.tts_options.speed = c.voice, c.speed
+        shown = c.tools and c.tool_choice == "auto"  # "none": the model is not shown them
+        self.conv.tools = chat_tools(c.tools) if shown else None
+        self.llm_options.tool_calls = bool(shown)
         heard = c.input_audio_transcription or {}
         self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
         self.tts_options.sample_rate = RATE
@@ -211,6 +218,7 @@ class RealtimeSession(ServerEvents):
             staged.update(patch)  # the patch's shape first, then what the models can do
             if "input_audio_transcription" in patch:
                 check_language(self.services.asr, staged.input_audio_transcription)
+            check_template(getattr(self.services.llm, "tokenizer", None), staged)
             self.config = staged
         except EventError as exc:
             if self.ga:
@@ -275,9 +283,14 @@ class RealtimeSession(ServerEvents):
         await self.send("input_audio_buffer.cleared")
 
     async def _ev_conversation_item_create(self, event: dict[str, Any]) -> None:
-        """A text message, at the end or after ``previous_item_id`` ("root": first), with the
-        client's ``item.id`` if it gives one."""
-        role, text = message_text(event.get("item"))
+        """A text message, a function call or a function's output, at the end or after
+        ``previous_item_id`` ("root": first), with the client's ``item.id`` if it gives one."""
+        raw = event.get("item")
+        if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
+            fields = function_item(raw)
+            role, text = "assistant" if fields["kind"] == "function_call" else "tool", fields.pop("text")
+        else:
+            (role, text), fields = message_text(raw), {}
         item_id, after = event["item"].get("id"), event.get("previous_item_id")
         if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= 64):
             raise EventError("item.id must be a string of 1 to 64 characters", param="item.id")
@@ -288,14 +301,14 @@ class RealtimeSession(ServerEvents):
         if after is not None and not isinstance(after, str):
             raise EventError("previous_item_id must be a string", param="previous_item_id")
         try:
-            item = self.conv.add(role, text, item_id, after=after)
+            item = self.conv.add(role, text, item_id, after=after, **fields)
         except KeyError:
             raise EventError(f"no item {after!r} in the conversation", "item_not_found", "previous_item_id") from None
         at = self.conv.items.index(item)
         await self.send(
             "conversation.item.created",
             previous_item_id=self.conv.items[at - 1].id if at else None,
-            item=item_event(item.id, role, [content_part(role, False, text)]),
+            item=function_item_event(item) if fields else item_event(item.id, role, [content_part(role, False, text)]),
         )
 
     async def _ev_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
@@ -307,6 +320,9 @@ class RealtimeSession(ServerEvents):
             return
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        if item.kind != "message":
+            await self.send("conversation.item.retrieved", item=function_item_event(item))
+            return
         r = self.reply
         status = "in_progress" if r is not None and r.item_id == item.id and not r.done else item.status
         content = [content_part(item.role, item.audio, item.text)]

@@ -15,8 +15,9 @@ from typing import Any
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.asr.types import whisper_languages
+from modalities.llm.tools import MAX_TOOLS, ToolError, check_tools
 from modalities.tts.registry import unknown_voice
-from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
+from pipelines.conversation import DEFAULT_INSTRUCTIONS, Item, Spoken
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
@@ -81,6 +82,9 @@ class SessionConfig:
     # events, as OpenAI's; the turns are still transcribed (the replies need the text). On by
     # default here (OpenAI's default is null): mmserve transcribes every turn anyway.
     input_audio_transcription: dict[str, Any] | None = field(default_factory=lambda: {"model": "whisper"})
+    # Functions the model may call (Realtime's flat shape); "none": not shown to the model.
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = "auto"
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
         return {
@@ -95,8 +99,8 @@ class SessionConfig:
             "output_audio_format": "pcm16",
             "input_audio_transcription": self.input_audio_transcription,
             "turn_detection": self.turn_detection,
-            "tools": [],
-            "tool_choice": "none",
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
             "temperature": self.temperature,
             "max_response_output_tokens": self.max_response_output_tokens,
         }
@@ -133,6 +137,15 @@ class SessionConfig:
             new["max_response_output_tokens"] = check_max_tokens(m, "session.max_response_output_tokens")
         if "turn_detection" in patch:
             new["turn_detection"] = _turn_detection(patch["turn_detection"], self.turn_detection)
+        if "tools" in patch:
+            new["tools"] = check_session_tools(patch["tools"])
+        if "tool_choice" in patch:
+            if patch["tool_choice"] not in ("auto", "none"):
+                raise EventError(
+                    "tool_choice must be 'auto' or 'none' ('required' and named functions are not supported)",
+                    param="session.tool_choice",
+                )
+            new["tool_choice"] = patch["tool_choice"]
         if "input_audio_transcription" in patch:
             new["input_audio_transcription"] = _transcription(
                 patch["input_audio_transcription"], self.input_audio_transcription
@@ -197,6 +210,56 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
                 raise EventError(f"turn_detection.{key} must be a boolean", param=f"session.turn_detection.{key}")
             out[key] = td[key]
     return out
+
+
+def check_session_tools(tools: Any) -> list[dict[str, Any]]:
+    """A session's ``tools``: ``{"type": "function", "name", "description", "parameters"}`` each."""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise EventError(f"tools must be a list of at most {MAX_TOOLS} functions", param="session.tools")
+    for k, tool in enumerate(tools):
+        ok = isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)
+        if not ok or not tool["name"] or not isinstance(tool.get("description", ""), str):
+            raise EventError(
+                "each tool must be {'type': 'function', 'name': str, 'description': str, 'parameters': {...}}",
+                param=f"session.tools[{k}]",
+            )
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise EventError("a tool's parameters must be a JSON schema object", param=f"session.tools[{k}].parameters")
+    return tools
+
+
+def check_template(tokenizer: Any, config: SessionConfig) -> None:
+    """Tools the model is to be shown need a chat template that renders them."""
+    try:
+        check_tools(chat_tools(config.tools), config.tool_choice, tokenizer, "session.")
+    except ToolError as exc:
+        raise EventError(str(exc), param=exc.param) from None
+
+
+def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Realtime's tools in the chat-completions shape the chat templates take."""
+    keys = ("name", "description", "parameters")
+    return [{"type": "function", "function": {k: t[k] for k in keys if k in t}} for t in tools]
+
+
+def function_item(item: dict[str, Any]) -> dict[str, str]:
+    """A ``conversation.item.create``'s ``function_call`` (``call_id``, ``name``, ``arguments``)
+    or ``function_call_output`` (``call_id``, ``output``) item as ``Item`` fields."""
+    kind = item["type"]
+    keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    for key in keys:
+        if not isinstance(item.get(key), str) or (key != "output" and not item[key]):
+            raise EventError(f"a {kind} item needs a string {key}", param=f"item.{key}")
+    text = item["arguments"] if kind == "function_call" else item["output"]
+    return {"kind": kind, "call_id": item["call_id"], "name": item.get("name", ""), "text": text}
+
+
+def function_item_event(item: Item, status: str = "completed") -> dict[str, Any]:
+    """A function call or its output as a Realtime item."""
+    out = {"id": item.id, "object": "realtime.item", "type": item.kind, "status": status, "call_id": item.call_id}
+    if item.kind == "function_call":
+        return {**out, "name": item.name, "arguments": item.text}
+    return {**out, "output": item.text}
 
 
 def check_voice(tts: Any, patch: Any, param: str = "session.voice") -> None:
@@ -327,6 +390,7 @@ class Reply:
     usage: dict[str, Any] = field(default_factory=dict)
     out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
     metadata: dict[str, Any] | None = None  # response.metadata, echoed
+    calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
 
     def played_ms(self) -> float:
         """How much the client can have played: real-time clock since the first chunk, capped."""

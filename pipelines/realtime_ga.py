@@ -75,7 +75,7 @@ def ga_error(exc: EventError) -> EventError:
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     """The beta ``session`` patch for a GA one (the fields mmserve honours; others are ignored)."""
-    out = {k: ga[k] for k in ("instructions", "temperature") if k in ga}
+    out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice") if k in ga}
     if "output_modalities" in ga:
         audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")
         out["modalities"] = ["text", "audio"] if audio_out else ["text"]  # audio comes with its transcript

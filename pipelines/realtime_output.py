@@ -20,7 +20,7 @@ from fastapi import WebSocket
 
 from modalities.audio import to_pcm16
 from pipelines import realtime_ga
-from pipelines.conversation import Conversation, Spoken, heard_text
+from pipelines.conversation import Conversation, Item, Spoken, heard_text
 from pipelines.frames import (
     ErrorFrame,
     Frame,
@@ -30,11 +30,19 @@ from pipelines.frames import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    ToolCall,
     Transcript,
     TTSAudio,
     TTSDone,
 )
-from pipelines.realtime_events import Reply, SessionConfig, content_part, item_event, response_event
+from pipelines.realtime_events import (
+    Reply,
+    SessionConfig,
+    content_part,
+    function_item_event,
+    item_event,
+    response_event,
+)
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
 
@@ -165,6 +173,8 @@ class ServerEvents:
                 if not r.out_of_band:  # a turn's reply, not a side request
                     self._observe_turn(r.first_audio)
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
+        elif isinstance(frame, ToolCall):
+            await self._tool_call(r, frame)
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
             err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
             await self.send("error", error=err)
@@ -181,6 +191,23 @@ class ServerEvents:
             }
         elif isinstance(frame, TTSDone):
             await self._finish(r, "completed")
+
+    async def _tool_call(self, r: Reply, frame: ToolCall) -> None:
+        """A function call: an output item of its own after the reply's message, its arguments
+        sent whole (the call is parsed once it is complete)."""
+        item = self.conv.get(frame.item_id) or Item(frame.item_id, "assistant", frame.arguments)
+        item.kind, item.call_id, item.name = "function_call", frame.call_id, frame.name
+        where = {"response_id": r.id, "output_index": len(r.calls) + 1}
+        added = {**function_item_event(item, "in_progress"), "arguments": ""}
+        await self.send("response.output_item.added", **where, item=added)
+        if not r.out_of_band:
+            at = self.conv.items.index(item)
+            await self.send("conversation.item.created", previous_item_id=self.conv.items[at - 1].id, item=added)
+        call = {**where, "item_id": item.id, "call_id": item.call_id}
+        await self.send("response.function_call_arguments.delta", **call, delta=frame.arguments)
+        await self.send("response.function_call_arguments.done", **call, name=item.name, arguments=frame.arguments)
+        r.calls.append(function_item_event(item))
+        await self.send("response.output_item.done", not r.out_of_band, **where, item=r.calls[-1])
 
     def _where(self, r: Reply) -> dict[str, Any]:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
@@ -225,7 +252,7 @@ class ServerEvents:
         if (conv_item := self.conv.get(r.item_id)) is not None:
             conv_item.status = item["status"]
         await self.send("response.output_item.done", not r.out_of_band, response_id=r.id, output_index=0, item=item)
-        await self.send("response.done", response=response_event(r, status, [item], reason))
+        await self.send("response.done", response=response_event(r, status, [item, *r.calls], reason))
 
     async def _interrupted(self, frame: Interrupt) -> None:
         """Cancel the active response; the conversation keeps what the user heard of the latest

@@ -22,6 +22,7 @@ from engine.errors import EngineError
 from engine.offload import OFF_LOOP_CHARS, run_sized
 from gateway.errors import from_engine_error
 from modalities.audio import ASR_RATE, Resampler
+from modalities.llm.tools import ToolCallStream
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
 from pipelines.frames import (
@@ -39,6 +40,7 @@ from pipelines.frames import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    ToolCall,
     Transcript,
     TTSAudio,
     TTSDone,
@@ -183,6 +185,7 @@ class LLMOptions:
     max_tokens: int = 64
     temperature: float = 0.0
     priority: int = 0  # of the engine requests (lower first under the engine's priority policy)
+    tool_calls: bool = False  # parse replies for function calls (the conversation's tools)
 
 
 class LLM(Processor):
@@ -307,13 +310,19 @@ class LLM(Processor):
                 spec.cancel()
                 spec = None
             outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids, params)
+            calls = ToolCallStream() if self.options.tool_calls else None
             async for out in outputs:
                 final = out
                 delta = out.outputs[0].delta_text
+                if calls is not None:  # the text of a call is not said: it becomes a ToolCall
+                    delta = calls.feed(delta)
                 if delta:
                     if not item.truncated:
                         item.text += delta
                     yield TextDelta(response_id, delta)
+            if calls is not None:
+                async for frame in self._calls(response_id, item, calls, req.out_of_band):
+                    yield frame
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
             mapped = from_engine_error(exc) if isinstance(exc, EngineError) else None
@@ -331,6 +340,25 @@ class LLM(Processor):
             error_type=mapped.type if mapped is not None else "server_error",
             error_code=mapped.code if mapped is not None else None,
         )
+
+    async def _calls(
+        self, response_id: str, item: Item, calls: ToolCallStream, out_of_band: bool
+    ) -> AsyncIterator[Frame]:
+        """The reply's held-back text, then its calls: each a conversation item after the reply's
+        (not for an out-of-band reply) and a ``ToolCall``."""
+        tail, found = calls.finish()
+        if tail:
+            item.text += tail
+            yield TextDelta(response_id, tail)
+        after = item.id
+        for call in found:
+            fields = {"kind": "function_call", "call_id": call.id, "name": call.name}
+            if out_of_band:
+                call_item = Item(self.conversation.new_id(), "assistant", call.arguments, **fields)
+            else:
+                call_item = self.conversation.add("assistant", call.arguments, after=after, **fields)
+            after = call_item.id
+            yield ToolCall(response_id, call_item.id, call.id, call.name, call.arguments)
 
     async def on_interrupt(self) -> None:
         self.active = None

@@ -528,6 +528,62 @@ def test_with_interrupt_response_off_the_reply_plays_out_then_the_turn_is_answer
     run(go())
 
 
+def test_a_reply_calls_a_function_and_the_client_sends_its_output(
+    server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session tools on the real SmolLM2, first with its own template (which cannot show tools:
+    refused), then with mmserve's ChatML template with tools. Two calls the client adds to the
+    conversation teach the model the format; asked about a third city it calls the function
+    itself: its own output item, arguments events, the call in ``response.done``; the client then
+    adds the function's output."""
+    from modalities.llm.tools import CHATML_TOOLS
+
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+
+    def call(city: str, k: int) -> dict[str, Any]:
+        args = json.dumps({"city": city})
+        return {"type": "function_call", "call_id": f"call_{k}", "name": "get_weather", "arguments": args}
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await text_session(c, 40)
+            await c.send("session.update", session={"tools": [weather]})
+            assert (await c.until("error"))["error"]["param"] == "session.tools"  # its own template
+            monkeypatch.setattr(server["llm"].tokenizer, "chat_template", CHATML_TOOLS.read_text())
+            await c.send("session.update", session={"tools": [weather], "tool_choice": "required"})
+            assert (await c.until("error"))["error"]["param"] == "session.tool_choice"
+            await c.send("session.update", session={"tools": [weather], "temperature": 0})
+            updated = await c.until("session.updated", session__tool_choice="auto")
+            assert updated["session"]["tools"] == [weather]
+            for k, city in enumerate(["Paris", "Rome"]):
+                await c.send("conversation.item.create", item=user_item(f"Weather in {city}?"))
+                await c.send("conversation.item.create", item=call(city, k))
+            await c.send("conversation.item.create", item=user_item("Weather in Oslo?"))
+            await c.send("response.create")
+            done = await c.until("response.done")
+            assert done["response"]["status"] == "completed", done
+            message, fn = done["response"]["output"]
+            assert message["type"] == "message" and fn["type"] == "function_call" and fn["name"] == "get_weather"
+            assert json.loads(fn["arguments"]) == {"city": "Oslo"} and fn["status"] == "completed"
+            args = next(e for e in c.events if e["type"] == "response.function_call_arguments.done")
+            assert (args["item_id"], args["call_id"], args["output_index"]) == (fn["id"], fn["call_id"], 1)
+            assert not any("<tool_call>" in e.get("delta", "") for e in c.events)  # not sent as text
+            await c.send("conversation.item.retrieve", item_id=fn["id"])
+            assert (await c.until("conversation.item.retrieved"))["item"] == fn
+            output = {"type": "function_call_output", "call_id": fn["call_id"], "output": '{"celsius": 21}'}
+            await c.send("conversation.item.create", item=output)
+            created = await c.until("conversation.item.created", item__type="function_call_output")
+            assert created["previous_item_id"] == fn["id"] and created["item"]["output"] == '{"celsius": 21}'
+
+    run(go())
+
+
 def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -> None:
     bad = [
         "not json",
