@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipelines.conversation import Item
 
 
 @dataclass
@@ -110,12 +113,12 @@ class Transcript(Frame):
 @dataclass
 class ResponseRequest(Frame):
     """Ask the LLM for a reply to the conversation so far (``response.create``); ``audio``:
-    whether it is spoken (None: as the session says); ``input``: (role, text) messages to reply
+    whether it is spoken (None: as the session says); ``input``: conversation items to reply
     to instead of the conversation; ``out_of_band``: the reply stays out of the conversation."""
 
     instructions: str | None = None
     audio: bool | None = None
-    input: list[tuple[str, str]] | None = None
+    input: list[Item] | None = None
     out_of_band: bool = False
     metadata: dict[str, Any] | None = None  # the client's, echoed with the reply
     temperature: float | None = None  # for this reply only (None: the session's)

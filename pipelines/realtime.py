@@ -31,7 +31,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from engine.foreground import INTERACTIVE
 from modalities.audio import from_pcm16
 from pipelines import realtime_ga
-from pipelines.conversation import Conversation
+from pipelines.conversation import Conversation, Item
 from pipelines.frames import (
     AudioFrame,
     ClearFrame,
@@ -285,12 +285,7 @@ class RealtimeSession(ServerEvents):
     async def _ev_conversation_item_create(self, event: dict[str, Any]) -> None:
         """A text message, a function call or a function's output, at the end or after
         ``previous_item_id`` ("root": first), with the client's ``item.id`` if it gives one."""
-        raw = event.get("item")
-        if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
-            fields = function_item(raw)
-            role, text = "assistant" if fields["kind"] == "function_call" else "tool", fields.pop("text")
-        else:
-            (role, text), fields = message_text(raw), {}
+        role, text, fields = self._item_fields(event.get("item"))
         item_id, after = event["item"].get("id"), event.get("previous_item_id")
         if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= 64):
             raise EventError("item.id must be a string of 1 to 64 characters", param="item.id")
@@ -375,9 +370,9 @@ class RealtimeSession(ServerEvents):
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
 
-    def _response_input(self, raw: Any) -> list[tuple[str, str]] | None:
-        """``response.input`` as (role, text) messages: text messages, and references to
-        conversation items (``{"type": "item_reference", "id": ...}``)."""
+    def _response_input(self, raw: Any) -> list[Item] | None:
+        """``response.input`` as the items to render: text messages, function calls and outputs,
+        and references to conversation items (``{"type": "item_reference", "id": ...}``)."""
         if raw is None:
             return None
         if not isinstance(raw, list):
@@ -391,10 +386,19 @@ class RealtimeSession(ServerEvents):
                     raise EventError(
                         f"no item {entry.get('id')!r} in the conversation", "item_not_found", where + ".id"
                     )
-                out.append((item.role, item.text))
+                out.append(dataclasses.replace(item))
             else:
-                out.append(message_text(entry, where))
+                role, text, fields = self._item_fields(entry, where)
+                out.append(Item("", role, text, **fields))
         return out
+
+    @staticmethod
+    def _item_fields(raw: Any, where: str = "item") -> tuple[str, str, dict[str, Any]]:
+        """(role, text, other ``Item`` fields) of a client's message, function call or output."""
+        if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
+            fields: dict[str, Any] = function_item(raw, where)
+            return "assistant" if fields["kind"] == "function_call" else "tool", fields.pop("text"), fields
+        return *message_text(raw, where), {}
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:

@@ -242,14 +242,14 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": {k: t[k] for k in keys if k in t}} for t in tools]
 
 
-def function_item(item: dict[str, Any]) -> dict[str, str]:
-    """A ``conversation.item.create``'s ``function_call`` (``call_id``, ``name``, ``arguments``)
-    or ``function_call_output`` (``call_id``, ``output``) item as ``Item`` fields."""
+def function_item(item: dict[str, Any], where: str = "item") -> dict[str, str]:
+    """A client's ``function_call`` (``call_id``, ``name``, ``arguments``) or
+    ``function_call_output`` (``call_id``, ``output``) item as ``Item`` fields."""
     kind = item["type"]
     keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
     for key in keys:
         if not isinstance(item.get(key), str) or (key != "output" and not item[key]):
-            raise EventError(f"a {kind} item needs a string {key}", param=f"item.{key}")
+            raise EventError(f"a {kind} item needs a string {key}", param=f"{where}.{key}")
     text = item["arguments"] if kind == "function_call" else item["output"]
     return {"kind": kind, "call_id": item["call_id"], "name": item.get("name", ""), "text": text}
 

@@ -290,8 +290,7 @@ class LLM(Processor):
         item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add("assistant")
         prompt = conv
         if req.out_of_band or req.input is not None or req.instructions:
-            items = None if req.input is None else [Item("", role, text) for role, text in req.input]
-            prompt = conv.context(items, item, req.instructions)
+            prompt = conv.context(req.input, item, req.instructions)
         self.active = response_id
         yield LLMStarted(response_id, item.id, req.audio, req.out_of_band, req.metadata, req.voice)
         final, error, mapped = None, None, None

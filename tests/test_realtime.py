@@ -584,6 +584,33 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
     run(go())
 
 
+def test_response_input_renders_function_items() -> None:
+    """Session state only: ``response.input`` may reference a function call in the conversation
+    and give a function's output inline; both render as the template's tool messages."""
+    from pipelines.realtime_events import EventError
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        call = {"type": "function_call", "id": "fc", "call_id": "c1", "name": "f", "arguments": "{}"}
+        await s._handle(json.dumps({"type": "conversation.item.create", "item": call}))
+        assert sent[-1]["item"] == {**call, "object": "realtime.item", "status": "completed"}
+        output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+        items = s._response_input([{"type": "item_reference", "id": "fc"}, output])
+        tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        assert [i.message() for i in items] == [
+            {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ]
+        with pytest.raises(EventError) as err:
+            s._response_input([{"type": "function_call_output", "call_id": "c1"}])
+        assert err.value.param == "response.input[0].output"
+
+    run(go())
+
+
 def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -> None:
     bad = [
         "not json",
