@@ -36,6 +36,7 @@ class Item:
     kind: str = "message"
     call_id: str = ""
     name: str = ""  # a function call's
+    response_id: str = ""  # the reply that made it (a function call's)
 
     def message(self) -> dict[str, Any] | None:
         """The chat message for the template (None: an empty message, left out)."""
@@ -113,7 +114,14 @@ class Conversation:
     def messages(self, first: int = 0) -> list[dict[str, Any]]:
         """Chat messages: the instructions as system message, then every non-empty item from ``first``."""
         msgs: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return msgs + [m for i in self.items[first:] if (m := i.message()) is not None]
+        for item in self.items[first:]:
+            m = item.message()
+            last = msgs[-1] if msgs else {}
+            if m is not None and "tool_calls" in m and last.get("role") == "assistant":
+                last.setdefault("tool_calls", []).extend(m["tool_calls"])  # one turn: its text, then its calls
+            elif m is not None:
+                msgs.append(m)
+        return msgs
 
     def _render(self, tokenizer: Any, first: int, text: bool = False) -> Any:
         kwargs = {"tools": self.tools} if self.tools else {}

@@ -31,7 +31,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from engine.foreground import INTERACTIVE
 from modalities.audio import from_pcm16
 from pipelines import realtime_ga
-from pipelines.conversation import Conversation, Item
+from pipelines.conversation import Conversation
 from pipelines.frames import (
     AudioFrame,
     ClearFrame,
@@ -52,16 +52,12 @@ from pipelines.realtime_events import (
     check_temperature,
     check_template,
     check_voice,
-    content_part,
     decode_audio_b64,
-    function_item,
-    function_item_event,
-    item_event,
-    message_text,
     parse_event,
     reply_tokens,
     wants_audio,
 )
+from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, response_items
 from pipelines.realtime_output import ServerEvents
 from pipelines.services import Services
 from pipelines.speech import ASROptions, LLMOptions, TTSOptions
@@ -285,7 +281,7 @@ class RealtimeSession(ServerEvents):
     async def _ev_conversation_item_create(self, event: dict[str, Any]) -> None:
         """A text message, a function call or a function's output, at the end or after
         ``previous_item_id`` ("root": first), with the client's ``item.id`` if it gives one."""
-        role, text, fields = self._item_fields(event.get("item"))
+        role, text, fields = client_item(event.get("item"))
         item_id, after = event["item"].get("id"), event.get("previous_item_id")
         if item_id is not None and (not isinstance(item_id, str) or not 0 < len(item_id) <= 64):
             raise EventError("item.id must be a string of 1 to 64 characters", param="item.id")
@@ -360,7 +356,7 @@ class RealtimeSession(ServerEvents):
         request = ResponseRequest(
             instructions,
             audio,
-            self._response_input(response.get("input")),
+            response_items(response.get("input"), self.conv),
             conversation == "none",
             metadata,
             temperature,
@@ -369,36 +365,6 @@ class RealtimeSession(ServerEvents):
         )
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
-
-    def _response_input(self, raw: Any) -> list[Item] | None:
-        """``response.input`` as the items to render: text messages, function calls and outputs,
-        and references to conversation items (``{"type": "item_reference", "id": ...}``)."""
-        if raw is None:
-            return None
-        if not isinstance(raw, list):
-            raise EventError("response.input must be a list of items", param="response.input")
-        out = []
-        for k, entry in enumerate(raw):
-            where = f"response.input[{k}]"
-            if isinstance(entry, dict) and entry.get("type") == "item_reference":
-                item = self.conv.get(entry.get("id")) if isinstance(entry.get("id"), str) else None
-                if item is None:
-                    raise EventError(
-                        f"no item {entry.get('id')!r} in the conversation", "item_not_found", where + ".id"
-                    )
-                out.append(dataclasses.replace(item))
-            else:
-                role, text, fields = self._item_fields(entry, where)
-                out.append(Item("", role, text, **fields))
-        return out
-
-    @staticmethod
-    def _item_fields(raw: Any, where: str = "item") -> tuple[str, str, dict[str, Any]]:
-        """(role, text, other ``Item`` fields) of a client's message, function call or output."""
-        if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
-            fields: dict[str, Any] = function_item(raw, where)
-            return "assistant" if fields["kind"] == "function_call" else "tool", fields.pop("text"), fields
-        return *message_text(raw, where), {}
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:

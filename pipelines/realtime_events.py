@@ -15,9 +15,9 @@ from typing import Any
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.asr.types import whisper_languages
-from modalities.llm.tools import MAX_TOOLS, ToolError, check_tools
+from modalities.llm.tools import MAX_TOOLS, ToolError, check_tool_choice, check_tools
 from modalities.tts.registry import unknown_voice
-from pipelines.conversation import DEFAULT_INSTRUCTIONS, Item, Spoken
+from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
@@ -140,12 +140,11 @@ class SessionConfig:
         if "tools" in patch:
             new["tools"] = check_session_tools(patch["tools"])
         if "tool_choice" in patch:
-            if patch["tool_choice"] not in ("auto", "none"):
-                raise EventError(
-                    "tool_choice must be 'auto' or 'none' ('required' and named functions are not supported)",
-                    param="session.tool_choice",
-                )
-            new["tool_choice"] = patch["tool_choice"]
+            try:
+                check_tool_choice(patch["tool_choice"], "session.tool_choice")
+            except ToolError as exc:
+                raise EventError(str(exc), param=exc.param) from None
+            new["tool_choice"] = patch["tool_choice"] or "auto"
         if "input_audio_transcription" in patch:
             new["input_audio_transcription"] = _transcription(
                 patch["input_audio_transcription"], self.input_audio_transcription
@@ -242,26 +241,6 @@ def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"type": "function", "function": {k: t[k] for k in keys if k in t}} for t in tools]
 
 
-def function_item(item: dict[str, Any], where: str = "item") -> dict[str, str]:
-    """A client's ``function_call`` (``call_id``, ``name``, ``arguments``) or
-    ``function_call_output`` (``call_id``, ``output``) item as ``Item`` fields."""
-    kind = item["type"]
-    keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
-    for key in keys:
-        if not isinstance(item.get(key), str) or (key != "output" and not item[key]):
-            raise EventError(f"a {kind} item needs a string {key}", param=f"{where}.{key}")
-    text = item["arguments"] if kind == "function_call" else item["output"]
-    return {"kind": kind, "call_id": item["call_id"], "name": item.get("name", ""), "text": text}
-
-
-def function_item_event(item: Item, status: str = "completed") -> dict[str, Any]:
-    """A function call or its output as a Realtime item."""
-    out = {"id": item.id, "object": "realtime.item", "type": item.kind, "status": status, "call_id": item.call_id}
-    if item.kind == "function_call":
-        return {**out, "name": item.name, "arguments": item.text}
-    return {**out, "output": item.text}
-
-
 def check_voice(tts: Any, patch: Any, param: str = "session.voice") -> None:
     """A voice the TTS lacks is refused (OpenAI's names play the default voice), as
     ``/v1/audio/speech`` refuses it."""
@@ -352,29 +331,6 @@ def decode_audio_b64(value: Any) -> bytes:
     return data
 
 
-def message_text(item: Any, where: str = "item") -> tuple[str, str]:
-    """``(role, text)`` of a text message (``conversation.item.create``'s item, or one of
-    ``response.input``'s at ``where``)."""
-    if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise EventError("only items of type 'message' are supported", param=where)
-    role = item.get("role")
-    if role not in ("user", "assistant", "system"):
-        raise EventError(f"{where}.role must be 'user', 'assistant' or 'system'", param=f"{where}.role")
-    content = item.get("content")
-    if not isinstance(content, list) or not content:
-        raise EventError(f"{where}.content must be a non-empty list", param=f"{where}.content")
-    texts = []
-    kinds = ("input_text", "text", "output_text") if role == "assistant" else ("input_text", "text")
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
-            raise EventError(
-                f"{where}.content parts must be {{'type': one of {list(kinds)}, 'text': str}}",
-                param=f"{where}.content",
-            )
-        texts.append(part["text"])
-    return role, " ".join(texts)
-
-
 @dataclass
 class Reply:
     """Book-keeping of one response for events, truncation and usage."""
@@ -391,6 +347,10 @@ class Reply:
     out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
     metadata: dict[str, Any] | None = None  # response.metadata, echoed
     calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
+    # Its message item: announced (with tools on, only at its first text or audio, so that a
+    # reply that only calls a function has no message) and done (before a call's item is added).
+    opened: bool = True
+    message: dict[str, Any] | None = None
 
     def played_ms(self) -> float:
         """How much the client can have played: real-time clock since the first chunk, capped."""
@@ -400,25 +360,6 @@ class Reply:
 
     def playing(self) -> bool:
         return self.audio and self.played_ms() < self.audio_ms
-
-
-def content_part(role: str, audio: bool, text: str | None) -> dict[str, Any]:
-    """A message item's content part: the user's ``input_audio`` (its transcript) or
-    ``input_text``, the assistant's ``audio`` (its transcript) or ``text``."""
-    if role == "assistant":
-        return {"type": "audio", "transcript": text} if audio else {"type": "text", "text": text}
-    return {"type": "input_audio", "transcript": text} if audio else {"type": "input_text", "text": text}
-
-
-def item_event(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "message",
-        "status": status,
-        "role": role,
-        "content": content,
-    }
 
 
 def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:

@@ -35,16 +35,10 @@ from pipelines.frames import (
     TTSAudio,
     TTSDone,
 )
-from pipelines.realtime_events import (
-    Reply,
-    SessionConfig,
-    content_part,
-    function_item_event,
-    item_event,
-    response_event,
-)
+from pipelines.realtime_events import Reply, SessionConfig, response_event
+from pipelines.realtime_items import content_part, function_item_event, item_event
 from pipelines.services import Services
-from pipelines.speech import TTSOptions, spoken
+from pipelines.speech import LLMOptions, TTSOptions, spoken
 
 
 class ServerEvents:
@@ -56,6 +50,7 @@ class ServerEvents:
     config: SessionConfig
     conv: Conversation
     tts_options: TTSOptions
+    llm_options: LLMOptions
     inbox: asyncio.Queue[Frame]
     reply: Reply | None  # the latest response (active until done)
     in_band: Reply | None  # the latest response in the conversation (truncation)
@@ -158,10 +153,12 @@ class ServerEvents:
         elif r is None or getattr(frame, "response_id", None) != r.id or r.done:
             return  # a frame of a cancelled reply
         elif isinstance(frame, TextDelta):
+            await self._open(r)
             r.text += frame.text
             kind = "response.audio_transcript.delta" if r.audio else "response.text.delta"
             await self.send(kind, **self._where(r), delta=frame.text)
         elif isinstance(frame, TTSAudio):
+            await self._open(r)
             pcm = to_pcm16(frame.samples)
             ms = len(frame.samples) / frame.sample_rate * 1000
             if frame.text or not r.spoken:
@@ -193,21 +190,26 @@ class ServerEvents:
             await self._finish(r, "completed")
 
     async def _tool_call(self, r: Reply, frame: ToolCall) -> None:
-        """A function call: an output item of its own after the reply's message, its arguments
-        sent whole (the call is parsed once it is complete)."""
+        """A function call: an output item of its own after the reply's message (which is done
+        by then), its arguments sent whole (the call is parsed once it is complete)."""
+        if r.opened and r.message is None:
+            await self._close_message(r, "completed")
         item = self.conv.get(frame.item_id) or Item(frame.item_id, "assistant", frame.arguments)
         item.kind, item.call_id, item.name = "function_call", frame.call_id, frame.name
-        where = {"response_id": r.id, "output_index": len(r.calls) + 1}
+        where = {"response_id": r.id, "output_index": int(r.opened) + len(r.calls)}
         added = {**function_item_event(item, "in_progress"), "arguments": ""}
         await self.send("response.output_item.added", **where, item=added)
-        if not r.out_of_band:
-            at = self.conv.items.index(item)
-            await self.send("conversation.item.created", previous_item_id=self.conv.items[at - 1].id, item=added)
+        if not r.out_of_band and item in self.conv.items:  # (the client may have deleted it)
+            await self.send("conversation.item.created", previous_item_id=self._previous(item.id), item=added)
         call = {**where, "item_id": item.id, "call_id": item.call_id}
         await self.send("response.function_call_arguments.delta", **call, delta=frame.arguments)
         await self.send("response.function_call_arguments.done", **call, name=item.name, arguments=frame.arguments)
         r.calls.append(function_item_event(item))
         await self.send("response.output_item.done", not r.out_of_band, **where, item=r.calls[-1])
+
+    def _previous(self, item_id: str) -> str | None:
+        at = next((k for k, i in enumerate(self.conv.items) if i.id == item_id), 0)
+        return self.conv.items[at - 1].id if at else None
 
     def _where(self, r: Reply) -> dict[str, Any]:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
@@ -223,22 +225,29 @@ class ServerEvents:
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
-        item = item_event(r.item_id, "assistant", [], status="in_progress")
-        await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
-        if not r.out_of_band:
-            previous = self.conv.items[-2].id if len(self.conv.items) > 1 else None
-            await self.send("conversation.item.created", previous_item_id=previous, item=item)
-        await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", audio, ""))
+        r.opened = False
+        if not self.llm_options.tool_calls:  # (with tools, a reply may be a call alone)
+            await self._open(r)
         if self.cancel_pending:  # cancelled before it started
             self.cancel_pending = False
             await self.inbox.put(Interrupt("client_cancelled"))
+
+    async def _open(self, r: Reply) -> None:
+        """Announce the reply's message item (once)."""
+        if r.opened:
+            return
+        r.opened = True
+        item = item_event(r.item_id, "assistant", [], status="in_progress")
+        await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
+        if not r.out_of_band:
+            await self.send("conversation.item.created", previous_item_id=self._previous(r.item_id), item=item)
+        await self.send("response.content_part.added", **self._where(r), part=content_part("assistant", r.audio, ""))
 
     def _part(self, r: Reply) -> dict[str, Any]:
         item = self.conv.get(r.item_id)
         return content_part("assistant", r.audio, item.text if item is not None else r.text)
 
-    async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
-        r.done = True
+    async def _close_message(self, r: Reply, status: str) -> None:
         where = self._where(r)
         part = self._part(r)
         if status == "completed":
@@ -251,8 +260,25 @@ class ServerEvents:
         item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
         if (conv_item := self.conv.get(r.item_id)) is not None:
             conv_item.status = item["status"]
+        r.message = item
         await self.send("response.output_item.done", not r.out_of_band, response_id=r.id, output_index=0, item=item)
-        await self.send("response.done", response=response_event(r, status, [item, *r.calls], reason))
+
+    async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
+        """Close the reply: its message (an empty one if it had neither text nor a call; none if
+        it only called functions, and its empty item leaves the conversation), then the response."""
+        r.done = True
+        if not r.opened and not r.calls:
+            await self._open(r)
+        if r.opened and r.message is None:
+            await self._close_message(r, status)
+        if not r.opened:
+            self.conv.remove(r.item_id)
+        if status != "completed":  # calls the client was never told of leave the conversation too
+            told = {c["id"] for c in r.calls}
+            for item in [i for i in self.conv.items if i.response_id == r.id and i.id not in told]:
+                self.conv.remove(item.id)
+        output = [r.message] if r.message is not None else []
+        await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
 
     async def _interrupted(self, frame: Interrupt) -> None:
         """Cancel the active response; the conversation keeps what the user heard of the latest
@@ -261,7 +287,7 @@ class ServerEvents:
         self.requested = self.cancel_pending = False  # (a barge-in may drop a queued reply's start)
         if r is not None and not r.done:
             if r is talk:
-                if r.audio:
+                if r.audio and r.opened:
                     await self._truncate(r, r.played_ms())
                 elif (item := self.conv.get(r.item_id)) is not None:
                     item.truncated = True  # text only: the client saw every delta sent

@@ -266,12 +266,14 @@ class LLM(Processor):
             logger.debug("no speculative reply", exc_info=True)
             return
         splitter = SentenceSplitter()
+        calls = ToolCallStream() if self.options.tool_calls else None  # (a call is not spoken)
 
         def first_sentence(out: Any) -> None:
             """Synthesise the reply's first sentence (the one ``Sentences`` will send) early."""
             if self.prefetch is None or spec.prefetch is not None:
                 return
-            first = splitter.feed(out.outputs[0].delta_text or "")
+            delta = out.outputs[0].delta_text or ""
+            first = splitter.feed(calls.feed(delta) if calls is not None else delta)
             if not first and out.finished:
                 first = [splitter.flush()]
             if first and first[0]:
@@ -347,11 +349,12 @@ class LLM(Processor):
         (not for an out-of-band reply) and a ``ToolCall``."""
         tail, found = calls.finish()
         if tail:
-            item.text += tail
+            if not item.truncated:
+                item.text += tail
             yield TextDelta(response_id, tail)
         after = item.id
         for call in found:
-            fields = {"kind": "function_call", "call_id": call.id, "name": call.name}
+            fields = {"kind": "function_call", "call_id": call.id, "name": call.name, "response_id": response_id}
             if out_of_band:
                 call_item = Item(self.conversation.new_id(), "assistant", call.arguments, **fields)
             else:
@@ -387,7 +390,7 @@ class Sentences(Processor):
             first = self.splitter.index
             for k, text in enumerate(self.splitter.feed(frame.text)):
                 yield Sentence(frame.response_id, text, first + k)
-        elif isinstance(frame, LLMDone):
+        elif isinstance(frame, LLMDone | ToolCall):  # (the text before a call is whole)
             index = self.splitter.index
             if rest := self.splitter.flush():
                 yield Sentence(frame.response_id, rest, index)

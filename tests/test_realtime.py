@@ -568,11 +568,13 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
             await c.send("response.create")
             done = await c.until("response.done")
             assert done["response"]["status"] == "completed", done
-            message, fn = done["response"]["output"]
-            assert message["type"] == "message" and fn["type"] == "function_call" and fn["name"] == "get_weather"
-            assert json.loads(fn["arguments"]) == {"city": "Oslo"} and fn["status"] == "completed"
+            [fn] = done["response"]["output"]  # a call alone: no message item (as OpenAI's)
+            assert fn["type"] == "function_call" and fn["name"] == "get_weather" and fn["status"] == "completed"
+            assert json.loads(fn["arguments"]) == {"city": "Oslo"}
             args = next(e for e in c.events if e["type"] == "response.function_call_arguments.done")
-            assert (args["item_id"], args["call_id"], args["output_index"]) == (fn["id"], fn["call_id"], 1)
+            assert (args["item_id"], args["call_id"], args["output_index"]) == (fn["id"], fn["call_id"], 0)
+            added = [e["item"]["type"] for e in c.events if e["type"] == "response.output_item.added"]
+            assert added == ["function_call"]
             assert not any("<tool_call>" in e.get("delta", "") for e in c.events)  # not sent as text
             await c.send("conversation.item.retrieve", item_id=fn["id"])
             assert (await c.until("conversation.item.retrieved"))["item"] == fn
@@ -584,10 +586,51 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
     run(go())
 
 
+def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
+    """Session state only: a reply's message is done before its call's item is added (output
+    indexes 0 and 1), and the conversation renders the two as one assistant turn; a reply
+    cancelled after its call was made but before the client heard of it leaves no call behind."""
+    from pipelines.frames import Interrupt, LLMDone, LLMStarted, TextDelta, ToolCall, TTSDone
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "session.update", "session": {"modalities": ["text"]}}))
+        s.llm_options.tool_calls = True  # (the stand-in has no template to check)
+        reply = s.conv.add("assistant", "Let me check.")
+        call = s.conv.add("assistant", "{}", kind="function_call", call_id="c1", name="f", response_id="resp_1")
+        sent.clear()
+        await s._on_frame(LLMStarted("resp_1", item_id=reply.id))
+        assert [e["type"] for e in sent] == ["response.created"]  # no message yet: it may be a call alone
+        for frame in (TextDelta("resp_1", "Let me check."), ToolCall("resp_1", call.id, "c1", "f", "{}")):
+            await s._on_frame(frame)
+        await s._on_frame(LLMDone("resp_1", "Let me check."))
+        await s._on_frame(TTSDone("resp_1"))
+        order = [(e["type"], e.get("output_index")) for e in sent if e["type"].startswith("response.output_item")]
+        assert order == [("response.output_item.added", 0), ("response.output_item.done", 0)] + [
+            ("response.output_item.added", 1),
+            ("response.output_item.done", 1),
+        ]
+        assert [i["type"] for i in sent[-1]["response"]["output"]] == ["message", "function_call"]
+        tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        assert s.conv.messages()[1:] == [{"role": "assistant", "content": "Let me check.", "tool_calls": [tool_call]}]
+        # a call made, its frame dropped by a cancel: it leaves the conversation with its reply
+        reply = s.conv.add("assistant")
+        late = s.conv.add("assistant", "{}", kind="function_call", call_id="c2", name="f", response_id="resp_2")
+        await s._on_frame(LLMStarted("resp_2", item_id=reply.id))
+        await s._on_frame(Interrupt("client_cancelled"))
+        assert sent[-1]["response"]["status"] == "cancelled" and s.conv.get(late.id) is None
+
+    run(go())
+
+
 def test_response_input_renders_function_items() -> None:
     """Session state only: ``response.input`` may reference a function call in the conversation
     and give a function's output inline; both render as the template's tool messages."""
     from pipelines.realtime_events import EventError
+    from pipelines.realtime_items import response_items
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
@@ -598,14 +641,14 @@ def test_response_input_renders_function_items() -> None:
         await s._handle(json.dumps({"type": "conversation.item.create", "item": call}))
         assert sent[-1]["item"] == {**call, "object": "realtime.item", "status": "completed"}
         output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
-        items = s._response_input([{"type": "item_reference", "id": "fc"}, output])
+        items = response_items([{"type": "item_reference", "id": "fc"}, output], s.conv)
         tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         assert [i.message() for i in items] == [
             {"role": "assistant", "content": None, "tool_calls": [tool_call]},
             {"role": "tool", "tool_call_id": "c1", "content": "42"},
         ]
         with pytest.raises(EventError) as err:
-            s._response_input([{"type": "function_call_output", "call_id": "c1"}])
+            response_items([{"type": "function_call_output", "call_id": "c1"}], s.conv)
         assert err.value.param == "response.input[0].output"
 
     run(go())

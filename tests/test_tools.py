@@ -58,6 +58,9 @@ def test_parser_splits_calls_from_text_whole_or_in_any_pieces() -> None:
         parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>')[1][0].arguments
         == '{"a": 2}'
     )
+    # a call needs a name and arguments that are a JSON object: anything else stays text
+    for bad in ('{"name": "", "arguments": {}}', '{"name": "f", "arguments": null}', '{"name": "f", "arguments": "x"}'):
+        assert parse_tool_calls(f"<tool_call>{bad}</tool_call>")[1] == []
 
 
 def test_tools_and_tool_choice_are_checked() -> None:
@@ -71,6 +74,7 @@ def test_tools_and_tool_choice_are_checked() -> None:
     assert not check_tools([WEATHER], "none", Plain()) and not check_tools([], None, Plain())
     assert not check_tools(None, None, Plain())
     bad = [
+        (None, "auto", Hermes(), "tool_choice"),  # a choice among no tools
         ([WEATHER], "required", Hermes(), "tool_choice"),
         ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, Hermes(), "tool_choice"),
         ([{"type": "function", "function": {}}], None, Hermes(), "tools[0]"),
@@ -120,6 +124,20 @@ def test_a_chat_completion_calls_the_tool(client: openai.OpenAI) -> None:
     assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
         (0, "get_weather", call.function.arguments)
     ]
+    # n=2 streamed, each choice its own call; parallel_tool_calls false: one call at most
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2", messages=SHOTS, tools=[WEATHER], temperature=0, max_tokens=40, stream=True, n=2
+        )
+    )
+    last = {c.choices[0].index: c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert sorted(last) == [0, 1] and all(ch.delta.content is None for ch in last.values())
+    for ch in last.values():
+        assert [t.function.arguments for t in ch.delta.tool_calls or []] == [call.function.arguments]
+    one = client.chat.completions.create(
+        model="smollm2", messages=SHOTS, tools=[WEATHER], temperature=0, max_tokens=40, parallel_tool_calls=False
+    )
+    assert len(one.choices[0].message.tool_calls or []) == 1
     # tool_choice "none": the model's text comes back as it is
     plain = client.chat.completions.create(
         model="smollm2", messages=SHOTS, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=40

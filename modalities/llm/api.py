@@ -184,10 +184,15 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, limit: int, si
 
 
 def _chat_choice_chunk(
-    co: CompletionOutput, tokenizer: Any, cache: dict[int, str], want_lp: bool, calls: ToolCallStream | None
+    co: CompletionOutput,
+    tokenizer: Any,
+    cache: dict[int, str],
+    want_lp: bool,
+    calls: ToolCallStream | None,
+    one_call: bool = False,
 ) -> dict[str, Any]:
     """One choice's delta; with ``calls``, its text goes through the tool-call parser and the
-    calls come whole in the last delta (finish reason "tool_calls")."""
+    calls (``one_call``: the first only) come whole in the last delta (finish reason "tool_calls")."""
     delta: dict[str, Any] = {"content": co.delta_text}
     finish = co.finish_reason
     if calls is not None:
@@ -196,7 +201,9 @@ def _chat_choice_chunk(
             tail, found = calls.finish()
             delta["content"] += tail
             if found:
+                found = found[:1] if one_call else found
                 delta["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(found)]
+                delta["content"] = delta["content"] or None
                 finish = "tool_calls" if finish == "stop" else finish
     return {
         "index": co.index,
@@ -207,12 +214,14 @@ def _chat_choice_chunk(
     }
 
 
-def _chat_message(co: CompletionOutput, parse: bool) -> tuple[dict[str, Any], str | None]:
-    """A finished choice's message and finish reason (calls parsed out with ``parse``)."""
+def _chat_message(co: CompletionOutput, parse: bool, one_call: bool = False) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's message and finish reason (calls parsed out with ``parse``; ``one_call``:
+    the first only, as ``parallel_tool_calls: false`` asks)."""
     text, calls = parse_tool_calls(co.text) if parse else (co.text, list[ToolCall]())
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if not calls:
         return message, co.finish_reason
+    calls = calls[:1] if one_call else calls
     message.update(content=text.strip() or None, tool_calls=[c.to_openai() for c in calls])
     return message, "tool_calls" if co.finish_reason == "stop" else co.finish_reason
 
@@ -226,6 +235,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         parse = check_tools(body.tools, body.tool_choice, tokenizer)
     except ToolError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+    one_call = body.parallel_tool_calls is False
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
     prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body, int(engine.max_model_len), size)
     try:
@@ -262,7 +272,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                         continue
                     if co.finished:
                         tracker.finished.add(co.index)
-                    data = chunk([_chat_choice_chunk(co, tokenizer, cache, want_lp, calls.get(co.index))])
+                    choice = _chat_choice_chunk(co, tokenizer, cache, want_lp, calls.get(co.index), one_call)
+                    data = chunk([choice])
                     if not body.include_usage and tracker.all_finished:
                         data["timing"] = tracker.timing()[1]
                     yield sse(data)
@@ -277,7 +288,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     response.headers["Server-Timing"] = tracker.timing()[0]
     choices = []
     for co in sorted(finals[0].outputs, key=lambda c: c.index):
-        message, finish = _chat_message(co, parse)
+        message, finish = _chat_message(co, parse, one_call)
         choices.append(
             {
                 "index": co.index,

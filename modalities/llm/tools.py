@@ -45,16 +45,22 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template and OPEN in template
 
 
+def check_tool_choice(tool_choice: Any, param: str) -> None:
+    """None, "auto" or "none": "required" and a named function would need constrained decoding."""
+    if tool_choice not in (None, "auto", "none"):
+        raise ToolError(
+            "tool_choice must be 'auto' or 'none' ('required' and named functions are not supported)", param
+        )
+
+
 def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -> bool:
     """Validate a request's ``tools`` and ``tool_choice`` (``where``: the params' prefix); True
     when the reply is to be parsed for calls. Only "auto" and "none" are served: "required" or a
     named function would need constrained decoding."""
-    if tool_choice not in (None, "auto", "none"):
-        raise ToolError(
-            "tool_choice must be 'auto' or 'none' here ('required' and named functions are not supported)",
-            where + "tool_choice",
-        )
+    check_tool_choice(tool_choice, where + "tool_choice")
     if tools is None:
+        if tool_choice is not None:
+            raise ToolError("tool_choice is only allowed when tools are given", where + "tool_choice")
         return False
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise ToolError(f"tools must be a list of at most {MAX_TOOLS} tools", where + "tools")
@@ -78,14 +84,17 @@ def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -
 
 
 def _call(block: str) -> ToolCall | None:
+    """A call: a named function and arguments that are a JSON object (or its text); else None."""
     try:
         obj = json.loads(block)
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        args = json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:

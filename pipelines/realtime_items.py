@@ -1,0 +1,101 @@
+"""Conversation items on the Realtime wire: a client's items (text messages, function calls and
+their outputs, references) read into ``Item`` fields, and items written as Realtime objects."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipelines.conversation import Conversation, Item
+from pipelines.realtime_events import EventError
+
+
+def message_text(item: Any, where: str = "item") -> tuple[str, str]:
+    """``(role, text)`` of a text message (``conversation.item.create``'s item, or one of
+    ``response.input``'s at ``where``)."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        raise EventError("only items of type 'message' are supported", param=where)
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise EventError(f"{where}.role must be 'user', 'assistant' or 'system'", param=f"{where}.role")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise EventError(f"{where}.content must be a non-empty list", param=f"{where}.content")
+    texts = []
+    kinds = ("input_text", "text", "output_text") if role == "assistant" else ("input_text", "text")
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            raise EventError(
+                f"{where}.content parts must be {{'type': one of {list(kinds)}, 'text': str}}",
+                param=f"{where}.content",
+            )
+        texts.append(part["text"])
+    return role, " ".join(texts)
+
+
+def client_item(raw: Any, where: str = "item") -> tuple[str, str, dict[str, Any]]:
+    """(role, text, other ``Item`` fields) of a client's message, function call or output."""
+    if isinstance(raw, dict) and raw.get("type") in ("function_call", "function_call_output"):
+        fields: dict[str, Any] = function_item(raw, where)
+        return "assistant" if fields["kind"] == "function_call" else "tool", fields.pop("text"), fields
+    return *message_text(raw, where), {}
+
+
+def response_items(raw: Any, conv: Conversation) -> list[Item] | None:
+    """``response.input`` as the items to render: text messages, function calls and outputs,
+    and references to ``conv``'s items (``{"type": "item_reference", "id": ...}``)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise EventError("response.input must be a list of items", param="response.input")
+    out = []
+    for k, entry in enumerate(raw):
+        where = f"response.input[{k}]"
+        if isinstance(entry, dict) and entry.get("type") == "item_reference":
+            item = conv.get(entry.get("id")) if isinstance(entry.get("id"), str) else None
+            if item is None:
+                raise EventError(f"no item {entry.get('id')!r} in the conversation", "item_not_found", where + ".id")
+            out.append(dataclasses.replace(item))
+        else:
+            role, text, fields = client_item(entry, where)
+            out.append(Item("", role, text, **fields))
+    return out
+
+
+def function_item(item: dict[str, Any], where: str = "item") -> dict[str, str]:
+    """A client's ``function_call`` (``call_id``, ``name``, ``arguments``) or
+    ``function_call_output`` (``call_id``, ``output``) item as ``Item`` fields."""
+    kind = item["type"]
+    keys = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id", "output")
+    for key in keys:
+        if not isinstance(item.get(key), str) or (key != "output" and not item[key]):
+            raise EventError(f"a {kind} item needs a string {key}", param=f"{where}.{key}")
+    text = item["arguments"] if kind == "function_call" else item["output"]
+    return {"kind": kind, "call_id": item["call_id"], "name": item.get("name", ""), "text": text}
+
+
+def function_item_event(item: Item, status: str = "completed") -> dict[str, Any]:
+    """A function call or its output as a Realtime item."""
+    out = {"id": item.id, "object": "realtime.item", "type": item.kind, "status": status, "call_id": item.call_id}
+    if item.kind == "function_call":
+        return {**out, "name": item.name, "arguments": item.text}
+    return {**out, "output": item.text}
+
+
+def content_part(role: str, audio: bool, text: str | None) -> dict[str, Any]:
+    """A message item's content part: the user's ``input_audio`` (its transcript) or
+    ``input_text``, the assistant's ``audio`` (its transcript) or ``text``."""
+    if role == "assistant":
+        return {"type": "audio", "transcript": text} if audio else {"type": "text", "text": text}
+    return {"type": "input_audio", "transcript": text} if audio else {"type": "input_text", "text": text}
+
+
+def item_event(item_id: str, role: str, content: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": status,
+        "role": role,
+        "content": content,
+    }
