@@ -99,15 +99,23 @@ class Conversation:
         pending = [Item("", "user", user_text), Item("", "assistant")]
         return dataclasses.replace(self, items=[*self.items, *pending])
 
-    def context(self, items: list[Item] | None, reply: Item, instructions: str | None) -> Conversation:
+    def context(
+        self,
+        items: list[Item] | None,
+        reply: Item,
+        instructions: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Conversation:
         """What a response with its own context renders (``response.input``, an out-of-band
         reply): ``items`` (default: this conversation's), then ``reply``, under ``instructions``
-        (default: this conversation's). A copy: rendering it changes nothing here."""
+        and ``tools`` (default: this conversation's; ``[]``: none). A copy: rendering it changes
+        nothing here."""
         base = [i for i in self.items if i is not reply] if items is None else items
         return dataclasses.replace(
             self,
             items=[*base, reply],
             instructions=instructions or self.instructions,
+            tools=self.tools if tools is None else tools or None,
             _first=self._first if items is None else 0,
         )
 

@@ -124,6 +124,7 @@ class ResponseRequest(Frame):
     temperature: float | None = None  # for this reply only (None: the session's)
     max_tokens: int | None = None  # for this reply only (None: the session's)
     voice: str | None = None  # for this reply only (None: the session's)
+    tools: list[dict[str, Any]] | None = None  # for this reply only, chat-shaped ([]: none; None: the session's)
 
 
 @dataclass
@@ -144,6 +145,7 @@ class LLMStarted(ReplyFrame):
     out_of_band: bool = False  # the item is not in the conversation
     metadata: dict[str, Any] | None = None  # of the ResponseRequest that asked for it
     voice: str | None = None  # of the ResponseRequest that asked for it (None: the session's)
+    calls: bool = False  # it may call functions (then its text may be none at all)
 
 
 @dataclass

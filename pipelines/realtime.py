@@ -30,6 +30,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
 from modalities.audio import from_pcm16
+from modalities.llm.tools import declared
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation
 from pipelines.frames import (
@@ -135,7 +136,7 @@ class RealtimeSession(ServerEvents):
         self.tts_options.voice, self.tts_options.speed = c.voice, c.speed
         shown = c.tools and c.tool_choice == "auto"  # "none": the model is not shown them
         self.conv.tools = chat_tools(c.tools) if shown else None
-        self.llm_options.tool_calls = bool(shown)
+        self.llm_options.tool_calls = declared(self.conv.tools) if shown else None
         heard = c.input_audio_transcription or {}
         self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
         self.tts_options.sample_rate = RATE
@@ -362,9 +363,24 @@ class RealtimeSession(ServerEvents):
             temperature,
             max_tokens,
             self._response_voice(response),
+            self._response_tools(response),
         )
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
+
+    def _response_tools(self, response: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """A ``response.create``'s own ``tools``/``tool_choice`` (checked as ``session.update``
+        checks them) as the reply's chat-shaped tools; None: the session's."""
+        if "tools" not in response and "tool_choice" not in response:
+            return None
+        staged = dataclasses.replace(self.config)
+        try:
+            staged.update({k: response[k] for k in ("tools", "tool_choice") if k in response})
+            check_template(getattr(self.services.llm, "tokenizer", None), staged)
+        except EventError as exc:
+            exc.param = (exc.param or "").replace("session.", "response.", 1)
+            raise
+        return chat_tools(staged.tools) if staged.tools and staged.tool_choice == "auto" else []
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:

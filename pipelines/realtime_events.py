@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.asr.types import whisper_languages
-from modalities.llm.tools import MAX_TOOLS, ToolError, check_tool_choice, check_tools
+from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_tool_choice, check_tools
 from modalities.tts.registry import unknown_voice
 from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
@@ -216,19 +216,22 @@ def check_session_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise EventError(f"tools must be a list of at most {MAX_TOOLS} functions", param="session.tools")
     for k, tool in enumerate(tools):
-        ok = isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("name"), str)
-        if not ok or not tool["name"] or not isinstance(tool.get("description", ""), str):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
             raise EventError(
                 "each tool must be {'type': 'function', 'name': str, 'description': str, 'parameters': {...}}",
                 param=f"session.tools[{k}]",
             )
-        if not isinstance(tool.get("parameters", {}), dict):
-            raise EventError("a tool's parameters must be a JSON schema object", param=f"session.tools[{k}].parameters")
+        try:
+            check_function(tool, f"session.tools[{k}]")
+        except ToolError as exc:
+            raise EventError(str(exc), param=exc.param) from None
     return tools
 
 
 def check_template(tokenizer: Any, config: SessionConfig) -> None:
     """Tools the model is to be shown need a chat template that renders them."""
+    if not config.tools:
+        return
     try:
         check_tools(chat_tools(config.tools), config.tool_choice, tokenizer, "session.")
     except ToolError as exc:

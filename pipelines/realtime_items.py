@@ -14,7 +14,7 @@ def message_text(item: Any, where: str = "item") -> tuple[str, str]:
     """``(role, text)`` of a text message (``conversation.item.create``'s item, or one of
     ``response.input``'s at ``where``)."""
     if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise EventError("only items of type 'message' are supported", param=where)
+        raise EventError("items are of type 'message', 'function_call' or 'function_call_output'", param=where)
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
         raise EventError(f"{where}.role must be 'user', 'assistant' or 'system'", param=f"{where}.role")

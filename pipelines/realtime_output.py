@@ -38,7 +38,7 @@ from pipelines.frames import (
 from pipelines.realtime_events import Reply, SessionConfig, response_event
 from pipelines.realtime_items import content_part, function_item_event, item_event
 from pipelines.services import Services
-from pipelines.speech import LLMOptions, TTSOptions, spoken
+from pipelines.speech import TTSOptions, spoken
 
 
 class ServerEvents:
@@ -50,7 +50,6 @@ class ServerEvents:
     config: SessionConfig
     conv: Conversation
     tts_options: TTSOptions
-    llm_options: LLMOptions
     inbox: asyncio.Queue[Frame]
     reply: Reply | None  # the latest response (active until done)
     in_band: Reply | None  # the latest response in the conversation (truncation)
@@ -226,7 +225,7 @@ class ServerEvents:
             reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.opened = False
-        if not self.llm_options.tool_calls:  # (with tools, a reply may be a call alone)
+        if not frame.calls:  # (with tools, a reply may be a call alone: no message)
             await self._open(r)
         if self.cancel_pending:  # cancelled before it started
             self.cancel_pending = False

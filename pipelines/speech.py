@@ -22,7 +22,7 @@ from engine.errors import EngineError
 from engine.offload import OFF_LOOP_CHARS, run_sized
 from gateway.errors import from_engine_error
 from modalities.audio import ASR_RATE, Resampler
-from modalities.llm.tools import ToolCallStream
+from modalities.llm.tools import ToolCallStream, declared
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
 from pipelines.frames import (
@@ -185,7 +185,8 @@ class LLMOptions:
     max_tokens: int = 64
     temperature: float = 0.0
     priority: int = 0  # of the engine requests (lower first under the engine's priority policy)
-    tool_calls: bool = False  # parse replies for function calls (the conversation's tools)
+    # Parse replies for calls of these functions (the conversation's tools; None: off).
+    tool_calls: frozenset[str] | None = None
 
 
 class LLM(Processor):
@@ -266,7 +267,7 @@ class LLM(Processor):
             logger.debug("no speculative reply", exc_info=True)
             return
         splitter = SentenceSplitter()
-        calls = ToolCallStream() if self.options.tool_calls else None  # (a call is not spoken)
+        calls = None if self.options.tool_calls is None else ToolCallStream(self.options.tool_calls)  # not spoken
 
         def first_sentence(out: Any) -> None:
             """Synthesise the reply's first sentence (the one ``Sentences`` will send) early."""
@@ -291,10 +292,13 @@ class LLM(Processor):
         response_id = conv.new_id("resp")
         item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add("assistant")
         prompt = conv
-        if req.out_of_band or req.input is not None or req.instructions:
-            prompt = conv.context(req.input, item, req.instructions)
+        if req.out_of_band or req.input is not None or req.instructions or req.tools is not None:
+            prompt = conv.context(req.input, item, req.instructions, req.tools)
+        names = self.options.tool_calls if req.tools is None else declared(req.tools) if req.tools else None
         self.active = response_id
-        yield LLMStarted(response_id, item.id, req.audio, req.out_of_band, req.metadata, req.voice)
+        yield LLMStarted(
+            response_id, item.id, req.audio, req.out_of_band, req.metadata, req.voice, calls=names is not None
+        )
         final, error, mapped = None, None, None
         ids: list[int] = []
         spec = None
@@ -311,7 +315,7 @@ class LLM(Processor):
                 spec.cancel()
                 spec = None
             outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids, params)
-            calls = ToolCallStream() if self.options.tool_calls else None
+            calls = None if names is None else ToolCallStream(names)
             async for out in outputs:
                 final = out
                 delta = out.outputs[0].delta_text

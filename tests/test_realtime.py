@@ -582,6 +582,12 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
             await c.send("conversation.item.create", item=output)
             created = await c.until("conversation.item.created", item__type="function_call_output")
             assert created["previous_item_id"] == fn["id"] and created["item"]["output"] == '{"celsius": 21}'
+            # a response's own tool_choice: checked, and "none" shows the model no tools (no call parsed)
+            await c.send("response.create", response={"tool_choice": "required"})
+            assert (await c.until("error"))["error"]["param"] == "response.tool_choice"
+            await c.send("response.create", response={"tool_choice": "none"})
+            done = await c.until("response.done")
+            assert [i["type"] for i in done["response"]["output"]] == ["message"]
 
     run(go())
 
@@ -598,11 +604,10 @@ def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
     async def go() -> None:
         s = _stand_in(Services(), sent)
         await s._handle(json.dumps({"type": "session.update", "session": {"modalities": ["text"]}}))
-        s.llm_options.tool_calls = True  # (the stand-in has no template to check)
         reply = s.conv.add("assistant", "Let me check.")
         call = s.conv.add("assistant", "{}", kind="function_call", call_id="c1", name="f", response_id="resp_1")
         sent.clear()
-        await s._on_frame(LLMStarted("resp_1", item_id=reply.id))
+        await s._on_frame(LLMStarted("resp_1", item_id=reply.id, calls=True))
         assert [e["type"] for e in sent] == ["response.created"]  # no message yet: it may be a call alone
         for frame in (TextDelta("resp_1", "Let me check."), ToolCall("resp_1", call.id, "c1", "f", "{}")):
             await s._on_frame(frame)
@@ -619,7 +624,7 @@ def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
         # a call made, its frame dropped by a cancel: it leaves the conversation with its reply
         reply = s.conv.add("assistant")
         late = s.conv.add("assistant", "{}", kind="function_call", call_id="c2", name="f", response_id="resp_2")
-        await s._on_frame(LLMStarted("resp_2", item_id=reply.id))
+        await s._on_frame(LLMStarted("resp_2", item_id=reply.id, calls=True))
         await s._on_frame(Interrupt("client_cancelled"))
         assert sent[-1]["response"]["status"] == "cancelled" and s.conv.get(late.id) is None
 

@@ -58,6 +58,10 @@ def test_parser_splits_calls_from_text_whole_or_in_any_pieces() -> None:
         parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>')[1][0].arguments
         == '{"a": 2}'
     )
+    # a reply cut within the closing tag still holds a whole call; an undeclared function is text
+    cut = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_'
+    assert parse_tool_calls(cut)[1][0].arguments == '{"x": 1}'
+    assert parse_tool_calls(cut.replace('"f"', '"g"'), frozenset({"f"})) == (cut.replace('"f"', '"g"'), [])
     # a call needs a name and arguments that are a JSON object: anything else stays text
     for bad in ('{"name": "", "arguments": {}}', '{"name": "f", "arguments": null}', '{"name": "f", "arguments": "x"}'):
         assert parse_tool_calls(f"<tool_call>{bad}</tool_call>")[1] == []
@@ -71,15 +75,23 @@ def test_tools_and_tool_choice_are_checked() -> None:
         chat_template = CHATML_TOOLS.read_text()
 
     assert check_tools([WEATHER], None, Hermes()) and check_tools([WEATHER], "auto", Hermes())
-    assert not check_tools([WEATHER], "none", Plain()) and not check_tools([], None, Plain())
+    assert not check_tools([WEATHER], "none", Plain())
     assert not check_tools(None, None, Plain())
     bad = [
         (None, "auto", Hermes(), "tool_choice"),  # a choice among no tools
         ([WEATHER], "required", Hermes(), "tool_choice"),
         ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, Hermes(), "tool_choice"),
-        ([{"type": "function", "function": {}}], None, Hermes(), "tools[0]"),
+        ([{"type": "function", "function": {}}], None, Hermes(), "tools[0].function.name"),
         ([{"type": "retrieval"}], None, Hermes(), "tools[0]"),
         ("get_weather", None, Hermes(), "tools"),
+        ([], None, Hermes(), "tools"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], None, Hermes(), "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+            None,
+            Hermes(),
+            "tools[0].function.parameters",
+        ),
         ([WEATHER], None, Plain(), "tools"),  # a template that cannot show the model its tools
     ]
     for tools, choice, tokenizer, param in bad:
@@ -151,3 +163,9 @@ def test_bad_tools_are_400s(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="smollm2", messages=SHOTS, max_tokens=4, **kwargs)
         assert err.value.status_code == 400 and err.value.body["param"] == param  # type: ignore[index]
+    # a tool's message without its call's id, a history call without a function: 400s, not template errors
+    call_without_function = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}
+    for messages in ([{"role": "tool", "content": "x"}], [SHOTS[0], call_without_function]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+        assert "tool" in err.value.body["message"] and "template" not in err.value.body["message"]  # type: ignore[index]

@@ -34,7 +34,7 @@ from modalities.llm.serving import (
     start_generation,
     validate_ids,
 )
-from modalities.llm.tools import ToolCall, ToolCallStream, ToolError, check_tools, parse_tool_calls
+from modalities.llm.tools import ToolCall, ToolCallStream, ToolError, check_tools, declared, parse_tool_calls
 
 router = APIRouter(tags=["llm"], strict_content_type=False)
 
@@ -214,10 +214,12 @@ def _chat_choice_chunk(
     }
 
 
-def _chat_message(co: CompletionOutput, parse: bool, one_call: bool = False) -> tuple[dict[str, Any], str | None]:
+def _chat_message(
+    co: CompletionOutput, parse: bool, names: frozenset[str], one_call: bool = False
+) -> tuple[dict[str, Any], str | None]:
     """A finished choice's message and finish reason (calls parsed out with ``parse``; ``one_call``:
     the first only, as ``parallel_tool_calls: false`` asks)."""
-    text, calls = parse_tool_calls(co.text) if parse else (co.text, list[ToolCall]())
+    text, calls = parse_tool_calls(co.text, names) if parse else (co.text, list[ToolCall]())
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if not calls:
         return message, co.finish_reason
@@ -235,7 +237,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         parse = check_tools(body.tools, body.tool_choice, tokenizer)
     except ToolError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
-    one_call = body.parallel_tool_calls is False
+    one_call, names = body.parallel_tool_calls is False, declared(body.tools)
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
     prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body, int(engine.max_model_len), size)
     try:
@@ -261,7 +263,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             return out
 
         async def events() -> AsyncIterator[str]:
-            calls = {i: ToolCallStream() for i in range(body.n)} if parse else {}
+            calls = {i: ToolCallStream(names) for i in range(body.n)} if parse else {}
             for i in range(body.n):
                 role = {"role": "assistant", "content": ""}
                 yield sse(chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
@@ -273,6 +275,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                     if co.finished:
                         tracker.finished.add(co.index)
                     choice = _chat_choice_chunk(co, tokenizer, cache, want_lp, calls.get(co.index), one_call)
+                    if parse and choice["delta"]["content"] == "" and not (co.finished or want_lp):
+                        continue  # text held back: it may open a call
                     data = chunk([choice])
                     if not body.include_usage and tracker.all_finished:
                         data["timing"] = tracker.timing()[1]
@@ -288,7 +292,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     response.headers["Server-Timing"] = tracker.timing()[0]
     choices = []
     for co in sorted(finals[0].outputs, key=lambda c: c.index):
-        message, finish = _chat_message(co, parse, one_call)
+        message, finish = _chat_message(co, parse, names, one_call)
         choices.append(
             {
                 "index": co.index,

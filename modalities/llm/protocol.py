@@ -258,6 +258,20 @@ class ChatMessage(_Model):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _check_tool_turns(self) -> ChatMessage:
+        """A tool's message names its call; an assistant's calls are named functions (the chat
+        template renders them, and a malformed one would fail there with a template error)."""
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs the 'tool_call_id' of the call it answers")
+        for call in self.tool_calls or []:
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError("each tool call needs a 'function' with a 'name' and 'arguments'")
+            if not isinstance(fn.get("arguments"), str | dict):
+                raise ValueError("a tool call's 'arguments' is a JSON object as a string")
+        return self
+
     def text(self) -> str | None:
         """The content as one string: text parts joined by newlines; other parts are rejected."""
         if self.content is None or isinstance(self.content, str):

@@ -12,6 +12,7 @@ it is clear). A block that is not a JSON call stays text, as vLLM's Hermes parse
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # mmserve's ChatML template with tools in this format (``--chat-template`` for SmolLM2 and the like)
 CHATML_TOOLS = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 MAX_TOOLS = 128  # as OpenAI's limit
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolError(ValueError):
@@ -62,17 +64,17 @@ def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -
         if tool_choice is not None:
             raise ToolError("tool_choice is only allowed when tools are given", where + "tool_choice")
         return False
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise ToolError(f"tools must be a list of at most {MAX_TOOLS} tools", where + "tools")
+    if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+        raise ToolError(f"tools must be a list of 1 to {MAX_TOOLS} tools", where + "tools")
     for k, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(name, str) or not name:
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
             raise ToolError(
                 "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}",
                 f"{where}tools[{k}]",
             )
-    if not tools or tool_choice == "none":
+        check_function(fn, f"{where}tools[{k}].function")
+    if tool_choice == "none":
         return False
     if not template_takes_tools(tokenizer):
         raise ToolError(
@@ -83,8 +85,25 @@ def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -
     return True
 
 
-def _call(block: str) -> ToolCall | None:
-    """A call: a named function and arguments that are a JSON object (or its text); else None."""
+def check_function(fn: dict[str, Any], where: str) -> None:
+    """A function's declaration: a name as OpenAI's (letters, digits, _ and -, at most 64), an
+    optional string description and an optional JSON-schema object of parameters."""
+    if not isinstance(fn.get("name"), str) or not NAME.fullmatch(fn["name"]):
+        raise ToolError("a function name is 1 to 64 letters, digits, '_' or '-'", where + ".name")
+    if not isinstance(fn.get("description", ""), str):
+        raise ToolError("a function description is a string", where + ".description")
+    if not isinstance(fn.get("parameters", {}), dict):
+        raise ToolError("a function's parameters are a JSON schema object", where + ".parameters")
+
+
+def declared(tools: list[dict[str, Any]] | None) -> frozenset[str]:
+    """The names of chat-shaped ``tools``."""
+    return frozenset(t["function"]["name"] for t in tools or [])
+
+
+def _call(block: str, names: frozenset[str] | None = None) -> ToolCall | None:
+    """A call: a function (one of ``names`` if given) and arguments that are a JSON object (or
+    its text); else None."""
     try:
         obj = json.loads(block)
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
@@ -92,14 +111,14 @@ def _call(block: str) -> ToolCall | None:
     except json.JSONDecodeError:
         return None
     name = obj.get("name") if isinstance(obj, dict) else None
-    if not isinstance(name, str) or not name or not isinstance(args, dict):
+    if not isinstance(name, str) or not name or not isinstance(args, dict) or (names and name not in names):
         return None
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """A finished reply as (its text outside the calls, the calls)."""
-    stream = ToolCallStream()
+def parse_tool_calls(text: str, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]]:
+    """A finished reply as (its text outside the calls, the calls of functions in ``names``)."""
+    stream = ToolCallStream(names)
     head = stream.feed(text)
     tail, calls = stream.finish()
     return head + tail, calls
@@ -109,9 +128,10 @@ class ToolCallStream:
     """Incremental ``parse_tool_calls``: ``feed`` returns the text that is surely no call;
     ``finish`` returns what was held back and the calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] | None = None) -> None:
         self._buf = ""  # held back: a possible OPEN's start, or an open call's text
         self._open = False
+        self.names = names  # the functions declared (None: any name)
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> str:
@@ -123,7 +143,7 @@ class ToolCallStream:
                 if end < 0:
                     return "".join(out)
                 block, self._buf, self._open = self._buf[:end], self._buf[end + len(CLOSE) :], False
-                call = _call(block.strip())
+                call = _call(block.strip(), self.names)
                 if call is None:
                     out.append(OPEN + block + CLOSE)  # not a call: it was text
                 else:
@@ -141,11 +161,13 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
-        of the JSON), else it is text."""
+        of the JSON, or within the closing tag), else it is text."""
         rest, self._buf = self._buf, ""
         if self._open:
             self._open = False
-            call = _call(rest.strip())
+            block = rest.rstrip()
+            cut = next((n for n in range(len(CLOSE) - 1, 0, -1) if block.endswith(CLOSE[:n])), 0)
+            call = _call(block[: len(block) - cut].strip(), self.names)
             if call is not None:
                 self.calls.append(call)
                 return "", self.calls
