@@ -508,13 +508,13 @@ def test_with_interrupt_response_off_the_reply_plays_out_then_the_turn_is_answer
             await c.until("session.created")
             td = {"type": "server_vad", "interrupt_response": False}
             await c.send(
-                "session.update", session={"temperature": 0, "max_response_output_tokens": 150, "turn_detection": td}
+                "session.update", session={"temperature": 0, "max_response_output_tokens": 8, "turn_detection": td}
             )
             assert (await c.until("session.updated"))["session"]["turn_detection"]["interrupt_response"] is False
             await c.send(
                 "conversation.item.create", item=user_item("Tell me a very long story about a dragon and a knight.")
             )
-            await c.send("response.create")
+            await c.send("response.create", response={"max_response_output_tokens": 60})  # (the turn's: 8)
             rid = (await c.until("response.audio.delta"))["response_id"]
             await c.stream(server["question"])  # the user talks over the reply
             first = await c.until("response.done", response__id=rid)
