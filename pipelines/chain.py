@@ -24,8 +24,9 @@ from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
 from pipelines.frames import AudioFrame, End, Frame, LLMDone, Transcript, TTSAudio, UserAudio
 from pipelines.processor import Pipeline, Processor
+from pipelines.reply import LLM, LLMOptions
 from pipelines.services import Services
-from pipelines.speech import ASR, LLM, TTS, LLMOptions, Sentences, TTSOptions
+from pipelines.speech import ASR, TTS, Sentences, TTSOptions
 
 
 @dataclass(frozen=True)

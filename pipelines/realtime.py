@@ -60,8 +60,9 @@ from pipelines.realtime_events import (
 )
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, response_items
 from pipelines.realtime_output import ServerEvents
+from pipelines.reply import LLMOptions
 from pipelines.services import Services
-from pipelines.speech import ASROptions, LLMOptions, TTSOptions
+from pipelines.speech import ASROptions, TTSOptions
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 

@@ -27,9 +27,10 @@ from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
 from pipelines.frames import AudioFrame, End, ErrorFrame, Frame, LLMDone, Transcript, TTSAudio, TTSDone
 from pipelines.processor import Pipeline
+from pipelines.reply import LLM, LLMOptions
 from pipelines.services import ServiceMissing, Services
 from pipelines.speculation import SpeechPrefetch
-from pipelines.speech import ASR, LLM, TTS, VAD, ASROptions, LLMOptions, Resample, Sentences, TTSOptions
+from pipelines.speech import ASR, TTS, VAD, ASROptions, Resample, Sentences, TTSOptions
 from pipelines.vad import VADConfig
 
 logger = logging.getLogger("mmserve.pipelines")

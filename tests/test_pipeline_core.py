@@ -311,8 +311,8 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:
     from engine.errors import PromptTooLongError
     from pipelines.conversation import Conversation
     from pipelines.frames import LLMStarted, ResponseRequest
+    from pipelines.reply import LLM
     from pipelines.services import Services
-    from pipelines.speech import LLM
 
     class Engine:
         tokenizer = type("Tok", (), {"apply_chat_template": lambda self, m, **_: [1, 2, 3]})()
@@ -552,9 +552,10 @@ def _speculating(llm_delay: float, frames: list[tuple[float, Frame]]) -> tuple[l
     """Run ASR → LLM → Sentences → TTS over ``frames`` (each after its delay) and End; every
     output frame must come after the last frame was sent (the commit): nothing leaks earlier."""
     from pipelines.conversation import Conversation
+    from pipelines.reply import LLM
     from pipelines.services import Services
     from pipelines.speculation import SpeechPrefetch
-    from pipelines.speech import ASR, LLM, TTS, Sentences, TTSOptions
+    from pipelines.speech import ASR, TTS, Sentences, TTSOptions
 
     engine, speech = _Replies(llm_delay), _Speech()
     services = Services(llm=engine, tts=object())
@@ -647,8 +648,9 @@ def test_a_realtime_session_asks_for_interactive_priority() -> None:
 
     from engine.foreground import INTERACTIVE
     from pipelines.realtime import RealtimeSession
+    from pipelines.reply import LLM
     from pipelines.services import Services
-    from pipelines.speech import ASR, LLM
+    from pipelines.speech import ASR
 
     ws = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace()))  # nothing is sent or received
     session = RealtimeSession(ws, Services(), "m")  # type: ignore[arg-type]
@@ -693,8 +695,8 @@ def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:
     from engine.foreground import INTERACTIVE
     from pipelines.conversation import Conversation
     from pipelines.frames import ResponseRequest
+    from pipelines.reply import LLM, LLMOptions
     from pipelines.services import Services
-    from pipelines.speech import LLM, LLMOptions
 
     for options, priority in ((None, 0), (LLMOptions(priority=INTERACTIVE), INTERACTIVE)):
         engine = _Replies(0.0)
