@@ -774,3 +774,24 @@ def test_conversation_remove_keeps_the_items_left_out() -> None:
     assert [m["content"] for m in conv.messages(conv._first)] == ["sys", "m2", "m3"]
     assert conv.remove(ids[3])
     assert [m["content"] for m in conv.messages(conv._first)] == ["sys", "m2"]
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_rendered_chat_text_tokenizes_to_the_rendered_ids(smollm2_tokenizer: Any, tools: bool) -> None:
+    """A long chat's prompt is rendered once as text (for its length check) and that text is
+    tokenized, not rendered again: the same ids, special tokens in the content included."""
+    from modalities.llm.chat import render_chat, render_chat_text, tokenize_chat_text
+    from modalities.llm.tools import CHATML_TOOLS
+
+    tok = smollm2_tokenizer
+    kwargs: dict[str, Any] = {}
+    if tools:
+        tok = type(tok).from_pretrained(tok.name_or_path)
+        tok.chat_template = CHATML_TOOLS.read_text()
+        kwargs["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Say <|im_start|> and \u00e9t\u00e9 " * 50},
+        {"role": "assistant", "content": "Ok."},
+    ]
+    text = render_chat_text(tok, messages, **kwargs)
+    assert tokenize_chat_text(tok, text) == render_chat(tok, messages, **kwargs)

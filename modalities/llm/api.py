@@ -21,7 +21,7 @@ from engine.offload import run_sized
 from engine.outputs import CompletionOutput
 from gateway.errors import APIError
 from gateway.streaming import disconnected_response, sse
-from modalities.llm.chat import render_chat, render_chat_text
+from modalities.llm.chat import render_chat, render_chat_text, tokenize_chat_text
 from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
 from modalities.llm.serving import (
     Tracker,
@@ -176,6 +176,7 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, limit: int, si
         if size >= limit:  # (a template may drop or trim content: the rendered text is what counts)
             text = render_chat_text(tokenizer, messages, **kwargs)
             refuse_oversized(limit, tokenizer, text, "messages")
+            return tokenize_chat_text(tokenizer, text)
         return render_chat(tokenizer, messages, **kwargs)
     except APIError:
         raise

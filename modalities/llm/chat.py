@@ -19,6 +19,12 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -
     return [int(t) for t in ids]
 
 
+def tokenize_chat_text(tokenizer: Any, text: str) -> list[int]:
+    """The ids of a ``render_chat_text`` result: what ``render_chat`` returns for the same
+    messages (``apply_chat_template`` tokenizes its text so), without rendering them again."""
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
 def render_chat_text(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     """The text ``render_chat`` tokenizes (``add_generation_prompt`` defaults to True)."""
     kwargs.setdefault("add_generation_prompt", True)
