@@ -297,10 +297,9 @@ class RealtimeSession(ServerEvents):
             item = self.conv.add(role, text, item_id, after=after, **fields)
         except KeyError:
             raise EventError(f"no item {after!r} in the conversation", "item_not_found", "previous_item_id") from None
-        at = self.conv.items.index(item)
         await self.send(
             "conversation.item.created",
-            previous_item_id=self.conv.items[at - 1].id if at else None,
+            previous_item_id=self._previous(item.id),
             item=function_item_event(item) if fields else item_event(item.id, role, [content_part(role, False, text)]),
         )
 

@@ -93,7 +93,7 @@ class ServerEvents:
         self.turn_ended = None
 
     async def _user_item_created(self, item_id: str) -> None:
-        previous = self.conv.items[-1].id if self.conv.items else None
+        previous = self._previous(None)
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         content = [content_part("user", True, None)]
         self.unheard.add(item_id)
@@ -193,6 +193,8 @@ class ServerEvents:
         by then), its arguments sent whole (the call is parsed once it is complete)."""
         if r.opened and r.message is None:
             await self._close_message(r, "completed")
+        if not r.opened:  # a call alone: its reply has no message item
+            self.conv.remove(r.item_id)
         item = self.conv.get(frame.item_id) or Item(frame.item_id, "assistant", frame.arguments)
         item.kind, item.call_id, item.name = "function_call", frame.call_id, frame.name
         where = {"response_id": r.id, "output_index": int(r.opened) + len(r.calls)}
@@ -206,9 +208,13 @@ class ServerEvents:
         r.calls.append(function_item_event(item))
         await self.send("response.output_item.done", not r.out_of_band, **where, item=r.calls[-1])
 
-    def _previous(self, item_id: str) -> str | None:
-        at = next((k for k, i in enumerate(self.conv.items) if i.id == item_id), 0)
-        return self.conv.items[at - 1].id if at else None
+    def _previous(self, item_id: str | None) -> str | None:
+        """The id of the item the client knows before ``item_id`` (None: before a new last
+        item); a reply whose message is not announced yet is skipped (it may never be)."""
+        r = self.reply
+        hidden = r.item_id if r is not None and not r.opened and not r.done else None
+        at = next((k for k, i in enumerate(self.conv.items) if i.id == item_id), len(self.conv.items))
+        return next((i.id for i in reversed(self.conv.items[:at]) if i.id != hidden), None)
 
     def _where(self, r: Reply) -> dict[str, Any]:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
@@ -219,8 +225,6 @@ class ServerEvents:
         self.reply = r = Reply(
             frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=frame.metadata
         )
-        if not r.out_of_band:
-            self.in_band = r
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
@@ -236,6 +240,8 @@ class ServerEvents:
         if r.opened:
             return
         r.opened = True
+        if not r.out_of_band:
+            self.in_band = r  # the latest reply the user may hear (and truncate)
         item = item_event(r.item_id, "assistant", [], status="in_progress")
         await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
         if not r.out_of_band:
@@ -266,7 +272,7 @@ class ServerEvents:
         """Close the reply: its message (an empty one if it had neither text nor a call; none if
         it only called functions, and its empty item leaves the conversation), then the response."""
         r.done = True
-        if not r.opened and not r.calls:
+        if not r.opened and not r.calls and status == "completed":
             await self._open(r)
         if r.opened and r.message is None:
             await self._close_message(r, status)

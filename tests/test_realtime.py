@@ -575,6 +575,9 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
             assert (args["item_id"], args["call_id"], args["output_index"]) == (fn["id"], fn["call_id"], 0)
             added = [e["item"]["type"] for e in c.events if e["type"] == "response.output_item.added"]
             assert added == ["function_call"]
+            created = [e for e in c.events if e["type"] == "conversation.item.created"]
+            assert created[-1]["item"]["id"] == fn["id"]  # after the question, not after a message never sent
+            assert created[-1]["previous_item_id"] == created[-2]["item"]["id"]
             assert not any("<tool_call>" in e.get("delta", "") for e in c.events)  # not sent as text
             await c.send("conversation.item.retrieve", item_id=fn["id"])
             assert (await c.until("conversation.item.retrieved"))["item"] == fn
@@ -627,6 +630,7 @@ def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
         await s._on_frame(LLMStarted("resp_2", item_id=reply.id, calls=True))
         await s._on_frame(Interrupt("client_cancelled"))
         assert sent[-1]["response"]["status"] == "cancelled" and s.conv.get(late.id) is None
+        assert sent[-1]["response"]["output"] == [] and s.conv.get(reply.id) is None  # no empty message either
 
     run(go())
 

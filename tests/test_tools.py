@@ -50,7 +50,8 @@ def test_parser_splits_calls_from_text_whole_or_in_any_pieces() -> None:
         streamed = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
         assert "<" not in streamed
         tail, got = stream.finish()
-        assert streamed + tail == content and [c.arguments for c in got] == ['{"x": 1}', "{}"]
+        # (the same text but for whitespace next to a call: a blank delta waits, and is dropped at the end)
+        assert (streamed + tail).strip() == content.strip() and [c.arguments for c in got] == ['{"x": 1}', "{}"]
     # not a call: kept as text, as are a lone "<" and an unclosed block that is no JSON
     for text in ("a <tool_call>not json</tool_call> b", "x < y", "<tool_call>{'name'"):
         assert parse_tool_calls(text) == (text, [])
@@ -58,6 +59,13 @@ def test_parser_splits_calls_from_text_whole_or_in_any_pieces() -> None:
         parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>')[1][0].arguments
         == '{"a": 2}'
     )
+    # whitespace between and after calls is no text, whole or streamed
+    two = (
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>\n'
+    )
+    assert parse_tool_calls(two)[0] == ""
+    stream = ToolCallStream()
+    assert "".join(stream.feed(ch) for ch in two) == "" and stream.finish()[0] == ""
     # a reply cut within the closing tag still holds a whole call; an undeclared function is text
     cut = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_'
     assert parse_tool_calls(cut)[1][0].arguments == '{"x": 1}'

@@ -108,7 +108,7 @@ def _call(block: str, names: frozenset[str] | None = None) -> ToolCall | None:
         obj = json.loads(block)
         args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
         args = json.loads(args) if isinstance(args, str) else args
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (not JSON, or too deep or too long a number for it)
         return None
     name = obj.get("name") if isinstance(obj, dict) else None
     if not isinstance(name, str) or not name or not isinstance(args, dict) or (names and name not in names):
@@ -131,10 +131,21 @@ class ToolCallStream:
     def __init__(self, names: frozenset[str] | None = None) -> None:
         self._buf = ""  # held back: a possible OPEN's start, or an open call's text
         self._open = False
+        self._blank = ""  # whitespace-only text held back
         self.names = names  # the functions declared (None: any name)
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str) -> str:
+        """The text now surely outside any call; whitespace alone waits for more text (between
+        two calls, or after the last, it is no message)."""
+        text = self._feed(delta)
+        if not text.strip():
+            self._blank += text
+            return ""
+        text, self._blank = self._blank + text, ""
+        return text
+
+    def _feed(self, delta: str) -> str:
         self._buf += delta
         out = []
         while True:
@@ -163,13 +174,15 @@ class ToolCallStream:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
         of the JSON, or within the closing tag), else it is text."""
         rest, self._buf = self._buf, ""
+        blank, self._blank = self._blank, ""
         if self._open:
             self._open = False
             block = rest.rstrip()
             cut = next((n for n in range(len(CLOSE) - 1, 0, -1) if block.endswith(CLOSE[:n])), 0)
             call = _call(block[: len(block) - cut].strip(), self.names)
-            if call is not None:
-                self.calls.append(call)
-                return "", self.calls
-            return OPEN + rest, self.calls
-        return rest, self.calls
+            if call is None:
+                return blank + OPEN + rest, self.calls
+            self.calls.append(call)
+            rest = ""
+        rest = blank + rest
+        return ("" if self.calls and not rest.strip() else rest), self.calls
