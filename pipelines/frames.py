@@ -97,6 +97,17 @@ class SpeechResumed(Frame):
 
 
 @dataclass
+class Heard(SystemFrame):
+    """A final transcript for the client, at once: the ``Transcript`` itself may wait in the
+    LLM stage behind a reply in flight (``turn_detection.interrupt_response`` false)."""
+
+    text: str
+    start_ms: int = 0
+    end_ms: int = 0
+    item_id: str = ""
+
+
+@dataclass
 class Transcript(Frame):
     """The final transcript of one utterance (``respond``: as in ``UserAudio``). ``tentative``:
     the transcript of a pause's utterance (``UserAudio.tentative``), for speculative replies only;

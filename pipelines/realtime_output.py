@@ -24,6 +24,7 @@ from pipelines.conversation import Conversation, Item, Spoken, heard_text
 from pipelines.frames import (
     ErrorFrame,
     Frame,
+    Heard,
     Interrupt,
     LLMDone,
     LLMStarted,
@@ -31,7 +32,6 @@ from pipelines.frames import (
     SpeechStopped,
     TextDelta,
     ToolCall,
-    Transcript,
     TTSAudio,
     TTSDone,
 )
@@ -119,7 +119,7 @@ class ServerEvents:
             self.turn_ended = frame.created
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
             await self._user_item_created(frame.item_id)
-        elif isinstance(frame, Transcript):
+        elif isinstance(frame, Heard):
             self.unheard.discard(frame.item_id)
             if self.config.input_audio_transcription is not None:  # null: the client asked for none
                 await self.send(

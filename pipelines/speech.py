@@ -24,6 +24,7 @@ from pipelines.frames import (
     CommitFrame,
     ErrorFrame,
     Frame,
+    Heard,
     Interrupt,
     LLMDone,
     LLMStarted,
@@ -122,7 +123,8 @@ class ASROptions:
 
 
 class ASR(Processor):
-    """``UserAudio`` → ``Transcript`` (the audio is consumed). A tentative utterance starts its
+    """``UserAudio`` → ``Heard`` (for the client, at once) and ``Transcript`` (the audio is
+    consumed). A tentative utterance starts its
     transcription in the background; the final one with the same ``turn_key`` takes that result
     (the silence wait and the ASR overlap) if the language and prompt are still those it ran
     with, any other discards it, and so does ``SpeechResumed``.
@@ -150,8 +152,9 @@ class ASR(Processor):
         if frame.tentative:
             self.early = (key, asyncio.create_task(self._early(frame)))
             return
-        text = await (early[1] if early is not None else self._transcribe(frame))
-        yield Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
+        text = (await (early[1] if early is not None else self._transcribe(frame))).strip()
+        yield Heard(text, frame.start_ms, frame.end_ms, item_id=frame.item_id)
+        yield Transcript(text, frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=frame.respond)
 
     async def _transcribe(self, frame: UserAudio) -> str:
         o = self.options

@@ -9,7 +9,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipelines.frames import End, ErrorFrame, Frame, Interrupt, LLMDone, SpeechStarted, TextDelta, Transcript, UserAudio
+from pipelines.frames import (
+    End,
+    ErrorFrame,
+    Frame,
+    Heard,
+    Interrupt,
+    LLMDone,
+    SpeechStarted,
+    TextDelta,
+    Transcript,
+    UserAudio,
+)
 from pipelines.processor import Pipeline, Processor
 
 
@@ -395,7 +406,10 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
 
     async def run(frames: list[Frame], priority: int = 0, **hint: str) -> list[str]:
         asr = ASR(Fake(), ASROptions(priority=priority, **hint))
-        return [f.text for f in await Pipeline([asr]).run_all(frames)]
+        out = await Pipeline([asr]).run_all(frames)
+        heard = [f.text for f in out if isinstance(f, Heard)]  # each told the client at once, as passed on
+        assert heard == [f.text for f in out if isinstance(f, Transcript)]
+        return heard
 
     assert asyncio.run(run([audio(10, 1, True), audio(12, 1, False)])) == ["heard 10"] and calls == [10]
     calls.clear()
@@ -601,7 +615,7 @@ def test_speculative_reply_is_reused_when_the_turn_commits() -> None:
     assert speech.spoken == ["You said heard 100.", "Fine."] and speech.open == 0
     assert speech.before_commit == ["You said heard 100."]  # the first sentence was prefetched
     kinds = [type(f).__name__ for f in out if not isinstance(f, End)]
-    assert kinds[:2] == ["Transcript", "LLMStarted"] and kinds[-2:] == ["LLMDone", "TTSDone"]
+    assert kinds[:3] == ["Heard", "Transcript", "LLMStarted"] and kinds[-2:] == ["LLMDone", "TTSDone"]
     transcript = next(f for f in out if isinstance(f, Transcript))
     assert transcript.text == "heard 100" and not transcript.tentative
     reply = "".join(f.text for f in out if isinstance(f, TextDelta))

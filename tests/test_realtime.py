@@ -520,7 +520,8 @@ def test_with_interrupt_response_off_the_reply_plays_out_then_the_turn_is_answer
             first = await c.until("response.done", response__id=rid)
             assert c.index("input_audio_buffer.speech_started") < c.events.index(first)  # ... while it played
             assert first["response"]["status"] == "completed"
-            await c.until("conversation.item.input_audio_transcription.completed")
+            # the transcript is sent once heard, not after the reply it was spoken over
+            assert c.index("conversation.item.input_audio_transcription.completed") < c.events.index(first)
             second = await c.until("response.done")
             assert second["response"]["status"] == "completed" and second["response"]["id"] != rid
             assert "conversation.item.truncated" not in c.types()
@@ -1074,7 +1075,7 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
     failed one is ``...transcription.failed`` for its item (a plain ``error`` when null); an ASR in
     another process cannot be asked, so a code Whisper does not know is refused at the update."""
 
-    from pipelines.frames import ErrorFrame, Transcript
+    from pipelines.frames import ErrorFrame, Heard
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
@@ -1100,7 +1101,7 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
                 assert sent[-1]["session"]["input_audio_transcription"] is None
             sent.clear()
             s.unheard.update({"item_a", "item_b"})
-            await s._on_frame(Transcript("hello", 0, 900, item_id="item_a"))
+            await s._on_frame(Heard("hello", 0, 900, item_id="item_a"))
             await s._on_frame(ErrorFrame("ValueError: no", stage="ASR", item_id="item_b"))
             assert not s.unheard and s.failed == {"item_b"}  # the failed one stays, with no transcript
             if null:
