@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.token_bound import check_length, min_tokens
 from modalities.llm.chat import render_chat, render_chat_text
+from modalities.llm.tools import ToolCall
 
 DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two short sentences."
 
@@ -41,7 +42,7 @@ class Item:
     def message(self) -> dict[str, Any] | None:
         """The chat message for the template (None: an empty message, left out)."""
         if self.kind == "function_call":
-            call = {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.text}}
+            call = ToolCall(self.name, self.text, self.call_id).to_openai()
             return {"role": "assistant", "content": None, "tool_calls": [call]}
         if self.kind == "function_call_output":
             return {"role": "tool", "tool_call_id": self.call_id, "content": self.text}

@@ -15,7 +15,8 @@ from typing import Any
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.asr.types import whisper_languages
-from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_tool_choice, check_tools
+from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_tool_choice
+from modalities.llm.tools import check_template as tools_template
 from modalities.tts.registry import unknown_voice
 from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
 
@@ -229,11 +230,12 @@ def check_session_tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def check_template(tokenizer: Any, config: SessionConfig) -> None:
-    """Tools the model is to be shown need a chat template that renders them."""
-    if not config.tools:
+    """Tools the model is to be shown need a chat template that renders them (their shape was
+    checked by ``SessionConfig.update``)."""
+    if not config.tools or config.tool_choice == "none":
         return
     try:
-        check_tools(chat_tools(config.tools), config.tool_choice, tokenizer, "session.")
+        tools_template(tokenizer, "session.tools")
     except ToolError as exc:
         raise EventError(str(exc), param=exc.param) from None
 
@@ -352,7 +354,7 @@ class Reply:
     calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
     # Its message item: announced (with tools on, only at its first text or audio, so that a
     # reply that only calls a function has no message) and done (before a call's item is added).
-    opened: bool = True
+    opened: bool = False
     message: dict[str, Any] | None = None
 
     def played_ms(self) -> float:

@@ -1,10 +1,11 @@
 """The server side of a ``/v1/realtime`` session: the voice pipeline's output frames as
 OpenAI Realtime server events (``RealtimeSession`` handles the client's events).
 
-A response's lifecycle: ``LLMStarted`` opens it (``response.created``, its item and content
-part), ``TextDelta`` and ``TTSAudio`` stream into it, ``LLMDone`` records its text and usage,
-``TTSDone`` completes it, and an ``Interrupt`` (barge-in or ``response.cancel``) cancels it,
-truncating its item to what the client has played.
+A response's lifecycle: ``LLMStarted`` opens it (``response.created``, and its message item and
+content part, which a reply that may call functions announces only at its first text or
+audio), ``TextDelta`` and ``TTSAudio`` stream into it, a ``ToolCall`` adds a function call
+item, ``LLMDone`` records its text and usage, ``TTSDone`` completes it, and an ``Interrupt``
+(barge-in or ``response.cancel``) cancels it, truncating its item to what the client has played.
 """
 
 from __future__ import annotations
@@ -195,8 +196,9 @@ class ServerEvents:
             await self._close_message(r, "completed")
         if not r.opened:  # a call alone: its reply has no message item
             self.conv.remove(r.item_id)
-        item = self.conv.get(frame.item_id) or Item(frame.item_id, "assistant", frame.arguments)
-        item.kind, item.call_id, item.name = "function_call", frame.call_id, frame.name
+        item = self.conv.get(frame.item_id) or Item(  # (an out-of-band reply's call is in no conversation)
+            frame.item_id, "assistant", frame.arguments, kind="function_call", call_id=frame.call_id, name=frame.name
+        )
         where = {"response_id": r.id, "output_index": int(r.opened) + len(r.calls)}
         added = {**function_item_event(item, "in_progress"), "arguments": ""}
         await self.send("response.output_item.added", **where, item=added)
@@ -228,7 +230,6 @@ class ServerEvents:
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
         await self.send("response.created", response=response_event(r, "in_progress", []))
-        r.opened = False
         if not frame.calls:  # (with tools, a reply may be a call alone: no message)
             await self._open(r)
         if self.cancel_pending:  # cancelled before it started

@@ -76,13 +76,18 @@ def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -
         check_function(fn, f"{where}tools[{k}].function")
     if tool_choice == "none":
         return False
+    check_template(tokenizer, where + "tools")
+    return True
+
+
+def check_template(tokenizer: Any, param: str) -> None:
+    """Tools to show the model need a chat template that renders them as this module parses."""
     if not template_takes_tools(tokenizer):
         raise ToolError(
             "this model's chat template does not render tools in the Hermes <tool_call> format; "
             "serve it with --chat-template pointing at one that does",
-            where + "tools",
+            param,
         )
-    return True
 
 
 def check_function(fn: dict[str, Any], where: str) -> None:
@@ -114,6 +119,11 @@ def _call(block: str, names: frozenset[str] | None = None) -> ToolCall | None:
     if not isinstance(name, str) or not name or not isinstance(args, dict) or (names and name not in names):
         return None
     return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many characters ``text`` ends with of ``tag``'s start (a tag it may be cut inside)."""
+    return next((n for n in range(len(tag) - 1, 0, -1) if text.endswith(tag[:n])), 0)
 
 
 def parse_tool_calls(text: str, names: frozenset[str] | None = None) -> tuple[str, list[ToolCall]]:
@@ -165,7 +175,7 @@ class ToolCallStream:
                 out.append(self._buf[:start])
                 self._buf, self._open = self._buf[start + len(OPEN) :], True
                 continue
-            keep = next((n for n in range(len(OPEN) - 1, 0, -1) if self._buf.endswith(OPEN[:n])), 0)
+            keep = _partial(self._buf, OPEN)
             out.append(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
             return "".join(out)
@@ -178,7 +188,7 @@ class ToolCallStream:
         if self._open:
             self._open = False
             block = rest.rstrip()
-            cut = next((n for n in range(len(CLOSE) - 1, 0, -1) if block.endswith(CLOSE[:n])), 0)
+            cut = _partial(block, CLOSE)
             call = _call(block[: len(block) - cut].strip(), self.names)
             if call is None:
                 return blank + OPEN + rest, self.calls
