@@ -22,6 +22,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, PromptInputs, Sequence, SequenceStatus
+from engine.structured import Guides
 
 if TYPE_CHECKING:
     from engine.model_loader import LoadedModel
@@ -112,6 +113,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded)
         dtype = getattr(torch, config.dtype)
         self.runner = ModelRunner(config, adapter, Sampler(self.eos_token_ids), dtype)
+        self.guides = Guides(self.tokenizer, adapter.vocab_size, self.eos_token_ids)
         kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, kv, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
@@ -186,6 +188,9 @@ class LLMEngine:
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         seqs = [Sequence(request_id, i, inputs, params, priority) for i in range(params.n)]
+        if params.grammar is not None:
+            for seq in seqs:
+                seq.guide = self.guides.new(params.grammar)
         for sibling in seqs[1:]:
             sibling.status = SequenceStatus.WAITING_FOR_FORK
         seqs[0].siblings = seqs[1:]

@@ -43,7 +43,8 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence, p: SamplingParams) -> Non
 
 
 def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> None:
-    """In-place logits processing for one sequence: bias, min_tokens, begin suppression, penalties."""
+    """In-place logits processing for one sequence: bias, min_tokens, begin suppression, penalties,
+    then the grammar (last: what it forbids stays forbidden)."""
     p = seq.params
     if p.allowed_token_ids is not None:
         keep = vocab_subset(tuple(p.allowed_token_ids)).index.to(row.device)
@@ -60,6 +61,8 @@ def _process_row(row: torch.Tensor, seq: Sequence, eos_token_ids: set[int]) -> N
     if p.begin_suppress_token_ids and seq.num_output_tokens == 0:
         row[torch.tensor(p.begin_suppress_token_ids, dtype=torch.long, device=row.device)] = float("-inf")
     _apply_penalties(row, seq, p)
+    if seq.guide is not None:
+        seq.guide.constrain_(row, seq.output_token_ids)
 
 
 def _top_p_(probs: torch.Tensor, top_p: float) -> None:
@@ -171,6 +174,7 @@ class Sampler:
             or p.frequency_penalty
             or seq.num_output_tokens < p.min_tokens
             or (p.begin_suppress_token_ids and seq.num_output_tokens == 0)
+            or seq.guide is not None
         )
 
     @staticmethod

@@ -44,6 +44,9 @@ class SamplingParams:
     # Report progress every this many new tokens (and at the end), like vLLM's stream_interval:
     # a consumer that acts on groups of tokens (AR TTS: codec frames) is woken once per group.
     stream_interval: int = 1
+    # Tokens constrained to this grammar (``engine.structured``: JSON schema or Lark), e.g.
+    # response_format json_schema or a required tool call; the sequence ends once it is complete.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +85,7 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
+            (self.grammar is None or not self.min_tokens, "min_tokens cannot be combined with a grammar"),
             (self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}"),
             (
                 self.seed is None or -(1 << 63) <= self.seed < 1 << 64,

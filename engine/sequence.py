@@ -104,6 +104,7 @@ class Sequence:
         self.num_preemptions = 0
         self.siblings: list[Sequence] = []  # seqs to fork from this one after its prefill
         self.generator: Any = None  # torch.Generator when the request is seeded
+        self.guide: Any = None  # engine.structured.Guide when the request has a grammar
         self.first_token_time: float | None = None
 
     # -- token views -------------------------------------------------------------------------

@@ -136,6 +136,7 @@ class ResponseRequest(Frame):
     max_tokens: int | None = None  # for this reply only (None: the session's)
     voice: str | None = None  # for this reply only (None: the session's)
     tools: list[dict[str, Any]] | None = None  # for this reply only, chat-shaped ([]: none; None: the session's)
+    grammar: str | None = None  # with ``tools``: what its tool_choice holds the reply to
 
 
 @dataclass

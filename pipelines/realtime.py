@@ -46,16 +46,16 @@ from pipelines.realtime_events import (
     RATE,
     EventError,
     SessionConfig,
-    chat_tools,
     check_instructions,
     check_language,
     check_max_tokens,
     check_temperature,
-    check_template,
     check_voice,
     decode_audio_b64,
     parse_event,
     reply_tokens,
+    shown_tools,
+    tools_grammar,
     wants_audio,
 )
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, response_items
@@ -135,9 +135,9 @@ class RealtimeSession(ServerEvents):
         self.llm_options.max_tokens = reply_tokens(c.max_response_output_tokens)
         self.tts_options.enabled = "audio" in c.modalities and self.services.tts is not None
         self.tts_options.voice, self.tts_options.speed = c.voice, c.speed
-        shown = c.tools and c.tool_choice == "auto"  # "none": the model is not shown them
-        self.conv.tools = chat_tools(c.tools) if shown else None
-        self.llm_options.tool_calls = declared(self.conv.tools) if shown else None
+        self.conv.tools = shown_tools(c)
+        self.llm_options.tool_calls = None if self.conv.tools is None else declared(self.conv.tools)
+        self.llm_options.grammar = tools_grammar(getattr(self.services.llm, "tokenizer", None), c)
         heard = c.input_audio_transcription or {}
         self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
         self.tts_options.sample_rate = RATE
@@ -216,7 +216,7 @@ class RealtimeSession(ServerEvents):
             staged.update(patch)  # the patch's shape first, then what the models can do
             if "input_audio_transcription" in patch:
                 check_language(self.services.asr, staged.input_audio_transcription)
-            check_template(getattr(self.services.llm, "tokenizer", None), staged)
+            tools_grammar(getattr(self.services.llm, "tokenizer", None), staged)
             self.config = staged
         except EventError as exc:
             if self.ga:
@@ -363,24 +363,25 @@ class RealtimeSession(ServerEvents):
             temperature,
             max_tokens,
             self._response_voice(response),
-            self._response_tools(response),
+            *self._response_tools(response),
         )
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
 
-    def _response_tools(self, response: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def _response_tools(self, response: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
         """A ``response.create``'s own ``tools``/``tool_choice`` (checked as ``session.update``
-        checks them) as the reply's chat-shaped tools; None: the session's."""
+        checks them) as the reply's chat-shaped tools ([]: none; None: the session's) and the
+        grammar its ``tool_choice`` holds it to."""
         if "tools" not in response and "tool_choice" not in response:
-            return None
+            return None, None
         staged = dataclasses.replace(self.config)
         try:
             staged.update({k: response[k] for k in ("tools", "tool_choice") if k in response})
-            check_template(getattr(self.services.llm, "tokenizer", None), staged)
+            grammar = tools_grammar(getattr(self.services.llm, "tokenizer", None), staged)
         except EventError as exc:
             exc.param = (exc.param or "").replace("session.", "response.", 1)
             raise
-        return chat_tools(staged.tools) if staged.tools and staged.tool_choice == "auto" else []
+        return shown_tools(staged) or [], grammar
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:

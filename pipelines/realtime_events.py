@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.asr.types import whisper_languages
+from modalities.llm.structured import reply_grammar
 from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_tool_choice
 from modalities.llm.tools import check_template as tools_template
 from modalities.tts.registry import unknown_voice
@@ -229,13 +230,21 @@ def check_session_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def check_template(tokenizer: Any, config: SessionConfig) -> None:
-    """Tools the model is to be shown need a chat template that renders them (their shape was
-    checked by ``SessionConfig.update``)."""
-    if not config.tools or config.tool_choice == "none":
-        return
+def shown_tools(config: SessionConfig) -> list[dict[str, Any]] | None:
+    """The tools the model is shown, chat-shaped (None: none, or ``tool_choice`` "none")."""
+    return chat_tools(config.tools) if config.tools and config.tool_choice != "none" else None
+
+
+def tools_grammar(tokenizer: Any, config: SessionConfig) -> str | None:
+    """What ``config``'s ``tool_choice`` holds replies to ("required", a named function; None:
+    free text). Checks what ``SessionConfig.update`` cannot alone: a chat template that renders
+    the tools, a named function among them, parameters that compile."""
+    tools = shown_tools(config)
+    if tools is None:
+        return None
     try:
         tools_template(tokenizer, "session.tools")
+        return reply_grammar(None, tools, config.tool_choice, where="session.")
     except ToolError as exc:
         raise EventError(str(exc), param=exc.param) from None
 

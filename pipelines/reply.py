@@ -28,7 +28,7 @@ from pipelines.frames import (
 )
 from pipelines.processor import Processor
 from pipelines.services import Services
-from pipelines.speculation import Buffered, LLMSpeculation, SpeechPrefetch
+from pipelines.speculation import Buffered, LLMSpeculation, ReplyParams, SpeechPrefetch
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -40,6 +40,7 @@ class LLMOptions:
     priority: int = 0  # of the engine requests (lower first under the engine's priority policy)
     # Parse replies for calls of these functions (the conversation's tools; None: off).
     tool_calls: frozenset[str] | None = None
+    grammar: str | None = None  # what the session's tool_choice holds replies to
 
 
 class LLM(Processor):
@@ -86,12 +87,16 @@ class LLM(Processor):
         else:
             yield frame
 
-    def _params(self, req: ResponseRequest | None = None) -> tuple[int, float]:
-        """(max_tokens, temperature) of a reply: ``req``'s where it sets them, else the options'."""
+    def _params(self, req: ResponseRequest | None = None) -> ReplyParams:
+        """A reply's sampling: ``req``'s where it sets it, else the options'."""
         o = self.options
         if req is None:
-            return o.max_tokens, o.temperature
-        return req.max_tokens or o.max_tokens, o.temperature if req.temperature is None else req.temperature
+            return ReplyParams(o.max_tokens, o.temperature, o.grammar)
+        return ReplyParams(
+            req.max_tokens or o.max_tokens,
+            o.temperature if req.temperature is None else req.temperature,
+            o.grammar if req.tools is None else req.grammar,
+        )
 
     def _prompt(self, conv: Conversation, max_tokens: int | None = None) -> list[int]:
         engine = self.services.llm
@@ -99,11 +104,11 @@ class LLM(Processor):
         max_tokens = max_tokens or self.options.max_tokens
         return conv.prompt_ids(engine.tokenizer, max_len - max_tokens if max_len else None, max_tokens)
 
-    def _generate(self, request_id: str, ids: list[int], params: tuple[int, float] | None = None) -> AsyncIterator[Any]:
+    def _generate(self, request_id: str, ids: list[int], params: ReplyParams | None = None) -> AsyncIterator[Any]:
         from engine.sampling_params import SamplingParams
 
-        max_tokens, temperature = params or self._params()
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        p = params or self._params()
+        sampling = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, grammar=p.grammar)
         # Response ids count per session; the engine is shared by every session, so its request
         # id needs a process-unique suffix.
         request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
@@ -161,7 +166,7 @@ class LLM(Processor):
             # A long render runs on a thread, over a snapshot: the session may add or delete items
             # meanwhile; the items the render left out stay out of the live conversation.
             rendered, params = prompt.snapshot(), self._params(req)
-            ids = await run_sized(rendered.chars(), self._prompt, rendered, params[0])
+            ids = await run_sized(rendered.chars(), self._prompt, rendered, params.max_tokens)
             if prompt is conv:
                 conv.keep_from(rendered)
             if spec is not None and not spec.matches(ids, params):

@@ -112,16 +112,25 @@ class SpeechPrefetch:
             pending[1].cancel()
 
 
+@dataclass(frozen=True)
+class ReplyParams:
+    """How a reply is sampled."""
+
+    max_tokens: int
+    temperature: float
+    grammar: str | None = None  # what tool_choice holds it to (engine.structured)
+
+
 @dataclass
 class LLMSpeculation:
     """A reply generated for a prompt before the turn committed."""
 
     prompt_ids: list[int]
-    params: tuple[int, float]  # (max_tokens, temperature)
+    params: ReplyParams
     outputs: Buffered[Any]
     prefetch: SpeechPrefetch | None = None  # the first sentence's synthesis, once started
 
-    def matches(self, prompt_ids: list[int], params: tuple[int, float]) -> bool:
+    def matches(self, prompt_ids: list[int], params: ReplyParams) -> bool:
         return self.prompt_ids == prompt_ids and self.params == params
 
     def cancel(self) -> None:

@@ -281,7 +281,13 @@ def test_auth(server: Server) -> None:
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"\u0663": 1}}, "logit_bias"),  # an Arabic-Indic 3
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}},
+            },
+            "response_format",
+        ),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "priority": -1}, "priority"),
         # Each of these three killed the engine loop for every later request (a logits index

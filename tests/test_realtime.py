@@ -557,7 +557,8 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
             await c.send("session.update", session={"tools": [weather]})
             assert (await c.until("error"))["error"]["param"] == "session.tools"  # its own template
             monkeypatch.setattr(server["llm"].tokenizer, "chat_template", CHATML_TOOLS.read_text())
-            await c.send("session.update", session={"tools": [weather], "tool_choice": "required"})
+            unknown = {"type": "function", "name": "get_time"}  # not among the tools
+            await c.send("session.update", session={"tools": [weather], "tool_choice": unknown})
             assert (await c.until("error"))["error"]["param"] == "session.tool_choice"
             await c.send("session.update", session={"tools": [weather], "temperature": 0})
             updated = await c.until("session.updated", session__tool_choice="auto")
@@ -586,9 +587,15 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
             await c.send("conversation.item.create", item=output)
             created = await c.until("conversation.item.created", item__type="function_call_output")
             assert created["previous_item_id"] == fn["id"] and created["item"]["output"] == '{"celsius": 21}'
-            # a response's own tool_choice: checked, and "none" shows the model no tools (no call parsed)
-            await c.send("response.create", response={"tool_choice": "required"})
+            # a response's own tool_choice: checked; "required" makes a call (a grammar holds the
+            # tokens to one); "none" shows the model no tools (no call parsed)
+            await c.send("response.create", response={"tool_choice": unknown})
             assert (await c.until("error"))["error"]["param"] == "response.tool_choice"
+            await c.send("response.create", response={"tool_choice": "required"})
+            done = await c.until("response.done")
+            [fn] = done["response"]["output"]
+            assert fn["type"] == "function_call" and fn["name"] == "get_weather"
+            assert isinstance(json.loads(fn["arguments"])["city"], str)
             await c.send("response.create", response={"tool_choice": "none"})
             done = await c.until("response.done")
             assert [i["type"] for i in done["response"]["output"]] == ["message"]

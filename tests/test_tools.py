@@ -5,16 +5,13 @@ model the format: asked about a third city, it calls the tool for that city by i
 
 from __future__ import annotations
 
-import argparse
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
 from modalities.llm.tools import CHATML_TOOLS, ToolCallStream, ToolError, check_tools, parse_tool_calls
-from tests.helpers import serve_app
 
 WEATHER = {
     "type": "function",
@@ -83,12 +80,14 @@ def test_tools_and_tool_choice_are_checked() -> None:
         chat_template = CHATML_TOOLS.read_text()
 
     assert check_tools([WEATHER], None, Hermes()) and check_tools([WEATHER], "auto", Hermes())
+    assert check_tools([WEATHER], "required", Hermes())
+    assert check_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, Hermes())
     assert not check_tools([WEATHER], "none", Plain())
     assert not check_tools(None, None, Plain())
     bad = [
         (None, "auto", Hermes(), "tool_choice"),  # a choice among no tools
-        ([WEATHER], "required", Hermes(), "tool_choice"),
-        ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, Hermes(), "tool_choice"),
+        ([WEATHER], "always", Hermes(), "tool_choice"),
+        ([WEATHER], {"type": "function"}, Hermes(), "tool_choice"),  # no name
         ([{"type": "function", "function": {}}], None, Hermes(), "tools[0].function.name"),
         ([{"type": "retrieval"}], None, Hermes(), "tools[0]"),
         ("get_weather", None, Hermes(), "tools"),
@@ -108,21 +107,9 @@ def test_tools_and_tool_choice_are_checked() -> None:
         assert err.value.param == param
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_dir: Any) -> Iterator[openai.OpenAI]:
-    import asyncio
-
-    from gateway.app import create_app
-    from modalities.llm.plugin import build, router
-
-    built = build(
-        argparse.Namespace(llm=str(smollm2_dir), served_model_name="smollm2", chat_template=str(CHATML_TOOLS))
-    )
-    app = create_app(built.engines, routers=[router])
-    with serve_app(app) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    for engine in built.engines.values():
-        asyncio.run(engine.shutdown())
+@pytest.fixture
+def client(smollm2_tools_client: openai.OpenAI) -> openai.OpenAI:
+    return smollm2_tools_client
 
 
 def test_a_chat_completion_calls_the_tool(client: openai.OpenAI) -> None:
@@ -166,7 +153,8 @@ def test_a_chat_completion_calls_the_tool(client: openai.OpenAI) -> None:
 
 
 def test_bad_tools_are_400s(client: openai.OpenAI) -> None:
-    for extra, param in (({"tool_choice": "required"}, "tool_choice"), ({"tools": [{"type": "web"}]}, "tools[0]")):
+    unknown = {"type": "function", "function": {"name": "get_time"}}  # not among the tools
+    for extra, param in (({"tool_choice": unknown}, "tool_choice"), ({"tools": [{"type": "web"}]}, "tools[0]")):
         kwargs: dict[str, Any] = {"tools": [WEATHER], **extra}
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="smollm2", messages=SHOTS, max_tokens=4, **kwargs)

@@ -34,6 +34,7 @@ from modalities.llm.serving import (
     start_generation,
     validate_ids,
 )
+from modalities.llm.structured import reply_grammar
 from modalities.llm.tools import ToolCall, ToolCallStream, ToolError, check_tools, declared, parse_tool_calls
 
 router = APIRouter(tags=["llm"], strict_content_type=False)
@@ -44,13 +45,29 @@ router = APIRouter(tags=["llm"], strict_content_type=False)
 # --------------------------------------------------------------------------------------------
 
 
+async def _grammar(
+    schema: dict[str, Any] | None, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool
+) -> str | None:
+    """``reply_grammar`` off the event loop when large (a big schema compiles for a while);
+    its errors as 400s."""
+    if schema is None and tool_choice in (None, "auto", "none"):
+        return None
+    try:
+        size = len(str(schema)) + len(str(tools))
+        return await run_sized(size, reply_grammar, schema, tools, tool_choice, parallel)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+
+
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, response: Response) -> Any:
     """OpenAI ``POST /v1/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
+    schema = body.response_format.schema_of_reply() if body.response_format else None
+    grammar = await _grammar(schema, None, None, True)
     try:
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(grammar)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     prompts: list[list[int]] = []
@@ -239,10 +256,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ToolError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     one_call, names = body.parallel_tool_calls is False, declared(body.tools)
+    schema = body.response_format.schema_of_reply() if body.response_format else None
+    grammar = await _grammar(schema, body.tools if parse else None, body.tool_choice, not one_call)
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
     prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body, int(engine.max_model_len), size)
     try:
-        params = body.to_sampling_params(len(prompt_ids), int(engine.max_model_len))
+        params = body.to_sampling_params(len(prompt_ids), int(engine.max_model_len), grammar)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

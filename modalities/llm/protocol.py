@@ -4,10 +4,10 @@ Requests accept the OpenAI fields plus vLLM's sampling extras (``top_k``, ``min_
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
 ``skip_special_tokens``, ``include_stop_str_in_output``, ``priority`` >= 0). Unknown fields are
 ignored, as OpenAI does. Documented limitations (rejected with a 400 naming the field):
-``response_format`` other than ``{"type": "text"}`` (no constrained decoding), completions
-``echo`` together with ``logprobs`` (prompt logprobs are not computed), ``suffix``, and
-``best_of`` different from ``n``. Tool calling fields are accepted and ignored unless the chat
-template uses them.
+completions ``echo`` together with ``logprobs`` (prompt logprobs are not computed), ``suffix``, and
+``best_of`` different from ``n``. ``response_format`` (``json_object``, ``json_schema``) and
+``tool_choice`` ("required" or a named function) hold the reply to a grammar
+(``modalities.llm.structured``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,30 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # (None: any JSON)
+    strict: bool | None = None  # (the reply always follows the schema)
+
+
 class ResponseFormat(_Model):
-    type: str = "text"
-    json_schema: dict[str, Any] | None = None
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a 'json_schema' object")
+        return self
+
+    def schema_of_reply(self) -> dict[str, Any] | None:
+        """The JSON schema the reply must follow (None: free text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_ or {}
+        return None
 
 
 class _SamplingRequest(_Model):
@@ -92,16 +113,6 @@ class _SamplingRequest(_Model):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(
-                f"response_format type {v.type!r} is not supported: mmserve has no constrained (JSON) decoding; "
-                "use {'type': 'text'} and ask for JSON in the prompt"
-            )
         return v
 
     @property
@@ -201,9 +212,11 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, grammar: str | None = None) -> SamplingParams:
         """Engine sampling parameters; ``max_tokens`` defaults to 16 as in OpenAI."""
-        return SamplingParams(**self._sampling_kwargs(), max_tokens=self.max_tokens or 16, logprobs=self.logprobs)
+        return SamplingParams(
+            **self._sampling_kwargs(), max_tokens=self.max_tokens or 16, logprobs=self.logprobs, grammar=grammar
+        )
 
 
 class CompletionLogprobs(_Model):
@@ -319,13 +332,16 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as plain dicts for ``tokenizer.apply_chat_template``."""
         return [m.to_template_dict() for m in self.messages]
 
-    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """Engine sampling parameters; without ``max_tokens`` the rest of the context is allowed."""
+    def to_sampling_params(
+        self, num_prompt_tokens: int, max_model_len: int, grammar: str | None = None
+    ) -> SamplingParams:
+        """Engine sampling parameters; without ``max_tokens`` the rest of the context is allowed;
+        ``grammar``: what ``response_format`` and ``tool_choice`` hold the reply to."""
         max_tokens = self.max_completion_tokens or self.max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_model_len - num_prompt_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs, grammar=grammar)
 
 
 class TopLogprob(_Model):

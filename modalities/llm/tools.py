@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.structured import lark_json
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # mmserve's ChatML template with tools in this format (``--chat-template`` for SmolLM2 and the like)
 CHATML_TOOLS = Path(__file__).parent / "templates" / "chatml_tools.jinja"
@@ -48,17 +50,53 @@ def template_takes_tools(tokenizer: Any) -> bool:
 
 
 def check_tool_choice(tool_choice: Any, param: str) -> None:
-    """None, "auto" or "none": "required" and a named function would need constrained decoding."""
-    if tool_choice not in (None, "auto", "none"):
+    """None, "auto", "none", "required", or a named function: chat's ``{"type": "function",
+    "function": {"name": ...}}`` or Realtime's ``{"type": "function", "name": ...}``."""
+    forced_function(tool_choice, param)
+
+
+def forced_function(tool_choice: Any, param: str) -> str | None:
+    """The function a named ``tool_choice`` forces (None for the string choices)."""
+    if tool_choice in (None, "auto", "none", "required"):
+        return None
+    fn = tool_choice.get("function", tool_choice) if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type") != "function":
         raise ToolError(
-            "tool_choice must be 'auto' or 'none' ('required' and named functions are not supported)", param
+            "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            param,
         )
+    return name
+
+
+def call_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool = True, where: str = "") -> str | None:
+    """The Lark rule ``calls`` that a reply must be when ``tool_choice`` asks for calls
+    ("required": of any of the chat-shaped ``tools``; named: of that one, else ``ToolError``),
+    else None. Each call is the ``<tool_call>`` block this module parses, its arguments valid
+    under the function's parameters; ``parallel`` False: one call."""
+    forced = forced_function(tool_choice, where + "tool_choice")
+    if tool_choice != "required" and forced is None:
+        return None
+    fns = [t["function"] for t in tools if forced is None or t["function"]["name"] == forced]
+    if not fns:
+        raise ToolError(f"tool_choice names {forced!r}, which is not among the tools", where + "tool_choice")
+    shapes = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for fn in fns
+    ]
+    call = lark_json(shapes[0] if len(shapes) == 1 else {"anyOf": shapes})
+    more = ' ("\\n" call)*' if parallel else ""
+    return f'calls: call{more}\ncall: "{OPEN}\\n" {call} "\\n{CLOSE}"'
 
 
 def check_tools(tools: Any, tool_choice: Any, tokenizer: Any, where: str = "") -> bool:
     """Validate a request's ``tools`` and ``tool_choice`` (``where``: the params' prefix); True
-    when the reply is to be parsed for calls. Only "auto" and "none" are served: "required" or a
-    named function would need constrained decoding."""
+    when the reply is to be parsed for calls."""
     check_tool_choice(tool_choice, where + "tool_choice")
     if tools is None:
         if tool_choice is not None:

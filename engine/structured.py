@@ -1,0 +1,121 @@
+"""Structured outputs: a request's tokens constrained to a grammar (a JSON schema, or a Lark
+grammar that may embed JSON schemas), by llguidance.
+
+A request carries its grammar as text (``SamplingParams.grammar``, built by ``json_grammar`` or
+``lark_grammar`` and checked by ``check_grammar`` where the request arrives, so a bad schema is a
+400 there, not a failed step). The engine gives each of its sequences a ``Guide``; the sampler
+masks that sequence's logits with it at every step. Once the grammar is complete, the end of
+sequence is the only token left, so the request stops there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+# JSON in the shape chat templates write it ({"a": 1, "b": [2, 3]}), with no free whitespace:
+# given a choice of whitespace, small models can emit newlines until max_tokens.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar (or the JSON schema it came from) that cannot be compiled."""
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its
+    ``properties`` and says nothing of others (as vLLM's xgrammar backend and OpenAI's strict
+    mode read a schema): else a small model pads its object with made-up keys until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def json_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of JSON text valid under ``closed(schema)`` (``{"type": "object"}``: any
+    JSON object)."""
+    return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), overrides=COMPACT_JSON)  # type: ignore[arg-type]
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    """``closed(schema)`` as a Lark rule body (``%json {...}``), compact as ``json_grammar``'s."""
+    return "%json " + json.dumps({**closed(schema), "x-guidance": COMPACT_JSON})
+
+
+def lark_grammar(lark: str) -> str:
+    """The grammar of a Lark text (llguidance's dialect: ``%json {schema}`` embeds a JSON schema)."""
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def check_grammar(grammar: str) -> None:
+    """Raise ``GrammarError`` with llguidance's message if ``grammar`` does not compile."""
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(error.strip())
+
+
+class Guide:
+    """One sequence's progress through its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_id: int) -> None:
+        self._matcher = matcher
+        self._eos_id = eos_id
+        self._seen = 0  # output tokens consumed
+
+    def constrain_(self, row: torch.Tensor, output_ids: list[int]) -> None:
+        """Set, in place, the logits of every token the grammar forbids next to -inf. First
+        consumes the output tokens it has not seen: the engine appends tokens without telling
+        guides, and a step that is rerun samples again from the same place."""
+        for token in output_ids[self._seen :]:
+            self._matcher.consume_token(token)
+        self._seen = len(output_ids)
+        if self._matcher.is_error():  # not reachable through the mask: end the sequence
+            row[torch.arange(row.numel()) != self._eos_id] = float("-inf")
+            return
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: row.numel()].view(np.bool_))
+        row.masked_fill_(~allowed.to(row.device), float("-inf"))
+
+
+class Guides:
+    """Makes a ``Guide`` per sequence for one engine's tokenizer (its llguidance view is built
+    at the first structured request: ~1 s)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_ids = sorted(eos_ids)
+        self._ll: llguidance.LLTokenizer | None = None
+
+    def new(self, grammar: str) -> Guide:
+        """A guide at the grammar's start; ``ValueError`` when this engine cannot guide."""
+        if self._ll is None:
+            if self._tokenizer is None or not self._eos_ids:
+                raise ValueError("structured outputs need a model with a tokenizer and an end-of-sequence token")
+            from llguidance.hf import from_tokenizer
+
+            self._ll = from_tokenizer(self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_ids)
+        matcher = llguidance.LLMatcher(self._ll, grammar)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Guide(matcher, self._eos_ids[0])

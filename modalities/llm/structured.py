@@ -1,0 +1,43 @@
+"""What a chat reply's tokens are held to (``engine.structured``): ``response_format`` and
+``tool_choice`` as one grammar. Shared by ``/v1/chat/completions`` and the realtime sessions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.structured import GrammarError, check_grammar, json_grammar, lark_grammar, lark_json
+from modalities.llm.tools import ToolError, call_grammar
+
+
+def _checked(grammar: str, param: str) -> str:
+    try:
+        check_grammar(grammar)
+    except GrammarError as exc:
+        # (its first line: the rest quotes the grammar mmserve built around the schema)
+        message = str(exc).splitlines()[0].split(": ", 1)[-1] if str(exc).startswith("at ") else str(exc)
+        raise ToolError(f"{param} does not compile to a grammar: {message}", param) from exc
+    return grammar
+
+
+def reply_grammar(
+    schema: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel: bool = True,
+    where: str = "",
+) -> str | None:
+    """The grammar of a reply (None: free text), from checked chat-shaped ``tools``:
+    - ``tool_choice`` "required" or a named function: one or more calls (one: not ``parallel``);
+    - a JSON ``schema`` (``response_format``): JSON valid under it, or, with tools on "auto",
+      either that or calls, as OpenAI's models may answer either way.
+    ``ToolError`` (naming ``where`` + the param) when a schema does not compile."""
+    calls = call_grammar(tools, tool_choice, parallel, where) if tools and tool_choice != "none" else None
+    if calls is not None:
+        return _checked(lark_grammar(f"start: calls\n{calls}"), where + "tools")
+    if schema is None:
+        return None
+    _checked(json_grammar(schema), where + "response_format")
+    if tools and tool_choice in (None, "auto"):
+        calls = call_grammar(tools, "required", parallel, where)
+        return _checked(lark_grammar(f"start: calls | reply\nreply: {lark_json(schema)}\n{calls}"), where + "tools")
+    return json_grammar(schema)
