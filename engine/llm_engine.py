@@ -189,8 +189,8 @@ class LLMEngine:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         seqs = [Sequence(request_id, i, inputs, params, priority) for i in range(params.n)]
         if params.grammar is not None:
-            for seq in seqs:
-                seq.guide = self.guides.new(params.grammar)
+            for seq, guide in zip(seqs, self.guides.new(params.grammar, len(seqs)), strict=True):
+                seq.guide = guide
         for sibling in seqs[1:]:
             sibling.status = SequenceStatus.WAITING_FOR_FORK
         seqs[0].siblings = seqs[1:]
@@ -294,7 +294,10 @@ class LLMEngine:
             state = self.requests[seq.request_id]
             self.num_generation_tokens += 1
             stop_str = state.add_token(seq, sampled[seq.seq_id].logprob)
-            if stop_str is not None:
+            if seq.guide is not None and seq.guide.error is not None:
+                # Its grammar could not go on (and forced the end): the output is cut short.
+                seq.finish_reason, seq.stop_reason = FinishReason.LENGTH, f"grammar: {seq.guide.error}"
+            elif stop_str is not None:
                 if seq.finish_reason == FinishReason.LENGTH:  # max_tokens hit on the same token:
                     seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop_str  # the text was cut
                 else:

@@ -86,6 +86,7 @@ class SamplingParams:
             (self.detokenize or not self.stop, "stop strings need detokenize=True"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
             (self.grammar is None or not self.min_tokens, "min_tokens cannot be combined with a grammar"),
+            (self.grammar is None or not self.ignore_eos, "ignore_eos cannot be combined with a grammar"),
             (self.stream_interval >= 1, f"stream_interval must be at least 1, got {self.stream_interval}"),
             (
                 self.seed is None or -(1 << 63) <= self.seed < 1 << 64,

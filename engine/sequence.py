@@ -13,6 +13,8 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from engine.structured import Guide
+
 
 @dataclass(frozen=True)
 class EmbedInput:
@@ -104,7 +106,7 @@ class Sequence:
         self.num_preemptions = 0
         self.siblings: list[Sequence] = []  # seqs to fork from this one after its prefill
         self.generator: Any = None  # torch.Generator when the request is seeded
-        self.guide: Any = None  # engine.structured.Guide when the request has a grammar
+        self.guide: Guide | None = None  # when the request has a grammar
         self.first_token_time: float | None = None
 
     # -- token views -------------------------------------------------------------------------

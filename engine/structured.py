@@ -11,6 +11,7 @@ sequence is the only token left, so the request stops there.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import llguidance
@@ -19,6 +20,8 @@ import torch
 
 # JSON in the shape chat templates write it ({"a": 1, "b": [2, 3]}), with no free whitespace:
 # given a choice of whitespace, small models can emit newlines until max_tokens.
+logger = logging.getLogger("mmserve.engine")
+
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -26,26 +29,41 @@ class GrammarError(ValueError):
     """A grammar (or the JSON schema it came from) that cannot be compiled."""
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def _composes(schema: Any) -> bool:
+    """Whether objects of ``schema`` are put together from parts (``allOf``, or a ``$ref`` with
+    properties beside it): closing a part would forbid the other parts' properties."""
+    if isinstance(schema, list):
+        return any(_composes(sub) for sub in schema)
+    if not isinstance(schema, dict):
+        return False
+    return "allOf" in schema or ("$ref" in schema and "properties" in schema) or _composes(list(schema.values()))
 
 
 def closed(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object that lists its
     ``properties`` and says nothing of others (as vLLM's xgrammar backend and OpenAI's strict
-    mode read a schema): else a small model pads its object with made-up keys until max_tokens."""
+    mode read a schema): else a small model pads its object with made-up keys until max_tokens.
+    A schema that composes objects (``_composes``) is left as it is."""
+    return schema if _composes(schema) else _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed(sub) for sub in out[key]]
+            out[key] = [_closed(sub) for sub in out[key]]
     for key in ("items", "additionalProperties", "not"):
         if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
+            out[key] = _closed(out[key])
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -75,12 +93,15 @@ def check_grammar(grammar: str) -> None:
 
 
 class Guide:
-    """One sequence's progress through its grammar."""
+    """One sequence's progress through its grammar. ``error``: why the grammar cannot go on
+    (llguidance's limits: e.g. a schema with no finite instance, which compiles); the sequence
+    then ends at once, its output cut short (the engine reports it as ``length``)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_id: int) -> None:
         self._matcher = matcher
         self._eos_id = eos_id
         self._seen = 0  # output tokens consumed
+        self.error: str | None = None
 
     def constrain_(self, row: torch.Tensor, output_ids: list[int]) -> None:
         """Set, in place, the logits of every token the grammar forbids next to -inf. First
@@ -89,7 +110,10 @@ class Guide:
         for token in output_ids[self._seen :]:
             self._matcher.consume_token(token)
         self._seen = len(output_ids)
-        if self._matcher.is_error():  # not reachable through the mask: end the sequence
+        if self._matcher.is_error():
+            if self.error is None:
+                self.error = self._matcher.get_error()
+                logger.warning("a grammar cannot go on (%s): the sequence ends", self.error)
             row[torch.arange(row.numel()) != self._eos_id] = float("-inf")
             return
         bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
@@ -107,8 +131,9 @@ class Guides:
         self._eos_ids = sorted(eos_ids)
         self._ll: llguidance.LLTokenizer | None = None
 
-    def new(self, grammar: str) -> Guide:
-        """A guide at the grammar's start; ``ValueError`` when this engine cannot guide."""
+    def new(self, grammar: str, n: int = 1) -> list[Guide]:
+        """``n`` guides at the grammar's start (compiled once); ``ValueError`` when this engine
+        cannot guide."""
         if self._ll is None:
             if self._tokenizer is None or not self._eos_ids:
                 raise ValueError("structured outputs need a model with a tokenizer and an end-of-sequence token")
@@ -118,4 +143,4 @@ class Guides:
         matcher = llguidance.LLMatcher(self._ll, grammar)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Guide(matcher, self._eos_ids[0])
+        return [Guide(matcher if k == 0 else matcher.deep_copy(), self._eos_ids[0]) for k in range(n)]

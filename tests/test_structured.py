@@ -51,6 +51,8 @@ def test_schemas_are_closed_and_bad_ones_named() -> None:
     open_ = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
     assert closed(open_) == open_  # what a schema says of other keys stands
     assert "additionalProperties" not in closed({"type": "object"})  # json_object: any object
+    composed = {"properties": {"x": {"allOf": [nested, {"properties": {"c": {}}}]}}}
+    assert closed(composed) == composed  # a part closed would forbid the other's keys
     assert reply_grammar(None, [WEATHER], "auto") is None  # free text, parsed for calls
     cases = [
         ({"type": "nope"}, None, None, "response_format"),
@@ -123,15 +125,12 @@ def test_bad_response_formats_are_400s(smollm2_tools_client: openai.OpenAI) -> N
                 model="smollm2", messages=ASK, response_format=fmt, max_tokens=4
             )  # type: ignore[arg-type]
         assert err.value.body["param"] == param  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as err:  # nothing could end the JSON before min_tokens
-        smollm2_tools_client.chat.completions.create(
-            model="smollm2",
-            messages=ASK,
-            response_format={"type": "json_object"},
-            max_tokens=8,
-            extra_body={"min_tokens": 4},
-        )
-    assert "min_tokens" in err.value.body["message"]  # type: ignore[index]
+    for extra in ({"min_tokens": 4}, {"ignore_eos": True}):  # the grammar's end must end the reply
+        with pytest.raises(openai.BadRequestError) as err:
+            smollm2_tools_client.chat.completions.create(
+                model="smollm2", messages=ASK, response_format={"type": "json_object"}, max_tokens=8, extra_body=extra
+            )
+        assert next(iter(extra)) in err.value.body["message"]  # type: ignore[index]
 
 
 def test_tool_choice_required_or_named_makes_a_call(smollm2_tools_client: openai.OpenAI) -> None:
@@ -143,7 +142,8 @@ def test_tool_choice_required_or_named_makes_a_call(smollm2_tools_client: openai
     )  # type: ignore[arg-type]
     assert prose.choices[0].message.tool_calls is None and prose.choices[0].message.content
     named = {"type": "function", "function": {"name": "get_time"}}
-    for choice, name in (("required", "get_weather"), (named, "get_time")):
+    # (a named function's reply finishes "stop", as OpenAI's; "required": "tool_calls")
+    for choice, name, finish in (("required", "get_weather", "tool_calls"), (named, "get_time", "stop")):
         out = client.chat.completions.create(
             model="smollm2",
             messages=ASK,  # type: ignore[arg-type]
@@ -154,7 +154,7 @@ def test_tool_choice_required_or_named_makes_a_call(smollm2_tools_client: openai
             max_tokens=60,
         )
         message = out.choices[0].message
-        assert out.choices[0].finish_reason == "tool_calls" and message.content is None
+        assert out.choices[0].finish_reason == finish and message.content is None
         [call] = message.tool_calls or []
         assert call.function.name == name and json.loads(call.function.arguments) == {"city": "Oslo"}
     # streamed: the call in the last delta, no tag in the text
@@ -175,3 +175,34 @@ def test_tool_choice_required_or_named_makes_a_call(smollm2_tools_client: openai
     assert last.finish_reason == "tool_calls" and [t.function.name for t in last.delta.tool_calls or []] == [
         "get_weather"
     ]
+
+
+def test_a_schema_without_a_finite_instance_cuts_the_reply_short(smollm2_tools_client: openai.OpenAI) -> None:
+    """Such a schema compiles, and llguidance gives up on it after a few tokens: the reply is
+        cut short (``length``, the reason in ``stop_reason``), not a finished ``stop``, and the
+        engine serves on. Objects put together with ``allOf`` are not closed (closing a part would
+    forbid the other's keys), so such a schema is served, not refused."""
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "endless", "schema": endless}}
+    out = smollm2_tools_client.chat.completions.create(
+        model="smollm2",
+        messages=ASK,
+        response_format=fmt,
+        temperature=0,
+        max_tokens=30,  # type: ignore[arg-type]
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and len(choice.message.content or "") < 30
+    assert str(choice.model_extra["stop_reason"]).startswith("grammar: ")  # type: ignore[index]
+    parts = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]
+    parts.append({"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]})
+    fmt = {"type": "json_schema", "json_schema": {"name": "both", "schema": {"allOf": parts}}}
+    out = smollm2_tools_client.chat.completions.create(
+        model="smollm2",
+        messages=ASK,
+        response_format=fmt,
+        temperature=0,
+        max_tokens=30,  # type: ignore[arg-type]
+    )
+    text = out.choices[0].message.content or ""  # (open: the model may add keys until max_tokens)
+    assert text.startswith('{"a": ') and '"b": ' in text

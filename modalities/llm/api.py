@@ -13,6 +13,7 @@ import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -35,7 +36,15 @@ from modalities.llm.serving import (
     validate_ids,
 )
 from modalities.llm.structured import reply_grammar
-from modalities.llm.tools import ToolCall, ToolCallStream, ToolError, check_tools, declared, parse_tool_calls
+from modalities.llm.tools import (
+    ToolCall,
+    ToolCallStream,
+    ToolError,
+    check_tools,
+    declared,
+    forced_function,
+    parse_tool_calls,
+)
 
 router = APIRouter(tags=["llm"], strict_content_type=False)
 
@@ -201,28 +210,37 @@ def _chat_prompt_ids(tokenizer: Any, body: ChatCompletionRequest, limit: int, si
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
 
 
+@dataclass(frozen=True)
+class _Calls:
+    """How a chat reply's tool calls are taken."""
+
+    names: frozenset[str]  # the functions declared
+    one: bool  # the first call only (``parallel_tool_calls: false``)
+    finish: str  # a reply with calls: "tool_calls", or "stop" when tool_choice named the function (as OpenAI's)
+
+
 def _chat_choice_chunk(
     co: CompletionOutput,
     tokenizer: Any,
     cache: dict[int, str],
     want_lp: bool,
     calls: ToolCallStream | None,
-    one_call: bool = False,
+    policy: _Calls | None,
 ) -> dict[str, Any]:
     """One choice's delta; with ``calls``, its text goes through the tool-call parser and the
-    calls (``one_call``: the first only) come whole in the last delta (finish reason "tool_calls")."""
+    calls come whole in the last delta."""
     delta: dict[str, Any] = {"content": co.delta_text}
     finish = co.finish_reason
-    if calls is not None:
+    if calls is not None and policy is not None:
         delta["content"] = calls.feed(co.delta_text)
         if co.finished:
             tail, found = calls.finish()
             delta["content"] += tail
             if found:
-                found = found[:1] if one_call else found
+                found = found[:1] if policy.one else found
                 delta["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(found)]
                 delta["content"] = delta["content"] or None
-                finish = "tool_calls" if finish == "stop" else finish
+                finish = policy.finish if finish == "stop" else finish
     return {
         "index": co.index,
         "delta": delta,
@@ -232,18 +250,15 @@ def _chat_choice_chunk(
     }
 
 
-def _chat_message(
-    co: CompletionOutput, parse: bool, names: frozenset[str], one_call: bool = False
-) -> tuple[dict[str, Any], str | None]:
-    """A finished choice's message and finish reason (calls parsed out with ``parse``; ``one_call``:
-    the first only, as ``parallel_tool_calls: false`` asks)."""
-    text, calls = parse_tool_calls(co.text, names) if parse else (co.text, list[ToolCall]())
+def _chat_message(co: CompletionOutput, policy: _Calls | None) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's message and finish reason (calls parsed out with a ``policy``)."""
+    text, calls = parse_tool_calls(co.text, policy.names) if policy else (co.text, list[ToolCall]())
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-    if not calls:
+    if not calls or policy is None:
         return message, co.finish_reason
-    calls = calls[:1] if one_call else calls
+    calls = calls[:1] if policy.one else calls
     message.update(content=text.strip() or None, tool_calls=[c.to_openai() for c in calls])
-    return message, "tool_calls" if co.finish_reason == "stop" else co.finish_reason
+    return message, policy.finish if co.finish_reason == "stop" else co.finish_reason
 
 
 @router.post("/v1/chat/completions")
@@ -256,6 +271,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ToolError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
     one_call, names = body.parallel_tool_calls is False, declared(body.tools)
+    named = forced_function(body.tool_choice, "tool_choice") is not None
+    policy = _Calls(names, one_call, "stop" if named else "tool_calls") if parse else None
     schema = body.response_format.schema_of_reply() if body.response_format else None
     grammar = await _grammar(schema, body.tools if parse else None, body.tool_choice, not one_call)
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
@@ -283,7 +300,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             return out
 
         async def events() -> AsyncIterator[str]:
-            calls = {i: ToolCallStream(names) for i in range(body.n)} if parse else {}
+            calls = {i: ToolCallStream(names) for i in range(body.n)} if policy else {}
             for i in range(body.n):
                 role = {"role": "assistant", "content": ""}
                 yield sse(chunk([{"index": i, "delta": role, "logprobs": None, "finish_reason": None}]))
@@ -294,8 +311,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                         continue
                     if co.finished:
                         tracker.finished.add(co.index)
-                    choice = _chat_choice_chunk(co, tokenizer, cache, want_lp, calls.get(co.index), one_call)
-                    if parse and choice["delta"]["content"] == "" and not (co.finished or want_lp):
+                    choice = _chat_choice_chunk(co, tokenizer, cache, want_lp, calls.get(co.index), policy)
+                    if policy and choice["delta"]["content"] == "" and not (co.finished or want_lp):
                         continue  # text held back: it may open a call
                     data = chunk([choice])
                     if not body.include_usage and tracker.all_finished:
@@ -312,7 +329,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     response.headers["Server-Timing"] = tracker.timing()[0]
     choices = []
     for co in sorted(finals[0].outputs, key=lambda c: c.index):
-        message, finish = _chat_message(co, parse, names, one_call)
+        message, finish = _chat_message(co, policy)
         choices.append(
             {
                 "index": co.index,

@@ -31,13 +31,11 @@ def reply_grammar(
     - a JSON ``schema`` (``response_format``): JSON valid under it, or, with tools on "auto",
       either that or calls, as OpenAI's models may answer either way.
     ``ToolError`` (naming ``where`` + the param) when a schema does not compile."""
+    reply = None if schema is None else _checked(json_grammar(schema), where + "response_format")
     calls = call_grammar(tools, tool_choice, parallel, where) if tools and tool_choice != "none" else None
     if calls is not None:
         return _checked(lark_grammar(f"start: calls\n{calls}"), where + "tools")
-    if schema is None:
-        return None
-    _checked(json_grammar(schema), where + "response_format")
-    if tools and tool_choice in (None, "auto"):
+    if reply is not None and tools and tool_choice in (None, "auto"):
         calls = call_grammar(tools, "required", parallel, where)
         return _checked(lark_grammar(f"start: calls | reply\nreply: {lark_json(schema)}\n{calls}"), where + "tools")
-    return json_grammar(schema)
+    return reply
