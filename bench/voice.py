@@ -64,6 +64,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pace", type=float, default=1.0, help="1.0 = real time")
     ap.add_argument("--silence-ms", type=int, default=400, help="server VAD silence_duration_ms")
     ap.add_argument(
+        "--semantic",
+        action="store_true",
+        help="turn_detection semantic_vad (eagerness auto) instead of server_vad with --silence-ms",
+    )
+    ap.add_argument(
         "--speculative-ms",
         type=int,
         default=None,
@@ -123,7 +128,9 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
     results: list[dict[str, Any]] = []
     async with websockets.connect(url, max_size=None) as ws:
         td: dict[str, Any] = {"type": "server_vad", "silence_duration_ms": args.silence_ms}
-        if args.speculative_ms is not None:
+        if args.semantic:
+            td = {"type": "semantic_vad"}
+        elif args.speculative_ms is not None:
             td["speculative_silence_ms"] = args.speculative_ms
         session = {"temperature": 0, "max_response_output_tokens": args.max_tokens, "turn_detection": td}
         await ws.send(json.dumps({"type": "session.update", "session": session}))

@@ -137,6 +137,10 @@ class Conversation:
         render = render_chat_text if text else render_chat
         return render(tokenizer, self.messages(first), **kwargs)
 
+    def render_text(self, tokenizer: Any) -> str:
+        """The prompt's text as ``prompt_ids`` renders it now (no items left out here)."""
+        return str(self._render(tokenizer, self._first, text=True))
+
     def chars(self) -> int:
         """Characters of what the next render holds: the instructions and the items with text
         from the first one that still fits."""

@@ -119,6 +119,7 @@ class Transcript(Frame):
     item_id: str = ""
     respond: bool = True
     tentative: bool = False
+    turn_key: int = -1  # tentative: its pause's (``UserAudio.turn_key``)
 
 
 @dataclass

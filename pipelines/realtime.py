@@ -9,7 +9,10 @@ from the audio sent and a real-time playback clock (or given by ``conversation.i
 Speculation: with server VAD, a pause of ``turn_detection.speculative_silence_ms`` (an mmserve
 extension; default ``VADConfig.eager_ms``, 60 ms; 0: off) starts the turn's ASR, LLM and first
 sentence's TTS before ``silence_duration_ms`` commits the turn (``pipelines.speculation``); the
-client sees the same events as without it, only sooner.
+client sees the same events as without it, only sooner. With semantic VAD (``semantic_vad``,
+``pipelines.turns``) that pause's transcript is also scored by the LLM: a likely end of the
+user's message ends the turn after ``VADConfig.complete_ms`` of silence, any other pause waits
+up to the eagerness's longest silence.
 
 Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` has
 ``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge).
@@ -63,6 +66,7 @@ from pipelines.realtime_output import ServerEvents
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
 from pipelines.speech import ASROptions, TTSOptions
+from pipelines.turns import EAGERNESS_WAIT_MS
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -123,10 +127,13 @@ class RealtimeSession(ServerEvents):
         c = self.config
         td = c.turn_detection
         self.vad_config.server_vad = td is not None
+        semantic = td is not None and td["type"] == "semantic_vad"
+        self.vad_config.semantic = self.llm_options.judge_turns = semantic
         if td is not None:
-            self.vad_config.threshold = float(td["threshold"])
-            self.vad_config.prefix_padding_ms = int(td["prefix_padding_ms"])
-            self.vad_config.silence_duration_ms = int(td["silence_duration_ms"])
+            self.vad_config.threshold = float(td.get("threshold", VADConfig.threshold))
+            self.vad_config.prefix_padding_ms = int(td.get("prefix_padding_ms", VADConfig.prefix_padding_ms))
+            wait = EAGERNESS_WAIT_MS[td["eagerness"]] if semantic else int(td["silence_duration_ms"])
+            self.vad_config.silence_duration_ms = wait
             self.vad_config.create_response = bool(td.get("create_response", True))
             self.vad_config.interrupt_response = bool(td.get("interrupt_response", True))
             self.vad_config.eager_ms = int(td.get("speculative_silence_ms", VADConfig.eager_ms))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_too
 from modalities.llm.tools import check_template as tools_template
 from modalities.tts.registry import unknown_voice
 from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
+from pipelines.turns import EAGERNESS_WAIT_MS
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
@@ -185,13 +187,23 @@ def _transcription(value: Any, current: dict[str, Any] | None) -> dict[str, Any]
     return {"model": "whisper", **out}
 
 
+SEMANTIC_VAD = {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": True}
+
+
 def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``server_vad`` (silence ends a turn) or ``semantic_vad`` (``pipelines.turns``: what was
+    said so far tells whether a pause ends it; ``eagerness`` as OpenAI's). The patch's fields
+    update the current ones of its type; another type starts from its defaults."""
     if td is None:
         return None
-    if not isinstance(td, dict) or td.get("type", "server_vad") != "server_vad":
-        raise EventError("turn_detection must be null or {'type': 'server_vad', ...}", param="session.turn_detection")
-    out = dict(current or SessionConfig("").turn_detection or {})
-    out["type"] = "server_vad"
+    kind = td.get("type", (current or {}).get("type", "server_vad")) if isinstance(td, dict) else None
+    if kind not in ("server_vad", "semantic_vad"):
+        raise EventError(
+            "turn_detection must be null or {'type': 'server_vad' or 'semantic_vad', ...}",
+            param="session.turn_detection",
+        )
+    defaults = SEMANTIC_VAD if kind == "semantic_vad" else SessionConfig("").turn_detection or {}
+    out = dict(current if current and current.get("type") == kind else defaults)
     limits = {
         "threshold": (0.0, 1.0),
         "prefix_padding_ms": (0, 5000),
@@ -199,12 +211,19 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
         "speculative_silence_ms": (0, 10000),  # mmserve's extensions, echoed only once set
         "silence_floor_dbfs": (-120, 0),
     }
-    for key, (lo, hi) in limits.items():
+    for key, (lo, hi) in limits.items() if kind == "server_vad" else ():
         if key in td:
             v = td[key]
             if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
                 raise EventError(f"turn_detection.{key} must be in [{lo}, {hi}]", param=f"session.turn_detection.{key}")
             out[key] = v
+    if kind == "semantic_vad" and "eagerness" in td:
+        if td["eagerness"] not in EAGERNESS_WAIT_MS:
+            choices = ", ".join(EAGERNESS_WAIT_MS)
+            raise EventError(
+                f"turn_detection.eagerness must be one of {choices}", param="session.turn_detection.eagerness"
+            )
+        out["eagerness"] = td["eagerness"]
     for key in ("create_response", "interrupt_response"):
         if key in td:
             if not isinstance(td[key], bool):
@@ -244,9 +263,16 @@ def tools_grammar(tokenizer: Any, config: SessionConfig) -> str | None:
         return None
     try:
         tools_template(tokenizer, "session.tools")
-        return reply_grammar(None, tools, config.tool_choice, where="session.")
+        return _grammar(json.dumps(tools), json.dumps(config.tool_choice))
     except ToolError as exc:
         raise EventError(str(exc), param=exc.param) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar(tools: str, tool_choice: str) -> str | None:
+    """``reply_grammar`` of JSON-encoded tools and choice, once per pair: a session compiles
+    them at each ``session.update`` and per ``response.create`` that sets its own."""
+    return reply_grammar(None, json.loads(tools), json.loads(tool_choice), where="session.")
 
 
 def chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

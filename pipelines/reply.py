@@ -4,9 +4,10 @@ calls parsed out of them (``modalities.llm.tools``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from pipelines.frames import (
 from pipelines.processor import Processor
 from pipelines.services import Services
 from pipelines.speculation import Buffered, LLMSpeculation, ReplyParams, SpeechPrefetch
+from pipelines.turns import END_OF_TURN_P, end_of_turn
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -41,6 +43,7 @@ class LLMOptions:
     # Parse replies for calls of these functions (the conversation's tools; None: off).
     tool_calls: frozenset[str] | None = None
     grammar: str | None = None  # what the session's tool_choice holds replies to
+    judge_turns: bool = False  # semantic VAD: score each pause's transcript (``pipelines.turns``)
 
 
 class LLM(Processor):
@@ -60,17 +63,22 @@ class LLM(Processor):
         conversation: Conversation,
         options: LLMOptions | None = None,
         prefetch: SpeechPrefetch | None = None,
+        end_turn: Callable[[int], None] | None = None,
     ) -> None:
         self.services = services
         self.conversation = conversation
         self.options = options or LLMOptions()
         self.prefetch = prefetch
+        self.end_turn = end_turn  # told the key of a pause judged to end its turn (the VAD stage's)
         self.active: str | None = None
         self.speculation: LLMSpeculation | None = None
+        self.judging: asyncio.Task[None] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, Transcript) and frame.tentative:
             self._speculate(frame.text)
+            if self.options.judge_turns and self.end_turn is not None and frame.text:
+                self.judging = asyncio.create_task(self._judge(frame.text, frame.turn_key))
         elif isinstance(frame, SpeechResumed):
             self.close()
         elif isinstance(frame, Transcript):
@@ -228,7 +236,20 @@ class LLM(Processor):
         self.active = None
         self.close()
 
+    async def _judge(self, text: str, key: int) -> None:
+        """Tell the VAD stage if the pause ``key`` ends the user's turn."""
+        try:
+            p = await end_of_turn(self.services.llm, self.conversation, text, self.options.priority)
+        except Exception:  # noqa: BLE001 - no verdict: the turn waits out its silence
+            logger.warning("scoring the end of a turn failed", exc_info=True)
+            return
+        if p >= END_OF_TURN_P and self.end_turn is not None:
+            self.end_turn(key)
+
     def close(self) -> None:
         spec, self.speculation = self.speculation, None
         if spec is not None:
             spec.cancel()
+        judging, self.judging = self.judging, None
+        if judging is not None:
+            judging.cancel()

@@ -78,6 +78,11 @@ class VAD(Processor):
         self.item_id = f"item_in_{next(self._ids):06d}"
         return self.item_id
 
+    def end_turn(self, key: int) -> None:
+        """The pause with ``key`` ends its turn (semantic VAD): once ``complete_ms`` silent, if no
+        speech came since."""
+        self.seg.judged_key = key
+
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, AudioFrame):
             try:
@@ -164,7 +169,8 @@ class ASR(Processor):
         text = await self._transcribe(frame)
         unclaimed = self.early is not None and self.early[1] is asyncio.current_task()
         if unclaimed and self.emit is not None and frame.respond:
-            self.emit(Transcript(text.strip(), frame.start_ms, frame.end_ms, item_id=frame.item_id, tentative=True))
+            pause = {"item_id": frame.item_id, "tentative": True, "turn_key": frame.turn_key}
+            self.emit(Transcript(text.strip(), frame.start_ms, frame.end_ms, **pause))
         return text
 
     def close(self) -> None:

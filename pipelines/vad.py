@@ -35,6 +35,11 @@ class VADConfig:
     eager_ms: int = 60
     backend: Literal["webrtc", "silero"] = "webrtc"
     floor_dbfs: float = -50.0  # quieter frames are not speech (modalities.vad.VadParams)
+    # semantic_vad: a pause judged to end the user's turn (``pipelines.turns``: the LLM finds the
+    # end of the user's message likely there) ends it once silent ``complete_ms``; any other
+    # waits ``silence_duration_ms`` (then the eagerness's longest wait).
+    semantic: bool = False
+    complete_ms: int = 200
 
 
 # OpenAI's input audio buffer limit: 15 MiB of pcm16 at 24 kHz (~328 s), here in 16 kHz samples.
@@ -67,6 +72,7 @@ class VADSegmenter:
         self.start = 0  # sample where the current speech began
         self.stream: VadStream | None = None
         self.paused_key: int | None = None  # the key of the pause reported, while no speech followed
+        self.judged_key: int | None = None  # the key of a pause judged to end its turn (semantic)
         self.origin = 0  # input sample of the stream's time 0
 
     def _vad(self) -> VadStream | None:
@@ -82,6 +88,8 @@ class VADSegmenter:
         p = self.stream.params
         p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
         p.min_silence_ms, p.pad_ms, p.floor_dbfs = c.silence_duration_ms, c.prefix_padding_ms, c.floor_dbfs
+        if c.semantic and self.paused_key is not None and self.judged_key == self.paused_key:
+            p.min_silence_ms = min(c.complete_ms, c.silence_duration_ms)
         return self.stream
 
     def _pauses(self) -> list[VADEvent]:
@@ -154,5 +162,5 @@ class VADSegmenter:
         audio, start = self.buf, self.buf_start
         self.chunks, self.size, self.buf_start = [], 0, self.pos
         self.stream = None  # a fresh detector after a commit or a clear
-        self.paused_key = None
+        self.paused_key = self.judged_key = None
         return audio, self._ms(start), self._ms(self.pos)

@@ -50,12 +50,13 @@ def voice_pipeline(
     """The stages of a live voice session over ``conv``; the options objects stay live (a
     ``session.update`` changes them in place)."""
     prefetch = SpeechPrefetch(services, tts)  # a speculative reply's first sentence
+    turns = VAD(vad)
     return Pipeline(
         [
             Resample(ASR_RATE),
-            VAD(vad),
+            turns,
             ASR(services, asr),
-            LLM(services, conv, llm, prefetch),
+            LLM(services, conv, llm, prefetch, end_turn=turns.end_turn),
             Sentences(),
             TTS(services, tts, prefetch),
         ]

@@ -1210,3 +1210,51 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         assert sent[-1]["error"]["param"] == "content_index"
 
     run(go())
+
+
+def test_the_llm_tells_a_finished_message_from_a_cut_off_one(server: dict[str, Any]) -> None:
+    """``pipelines.turns.end_of_turn`` on the served SmolLM2: a pause after a cut-off sentence
+    does not end the turn; one after a finished message does (``END_OF_TURN_P``)."""
+    from pipelines.conversation import Conversation
+    from pipelines.turns import END_OF_TURN_P, end_of_turn
+
+    conv = Conversation("You are a helpful assistant.")
+    # (as Whisper writes them: a cut-off sentence may end in "." or "?" too)
+    finished = ["What is the capital of France?", "Tell me a story about a dragon.", "Okay.", "Thanks, that's all."]
+    cut_off = ["What is the capital?", "I would like to order a", "My favorite city is.", "Tell me about the..."]
+
+    async def go() -> list[float]:
+        return [await end_of_turn(server["llm"], conv, text) for text in finished + cut_off]
+
+    p = run(go())
+    assert all(x >= END_OF_TURN_P for x in p[: len(finished)]), p
+    assert all(x < END_OF_TURN_P for x in p[len(finished) :]), p
+
+
+def test_semantic_vad_waits_through_a_pause_mid_sentence(server: dict[str, Any]) -> None:
+    """semantic_vad: a 1 s pause after "What is the capital" (server_vad's 500 ms silence would
+    end the turn there) does not end it; after "of France?" the turn ends well before the 4 s
+    that eagerness "auto" waits for an unfinished one (the stream has 3 s of silence after it)."""
+
+    async def go() -> Client:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            session = {"temperature": 0, "max_response_output_tokens": 8, "turn_detection": {"type": "semantic_vad"}}
+            await c.send("session.update", session=session)
+            updated = await c.until("session.updated")
+            assert updated["session"]["turn_detection"] == {
+                "type": "semantic_vad",
+                "eagerness": "auto",
+                "create_response": True,
+                "interrupt_response": True,
+            }
+            feeder = asyncio.create_task(c.stream(spoken("What is the capital", "of France?", gap_s=1.0), pace=1.0))
+            await c.until("response.done")
+            await feeder
+            return c
+
+    c = run(go())
+    assert c.types().count("input_audio_buffer.speech_stopped") == 1, c.types()
+    transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
+    assert "capital" in transcript.lower() and "france" in transcript.lower(), transcript

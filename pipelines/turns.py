@@ -1,0 +1,70 @@
+"""Semantic turn detection (Realtime's ``semantic_vad``): does the user's turn end at this pause?
+
+The served LLM is asked how likely its chat template's end-of-message token is right after the
+user's words so far, in the conversation: the idea of LiveKit's turn detector (a small LM scoring
+the end of the user's turn), with the model already served and no extra weights. The words are
+lower-cased and stripped of punctuation first, as LiveKit's detector reads them: Whisper ends a
+cut-off sentence with "." or "?" as readily as a finished one ("What is the capital?"), and the
+model believes the punctuation. So read, SmolLM2-135M puts the token's probability at 1e-8.3 to
+1e-10.1 after ten cut-off sentences ("what is the weather in") and at 1e-7.6 to 1e-1.3 after
+thirteen finished messages ("okay", "who wrote hamlet"); ``END_OF_TURN_P`` lies between
+(tests/test_realtime.py holds such cases).
+
+A pause in speech gets its transcript early (``pipelines.speech.ASR``); the reply stage scores it
+and, at or above ``END_OF_TURN_P``, the VAD stage ends the turn once ``VADConfig.complete_ms``
+silent; otherwise the turn waits for more speech, up to the eagerness's longest silence.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from typing import Any
+
+from engine.offload import run_sized
+from pipelines.conversation import Conversation
+
+END_OF_TURN_P = 1e-8
+# semantic_vad's eagerness: the longest silence a turn that seems unfinished waits (OpenAI's
+# documented maximum timeouts: 8 s for low, 4 s for medium and auto, 2 s for high).
+EAGERNESS_WAIT_MS = {"low": 8000, "medium": 4000, "auto": 4000, "high": 2000}
+
+
+def words(text: str) -> str:
+    """``text`` as the turn detector reads it: lower case, no punctuation but apostrophes."""
+    return " ".join(re.sub(r"[^\w\s']", " ", text).lower().split())
+
+
+def _turn_prompt(conv: Conversation, tokenizer: Any, text: str) -> tuple[list[int], int] | None:
+    """The conversation rendered up to the end of the user's ``text`` (token ids), and the
+    token the template writes next (its end of message); None when the render does not show the
+    text as it is."""
+    rendered = conv.answering(text).render_text(tokenizer)
+    cut = rendered.rfind(text)
+    if not text or cut < 0:
+        return None
+    cut += len(text)
+    after = tokenizer(rendered[cut:], add_special_tokens=False).input_ids
+    if not after:
+        return None
+    return tokenizer(rendered[:cut], add_special_tokens=False).input_ids, after[0]
+
+
+async def end_of_turn(engine: Any, conv: Conversation, text: str, priority: int = 0) -> float:
+    """The probability that the user's message ends after ``text`` (0.0 when it cannot be told).
+    One engine step: the end-of-message token is the only one allowed, and its logprob is
+    taken before that restriction (``Sampler``: raw logprobs)."""
+    from engine.sampling_params import SamplingParams
+
+    text = words(text)
+    prompt = await run_sized(conv.chars() + len(text), _turn_prompt, conv, engine.tokenizer, text)
+    if prompt is None:
+        return 0.0
+    ids, end = prompt
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0, allowed_token_ids=[end], detokenize=False)
+    final = None
+    async for out in engine.generate(f"turn-{uuid.uuid4().hex[:12]}", ids, params, priority=priority):
+        final = out
+    logprobs = final.outputs[0].logprobs if final is not None else None
+    return math.exp(logprobs[0].logprob) if logprobs else 0.0
