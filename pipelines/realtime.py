@@ -66,7 +66,7 @@ from pipelines.realtime_output import ServerEvents
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
 from pipelines.speech import ASROptions, TTSOptions
-from pipelines.turns import EAGERNESS_WAIT_MS
+from pipelines.turns import EAGERNESS
 from pipelines.vad import VADConfig
 from pipelines.voice import voice_pipeline
 
@@ -127,12 +127,13 @@ class RealtimeSession(ServerEvents):
         c = self.config
         td = c.turn_detection
         self.vad_config.server_vad = td is not None
-        semantic = td is not None and td["type"] == "semantic_vad"
-        self.vad_config.semantic = self.llm_options.judge_turns = semantic
+        eagerness = EAGERNESS[td["eagerness"]] if td is not None and td["type"] == "semantic_vad" else None
+        self.vad_config.semantic = eagerness is not None
+        self.llm_options.end_of_turn_p = None if eagerness is None else eagerness.end_p
         if td is not None:
             self.vad_config.threshold = float(td.get("threshold", VADConfig.threshold))
             self.vad_config.prefix_padding_ms = int(td.get("prefix_padding_ms", VADConfig.prefix_padding_ms))
-            wait = EAGERNESS_WAIT_MS[td["eagerness"]] if semantic else int(td["silence_duration_ms"])
+            wait = eagerness.wait_ms if eagerness is not None else int(td["silence_duration_ms"])
             self.vad_config.silence_duration_ms = wait
             self.vad_config.create_response = bool(td.get("create_response", True))
             self.vad_config.interrupt_response = bool(td.get("interrupt_response", True))

@@ -21,7 +21,7 @@ from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_too
 from modalities.llm.tools import check_template as tools_template
 from modalities.tts.registry import unknown_voice
 from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
-from pipelines.turns import EAGERNESS_WAIT_MS
+from pipelines.turns import EAGERNESS
 
 RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
@@ -218,8 +218,8 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
                 raise EventError(f"turn_detection.{key} must be in [{lo}, {hi}]", param=f"session.turn_detection.{key}")
             out[key] = v
     if kind == "semantic_vad" and "eagerness" in td:
-        if td["eagerness"] not in EAGERNESS_WAIT_MS:
-            choices = ", ".join(EAGERNESS_WAIT_MS)
+        if td["eagerness"] not in EAGERNESS:
+            choices = ", ".join(EAGERNESS)
             raise EventError(
                 f"turn_detection.eagerness must be one of {choices}", param="session.turn_detection.eagerness"
             )

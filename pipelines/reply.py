@@ -30,7 +30,7 @@ from pipelines.frames import (
 from pipelines.processor import Processor
 from pipelines.services import Services
 from pipelines.speculation import Buffered, LLMSpeculation, ReplyParams, SpeechPrefetch
-from pipelines.turns import END_OF_TURN_P, end_of_turn
+from pipelines.turns import end_of_turn
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -43,7 +43,9 @@ class LLMOptions:
     # Parse replies for calls of these functions (the conversation's tools; None: off).
     tool_calls: frozenset[str] | None = None
     grammar: str | None = None  # what the session's tool_choice holds replies to
-    judge_turns: bool = False  # semantic VAD: score each pause's transcript (``pipelines.turns``)
+    # semantic VAD: a pause whose transcript ends the user's message at least this likely ends
+    # the turn (``pipelines.turns``; None: pauses are not judged)
+    end_of_turn_p: float | None = None
 
 
 class LLM(Processor):
@@ -77,7 +79,7 @@ class LLM(Processor):
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, Transcript) and frame.tentative:
             self._speculate(frame.text)
-            if self.options.judge_turns and self.end_turn is not None and frame.text:
+            if self.options.end_of_turn_p is not None and self.end_turn is not None and frame.text:
                 self.judging = asyncio.create_task(self._judge(frame.text, frame.turn_key))
         elif isinstance(frame, SpeechResumed):
             self.close()
@@ -243,7 +245,8 @@ class LLM(Processor):
         except Exception:  # noqa: BLE001 - no verdict: the turn waits out its silence
             logger.warning("scoring the end of a turn failed", exc_info=True)
             return
-        if p >= END_OF_TURN_P and self.end_turn is not None:
+        threshold = self.options.end_of_turn_p
+        if threshold is not None and p >= threshold and self.end_turn is not None:
             self.end_turn(key)
 
     def close(self) -> None:

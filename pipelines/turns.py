@@ -7,12 +7,15 @@ lower-cased and stripped of punctuation first, as LiveKit's detector reads them:
 cut-off sentence with "." or "?" as readily as a finished one ("What is the capital?"), and the
 model believes the punctuation. So read, SmolLM2-135M puts the token's probability at 1e-8.3 to
 1e-10.1 after ten cut-off sentences ("what is the weather in") and at 1e-7.6 to 1e-1.3 after
-thirteen finished messages ("okay", "who wrote hamlet"); ``END_OF_TURN_P`` lies between
-(tests/test_realtime.py holds such cases).
+thirteen finished messages ("okay", "who wrote hamlet"); the default threshold lies between
+(tests/test_realtime.py holds such cases). Heard through Whisper, a finished question may still
+score low ("who wrote romeo and juliet", 1e-8.5) and a misheard cut-off one high ("can you tell
+me the weather end", 1e-6.8): the eagerness moves the threshold as well as the longest wait.
 
 A pause in speech gets its transcript early (``pipelines.speech.ASR``); the reply stage scores it
-and, at or above ``END_OF_TURN_P``, the VAD stage ends the turn once ``VADConfig.complete_ms``
-silent; otherwise the turn waits for more speech, up to the eagerness's longest silence.
+and, at or above the eagerness's threshold, the VAD stage ends the turn once
+``VADConfig.complete_ms`` silent; otherwise the turn waits for more speech, up to the
+eagerness's longest silence.
 """
 
 from __future__ import annotations
@@ -20,15 +23,29 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from engine.offload import run_sized
 from pipelines.conversation import Conversation
 
-END_OF_TURN_P = 1e-8
-# semantic_vad's eagerness: the longest silence a turn that seems unfinished waits (OpenAI's
-# documented maximum timeouts: 8 s for low, 4 s for medium and auto, 2 s for high).
-EAGERNESS_WAIT_MS = {"low": 8000, "medium": 4000, "auto": 4000, "high": 2000}
+
+@dataclass(frozen=True)
+class Eagerness:
+    """semantic_vad's ``eagerness``: how likely an end must be to end the turn at a pause, and
+    the longest silence a turn that seems unfinished waits (OpenAI's documented maximum
+    timeouts: 8 s for low, 4 s for medium and auto, 2 s for high)."""
+
+    end_p: float
+    wait_ms: int
+
+
+EAGERNESS = {
+    "low": Eagerness(1e-7, 8000),
+    "medium": Eagerness(1e-8, 4000),
+    "auto": Eagerness(1e-8, 4000),
+    "high": Eagerness(1e-9, 2000),
+}
 
 
 def words(text: str) -> str:

@@ -1214,9 +1214,9 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
 
 def test_the_llm_tells_a_finished_message_from_a_cut_off_one(server: dict[str, Any]) -> None:
     """``pipelines.turns.end_of_turn`` on the served SmolLM2: a pause after a cut-off sentence
-    does not end the turn; one after a finished message does (``END_OF_TURN_P``)."""
+    does not end the turn; one after a finished message does (eagerness "auto")."""
     from pipelines.conversation import Conversation
-    from pipelines.turns import END_OF_TURN_P, end_of_turn
+    from pipelines.turns import EAGERNESS, end_of_turn
 
     conv = Conversation("You are a helpful assistant.")
     # (as Whisper writes them: a cut-off sentence may end in "." or "?" too)
@@ -1227,8 +1227,9 @@ def test_the_llm_tells_a_finished_message_from_a_cut_off_one(server: dict[str, A
         return [await end_of_turn(server["llm"], conv, text) for text in finished + cut_off]
 
     p = run(go())
-    assert all(x >= END_OF_TURN_P for x in p[: len(finished)]), p
-    assert all(x < END_OF_TURN_P for x in p[len(finished) :]), p
+    threshold = EAGERNESS["auto"].end_p
+    assert all(x >= threshold for x in p[: len(finished)]), p
+    assert all(x < threshold for x in p[len(finished) :]), p
 
 
 def test_semantic_vad_waits_through_a_pause_mid_sentence(server: dict[str, Any]) -> None:
