@@ -177,32 +177,24 @@ def test_tool_choice_required_or_named_makes_a_call(smollm2_tools_client: openai
     ]
 
 
+def _reply(client: openai.OpenAI, name: str, schema: dict[str, Any]) -> Any:
+    """The one choice of a greedy chat reply held to ``schema``."""
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    out = client.chat.completions.create(
+        model="smollm2", messages=ASK, response_format=fmt, temperature=0, max_tokens=30
+    )  # type: ignore[arg-type,call-overload]
+    return out.choices[0]
+
+
 def test_a_schema_without_a_finite_instance_cuts_the_reply_short(smollm2_tools_client: openai.OpenAI) -> None:
     """Such a schema compiles, and llguidance gives up on it after a few tokens: the reply is
-        cut short (``length``, the reason in ``stop_reason``), not a finished ``stop``, and the
-        engine serves on. Objects put together with ``allOf`` are not closed (closing a part would
+    cut short (``length``, the reason in ``stop_reason``), not a finished ``stop``, and the
+    engine serves on. Objects put together with ``allOf`` are not closed (closing a part would
     forbid the other's keys), so such a schema is served, not refused."""
     endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
-    fmt = {"type": "json_schema", "json_schema": {"name": "endless", "schema": endless}}
-    out = smollm2_tools_client.chat.completions.create(
-        model="smollm2",
-        messages=ASK,
-        response_format=fmt,
-        temperature=0,
-        max_tokens=30,  # type: ignore[arg-type]
-    )
-    choice = out.choices[0]
+    choice = _reply(smollm2_tools_client, "endless", endless)
     assert choice.finish_reason == "length" and len(choice.message.content or "") < 30
-    assert str(choice.model_extra["stop_reason"]).startswith("grammar: ")  # type: ignore[index]
-    parts = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}]
-    parts.append({"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]})
-    fmt = {"type": "json_schema", "json_schema": {"name": "both", "schema": {"allOf": parts}}}
-    out = smollm2_tools_client.chat.completions.create(
-        model="smollm2",
-        messages=ASK,
-        response_format=fmt,
-        temperature=0,
-        max_tokens=30,  # type: ignore[arg-type]
-    )
-    text = out.choices[0].message.content or ""  # (open: the model may add keys until max_tokens)
-    assert text.startswith('{"a": ') and '"b": ' in text
+    assert str(choice.model_extra["stop_reason"]).startswith("grammar: ")
+    parts = [{"type": "object", "properties": {k: {"type": "integer"}}, "required": [k]} for k in "ab"]
+    text = _reply(smollm2_tools_client, "both", {"allOf": parts}).message.content or ""
+    assert text.startswith('{"a": ') and '"b": ' in text  # (open: the model may add keys until max_tokens)
