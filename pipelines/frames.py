@@ -110,8 +110,9 @@ class Heard(SystemFrame):
 @dataclass
 class Transcript(Frame):
     """The final transcript of one utterance (``respond``: as in ``UserAudio``). ``tentative``:
-    the transcript of a pause's utterance (``UserAudio.tentative``), for speculative replies only;
-    it never reaches the conversation or the client."""
+    the transcript of a pause's utterance (``UserAudio.tentative``), for a speculative reply (if
+    ``respond``) and a semantic VAD's verdict only; it never reaches the conversation or the
+    client."""
 
     text: str
     start_ms: int = 0

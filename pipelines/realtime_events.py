@@ -218,7 +218,7 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
                 raise EventError(f"turn_detection.{key} must be in [{lo}, {hi}]", param=f"session.turn_detection.{key}")
             out[key] = v
     if kind == "semantic_vad" and "eagerness" in td:
-        if td["eagerness"] not in EAGERNESS:
+        if not isinstance(td["eagerness"], str) or td["eagerness"] not in EAGERNESS:
             choices = ", ".join(EAGERNESS)
             raise EventError(
                 f"turn_detection.eagerness must be one of {choices}", param="session.turn_detection.eagerness"

@@ -78,12 +78,17 @@ class LLM(Processor):
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, Transcript) and frame.tentative:
-            self._speculate(frame.text)
+            self.close()
+            if frame.respond:
+                self._speculate(frame.text)
             if self.options.end_of_turn_p is not None and self.end_turn is not None and frame.text:
                 self.judging = asyncio.create_task(self._judge(frame.text, frame.turn_key))
         elif isinstance(frame, SpeechResumed):
             self.close()
         elif isinstance(frame, Transcript):
+            if self.judging is not None:  # the turn is over
+                self.judging.cancel()
+                self.judging = None
             self.conversation.add("user", frame.text, frame.item_id or None, audio=True)
             yield frame
             if frame.respond and frame.text:  # nothing was said (noise): no reply
@@ -236,23 +241,24 @@ class LLM(Processor):
 
     async def on_interrupt(self) -> None:
         self.active = None
-        self.close()
+        self.close(judging=False)  # (a client's response.cancel: the user's turn is still judged)
 
     async def _judge(self, text: str, key: int) -> None:
         """Tell the VAD stage if the pause ``key`` ends the user's turn."""
         try:
             p = await end_of_turn(self.services.llm, self.conversation, text, self.options.priority)
-        except Exception:  # noqa: BLE001 - no verdict: the turn waits out its silence
-            logger.warning("scoring the end of a turn failed", exc_info=True)
+        except Exception:  # noqa: BLE001 - no verdict (e.g. a prompt past the context): the turn waits out its silence
+            logger.debug("scoring the end of a turn failed", exc_info=True)
             return
         threshold = self.options.end_of_turn_p
         if threshold is not None and p >= threshold and self.end_turn is not None:
             self.end_turn(key)
 
-    def close(self) -> None:
+    def close(self, judging: bool = True) -> None:
+        """Drop the speculative reply, and (``judging``) the verdict on the pause being judged."""
         spec, self.speculation = self.speculation, None
         if spec is not None:
             spec.cancel()
-        judging, self.judging = self.judging, None
-        if judging is not None:
-            judging.cancel()
+        if judging and self.judging is not None:
+            self.judging.cancel()
+            self.judging = None

@@ -80,8 +80,9 @@ class VAD(Processor):
 
     def end_turn(self, key: int) -> None:
         """The pause with ``key`` ends its turn (semantic VAD): once ``complete_ms`` silent, if no
-        speech came since."""
-        self.seg.judged_key = key
+        speech came since (a verdict on an older pause changes nothing)."""
+        if key == self.seg.paused_key:
+            self.seg.judged_key = key
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, AudioFrame):
@@ -134,7 +135,8 @@ class ASR(Processor):
     (the silence wait and the ASR overlap) if the language and prompt are still those it ran
     with, any other discards it, and so does ``SpeechResumed``.
     In a concurrent run, a background transcript still unclaimed when it is ready is also passed
-    on as a tentative ``Transcript`` (the LLM may start the reply speculatively)."""
+    on as a tentative ``Transcript`` (the LLM stage may start the reply speculatively, and judge
+    whether the pause ends the turn)."""
 
     def __init__(self, services: Services, options: ASROptions | None = None) -> None:
         self.services = services
@@ -168,9 +170,18 @@ class ASR(Processor):
     async def _early(self, frame: UserAudio) -> str:
         text = await self._transcribe(frame)
         unclaimed = self.early is not None and self.early[1] is asyncio.current_task()
-        if unclaimed and self.emit is not None and frame.respond:
-            pause = {"item_id": frame.item_id, "tentative": True, "turn_key": frame.turn_key}
-            self.emit(Transcript(text.strip(), frame.start_ms, frame.end_ms, **pause))
+        if unclaimed and self.emit is not None:  # (for a speculative reply and a semantic VAD's verdict)
+            self.emit(
+                Transcript(
+                    text.strip(),
+                    frame.start_ms,
+                    frame.end_ms,
+                    item_id=frame.item_id,
+                    respond=frame.respond,
+                    tentative=True,
+                    turn_key=frame.turn_key,
+                )
+            )
         return text
 
     def close(self) -> None:

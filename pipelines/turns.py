@@ -53,19 +53,19 @@ def words(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s']", " ", text).lower().split())
 
 
-def _turn_prompt(conv: Conversation, tokenizer: Any, text: str) -> tuple[list[int], int] | None:
-    """The conversation rendered up to the end of the user's ``text`` (token ids), and the
-    token the template writes next (its end of message); None when the render does not show the
-    text as it is."""
-    rendered = conv.answering(text).render_text(tokenizer)
-    cut = rendered.rfind(text)
-    if not text or cut < 0:
+MARK = "\ue000"  # (a private-use character: no template or transcript writes it)
+
+
+def _turn_prompt(answering: Conversation, tokenizer: Any) -> tuple[list[int], int] | None:
+    """``answering`` (whose user message ends with ``MARK``) rendered up to that message's end
+    (token ids), and the token the template writes next (its end of message); None when the
+    render does not show the mark once."""
+    rendered = answering.render_text(tokenizer)
+    if rendered.count(MARK) != 1:
         return None
-    cut += len(text)
-    after = tokenizer(rendered[cut:], add_special_tokens=False).input_ids
-    if not after:
-        return None
-    return tokenizer(rendered[:cut], add_special_tokens=False).input_ids, after[0]
+    head, tail = rendered.split(MARK)
+    after = tokenizer(tail, add_special_tokens=False).input_ids
+    return (tokenizer(head, add_special_tokens=False).input_ids, after[0]) if after else None
 
 
 async def end_of_turn(engine: Any, conv: Conversation, text: str, priority: int = 0) -> float:
@@ -75,7 +75,10 @@ async def end_of_turn(engine: Any, conv: Conversation, text: str, priority: int 
     from engine.sampling_params import SamplingParams
 
     text = words(text)
-    prompt = await run_sized(conv.chars() + len(text), _turn_prompt, conv, engine.tokenizer, text)
+    if not text:
+        return 0.0
+    answering = conv.answering(text + MARK)  # (a copy, here: the live items change meanwhile)
+    prompt = await run_sized(answering.chars(), _turn_prompt, answering, engine.tokenizer)
     if prompt is None:
         return 0.0
     ids, end = prompt
