@@ -85,6 +85,25 @@ def lark_grammar(lark: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
+def regex_grammar(regex: str) -> str:
+    """The grammar of text that matches ``regex`` whole."""
+    return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The grammar of exactly one of ``choices``."""
+    return lark_grammar("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def cfg_grammar(text: str) -> str:
+    """The grammar of a context-free grammar in Lark (llguidance's dialect) or GBNF (llama.cpp's);
+    ``GrammarError`` when a GBNF text does not convert."""
+    try:
+        return llguidance.grammar_from("grammar", text)
+    except ValueError as exc:
+        raise GrammarError(str(exc)) from exc
+
+
 def check_grammar(grammar: str) -> None:
     """Raise ``GrammarError`` with llguidance's message if ``grammar`` does not compile."""
     error = llguidance.LLMatcher.validate_grammar(grammar)

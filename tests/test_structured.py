@@ -6,6 +6,7 @@ and calls no tool unless the conversation shows it how (``test_tools``)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import openai
@@ -198,3 +199,37 @@ def test_a_schema_without_a_finite_instance_cuts_the_reply_short(smollm2_tools_c
     parts = [{"type": "object", "properties": {k: {"type": "integer"}}, "required": [k]} for k in "ab"]
     text = _reply(smollm2_tools_client, "both", {"allOf": parts}).message.content or ""
     assert text.startswith('{"a": ') and '"b": ' in text  # (open: the model may add keys until max_tokens)
+
+
+def test_vllms_guided_decoding_fields(smollm2_tools_client: openai.OpenAI) -> None:
+    """``guided_choice``, ``guided_regex``, ``guided_json`` (also as JSON text) and
+    ``guided_grammar`` (GBNF here), and the same under ``structured_outputs``, as vLLM takes them."""
+    client = smollm2_tools_client
+    ask = [{"role": "user", "content": "Is the sky green? Answer yes or no."}]
+
+    def reply(**extra: Any) -> str:
+        out = client.chat.completions.create(
+            model="smollm2", messages=ask, temperature=0, max_tokens=20, extra_body=extra
+        )  # type: ignore[arg-type]
+        assert out.choices[0].finish_reason == "stop"
+        return out.choices[0].message.content or ""
+
+    assert reply(guided_choice=["yes", "no"]) in ("yes", "no")
+    assert reply(structured_outputs={"choice": ["maybe", "never"]}) in ("maybe", "never")
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}", reply(guided_regex=r"[A-Z][a-z]{2,8}"))
+    assert isinstance(json.loads(reply(guided_json=json.dumps({"type": "boolean"}))), bool)
+    gbnf = 'root ::= "The answer is " ("yes" | "no") "."'
+    assert reply(structured_outputs={"grammar": gbnf}) in ("The answer is yes.", "The answer is no.")
+    bad = [
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, None),  # at most one
+        ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, None),
+    ]
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="smollm2", messages=ask, max_tokens=4, extra_body=extra)  # type: ignore[arg-type]
+        if param is not None:
+            assert err.value.body["param"] == param, err.value.body  # type: ignore[index]

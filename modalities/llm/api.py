@@ -35,7 +35,7 @@ from modalities.llm.serving import (
     start_generation,
     validate_ids,
 )
-from modalities.llm.structured import reply_grammar
+from modalities.llm.structured import guided_grammar, reply_grammar
 from modalities.llm.tools import (
     ToolCall,
     ToolCallStream,
@@ -55,13 +55,24 @@ router = APIRouter(tags=["llm"], strict_content_type=False)
 
 
 async def _grammar(
-    schema: dict[str, Any] | None, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool
+    body: CompletionRequest | ChatCompletionRequest,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel: bool = True,
 ) -> str | None:
-    """``reply_grammar`` off the event loop when large (a big schema compiles for a while);
-    its errors as 400s."""
-    if schema is None and tool_choice in (None, "auto", "none"):
+    """The grammar of ``body``'s reply (``reply_grammar``, or ``guided_grammar`` for vLLM's
+    guided decoding), off the event loop when large (a big schema compiles for a while); its
+    errors as 400s."""
+    schema = body.response_format.schema_of_reply() if body.response_format else None
+    guided = body.guided()
+    if schema is None and not guided and tool_choice in (None, "auto", "none"):
         return None
     try:
+        if guided:
+            [(kind, value, param)] = guided
+            if tools and tool_choice not in (None, "auto", "none"):
+                raise ToolError(f"{param} cannot be combined with a tool_choice that asks for calls", param)
+            return await run_sized(len(str(value)), guided_grammar, kind, value, param)
         size = len(str(schema)) + len(str(tools))
         return await run_sized(size, reply_grammar, schema, tools, tool_choice, parallel)
     except ToolError as exc:
@@ -73,8 +84,7 @@ async def create_completion(body: CompletionRequest, request: Request, response:
     """OpenAI ``POST /v1/completions`` (streaming and not)."""
     model, engine = resolve_engine(request, body.model)
     tokenizer = engine.tokenizer
-    schema = body.response_format.schema_of_reply() if body.response_format else None
-    grammar = await _grammar(schema, None, None, True)
+    grammar = await _grammar(body)
     try:
         params = body.to_sampling_params(grammar)
     except ValueError as exc:
@@ -273,8 +283,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     one_call, names = body.parallel_tool_calls is False, declared(body.tools)
     named = forced_function(body.tool_choice, "tool_choice") is not None
     policy = _Calls(names, one_call, "stop" if named else "tool_calls") if parse else None
-    schema = body.response_format.schema_of_reply() if body.response_format else None
-    grammar = await _grammar(schema, body.tools if parse else None, body.tool_choice, not one_call)
+    grammar = await _grammar(body, body.tools if parse else None, body.tool_choice, not one_call)
     size = sum(len(str(m.content or "")) for m in body.messages) + len(str(body.tools or ""))
     prompt_ids = await run_sized(size, _chat_prompt_ids, tokenizer, body, int(engine.max_model_len), size)
     try:

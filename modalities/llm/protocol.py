@@ -59,6 +59,15 @@ class ResponseFormat(_Model):
         return None
 
 
+class StructuredOutputs(_Model):
+    """vLLM's ``structured_outputs`` (the newer name of its ``guided_*`` fields)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingRequest(_Model):
     """Fields shared by completions and chat completions."""
 
@@ -86,6 +95,12 @@ class _SamplingRequest(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower first under --scheduling-policy priority
+    # vLLM's guided decoding: at most one (``modalities.llm.structured.guided_grammar``)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("priority")
     @classmethod
@@ -114,6 +129,29 @@ class _SamplingRequest(_Model):
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return v
+
+    @model_validator(mode="after")
+    def _check_guided(self) -> _SamplingRequest:
+        if len(self.guided()) > 1:
+            raise ValueError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar")
+        if self.guided() and self.response_format is not None and self.response_format.schema_of_reply() is not None:
+            raise ValueError("guided decoding cannot be combined with a JSON response_format")
+        return self
+
+    def guided(self) -> list[tuple[str, Any, str]]:
+        """vLLM's guided decoding fields given, as ``(kind, value, param)``."""
+        s = self.structured_outputs
+        fields = [
+            ("json", self.guided_json, "guided_json"),
+            ("regex", self.guided_regex, "guided_regex"),
+            ("choice", self.guided_choice, "guided_choice"),
+            ("grammar", self.guided_grammar, "guided_grammar"),
+        ]
+        if s is not None:
+            fields += [
+                (k, getattr(s, "json_" if k == "json" else k), f"structured_outputs.{k}") for k, _, _ in fields[:4]
+            ]
+        return [(kind, value, param) for kind, value, param in fields if value is not None]
 
     @property
     def include_usage(self) -> bool:

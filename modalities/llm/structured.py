@@ -1,11 +1,22 @@
-"""What a chat reply's tokens are held to (``engine.structured``): ``response_format`` and
-``tool_choice`` as one grammar. Shared by ``/v1/chat/completions`` and the realtime sessions."""
+"""What a reply's tokens are held to (``engine.structured``): ``response_format`` and
+``tool_choice`` as one grammar (shared by ``/v1/chat/completions`` and the realtime sessions),
+or vLLM's guided decoding fields."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from engine.structured import GrammarError, check_grammar, json_grammar, lark_grammar, lark_json
+from engine.structured import (
+    GrammarError,
+    cfg_grammar,
+    check_grammar,
+    choice_grammar,
+    json_grammar,
+    lark_grammar,
+    lark_json,
+    regex_grammar,
+)
 from modalities.llm.tools import ToolError, call_grammar
 
 
@@ -39,3 +50,22 @@ def reply_grammar(
         calls = call_grammar(tools, "required", parallel, where)
         return _checked(lark_grammar(f"start: calls | reply\nreply: {lark_json(schema)}\n{calls}"), where + "tools")
     return reply
+
+
+def guided_grammar(kind: str, value: Any, param: str) -> str:
+    """The grammar of vLLM's guided decoding (``guided_json``, ``guided_regex``, ``guided_choice``,
+    ``guided_grammar``, or the same under ``structured_outputs``); ``ToolError`` naming ``param``
+    when it is malformed or does not compile."""
+    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise ToolError("choice must be a non-empty list of non-empty strings", param)
+    try:
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            grammar = json_grammar(schema) if isinstance(schema, dict) else ""
+        else:
+            grammar = {"choice": choice_grammar, "regex": regex_grammar}.get(kind, cfg_grammar)(value)
+    except ValueError as exc:  # (not JSON; a GBNF text that does not convert)
+        raise ToolError(f"{param} does not compile to a grammar: {exc}", param) from exc
+    if not grammar:
+        raise ToolError("a JSON schema must be an object", param)
+    return _checked(grammar, param)
