@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     add_batch_args(ap, batch=6, prompt_len=128, steps=10, rounds=5, threads=os.cpu_count() or 1)
     ap.add_argument("--variants", default="unpacked,packed", help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument(
+        "--guided-regex",
+        default=None,
+        help="hold every sequence to this regex (structured outputs' mask per step); it must not "
+        "end before the run does, e.g. '[a-z ]{4000,}'",
+    )
+    ap.add_argument(
         "--turn-tokens",
         default="",
         help="comma list: also time the prefill of this many new tokens after a cached prompt (a turn)",
@@ -80,7 +86,12 @@ def fill_batch(engine: Any, args: argparse.Namespace, decode_steps: int) -> None
     """Add ``batch_prompts`` as requests that outlive ``decode_steps`` decode steps."""
     from engine.sampling_params import SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=decode_steps + 8, ignore_eos=True)
+    grammar = None
+    if getattr(args, "guided_regex", None):
+        from engine.structured import regex_grammar
+
+        grammar = regex_grammar(args.guided_regex)
+    sp = SamplingParams(temperature=0, max_tokens=decode_steps + 8, ignore_eos=grammar is None, grammar=grammar)
     for i, prompt in enumerate(batch_prompts(engine, args)):
         engine.add_request(f"r{i}", prompt, sp)
 
@@ -131,6 +142,9 @@ def run_step_ab(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             for _ in range(args.steps):
                 eng.step()
             decode[name].append((time.perf_counter() - t0) / args.steps)
+    for name, eng in engines.items():
+        if len(eng.scheduler.running) < args.batch:
+            print(f"warning: {name}: a sequence finished during the timed steps (not a full batch throughout)")
     first = next(iter(engines))
     base = statistics.median(decode[first])
     print(f"batch {args.batch}, prompt {args.prompt_len}, {args.threads} threads, {args.rounds}x{args.steps} steps")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # JSON in the shape chat templates write it ({"a": 1, "b": [2, 3]}), with no free whitespace:
 # given a choice of whitespace, small models can emit newlines until max_tokens.
@@ -126,6 +127,8 @@ class Guide:
         """Set, in place, the logits of every token the grammar forbids next to -inf. First
         consumes the output tokens it has not seen: the engine appends tokens without telling
         guides, and a step that is rerun samples again from the same place."""
+        import numpy as np
+        import torch  # (here: the API process imports this module for its grammars alone)
         for token in output_ids[self._seen :]:
             self._matcher.consume_token(token)
         self._seen = len(output_ids)
