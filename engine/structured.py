@@ -129,6 +129,7 @@ class Guide:
         guides, and a step that is rerun samples again from the same place."""
         import numpy as np
         import torch  # (here: the API process imports this module for its grammars alone)
+
         for token in output_ids[self._seen :]:
             self._matcher.consume_token(token)
         self._seen = len(output_ids)
