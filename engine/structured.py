@@ -19,10 +19,10 @@ import llguidance
 if TYPE_CHECKING:
     import torch
 
-# JSON in the shape chat templates write it ({"a": 1, "b": [2, 3]}), with no free whitespace:
-# given a choice of whitespace, small models can emit newlines until max_tokens.
 logger = logging.getLogger("mmserve.engine")
 
+# JSON in the shape chat templates write it ({"a": 1, "b": [2, 3]}), with no free whitespace:
+# given a choice of whitespace, small models can emit newlines until max_tokens.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

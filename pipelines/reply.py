@@ -86,9 +86,7 @@ class LLM(Processor):
         elif isinstance(frame, SpeechResumed):
             self.close()
         elif isinstance(frame, Transcript):
-            if self.judging is not None:  # the turn is over
-                self.judging.cancel()
-                self.judging = None
+            self._stop_judging()  # the turn is over
             self.conversation.add("user", frame.text, frame.item_id or None, audio=True)
             yield frame
             if frame.respond and frame.text:  # nothing was said (noise): no reply
@@ -130,8 +128,8 @@ class LLM(Processor):
         return self.services.llm.generate(request_id, ids, sampling, priority=self.options.priority)
 
     def _speculate(self, text: str) -> None:
-        """Start the reply the conversation would get if the turn ended with ``text``."""
-        self.close()
+        """Start the reply the conversation would get if the turn ended with ``text`` (the
+        caller has closed any earlier one)."""
         if not text or self.conversation.chars() > OFF_LOOP_CHARS:  # a long render would hold the loop
             return
         try:
@@ -259,6 +257,10 @@ class LLM(Processor):
         spec, self.speculation = self.speculation, None
         if spec is not None:
             spec.cancel()
-        if judging and self.judging is not None:
+        if judging:
+            self._stop_judging()
+
+    def _stop_judging(self) -> None:
+        if self.judging is not None:
             self.judging.cancel()
             self.judging = None

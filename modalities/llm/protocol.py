@@ -132,9 +132,10 @@ class _SamplingRequest(_Model):
 
     @model_validator(mode="after")
     def _check_guided(self) -> _SamplingRequest:
-        if len(self.guided()) > 1:
+        guided = self.guided()
+        if len(guided) > 1:
             raise ValueError("give at most one of guided_json, guided_regex, guided_choice, guided_grammar")
-        if self.guided() and self.response_format is not None and self.response_format.schema_of_reply() is not None:
+        if guided and self.response_format is not None and self.response_format.schema_of_reply() is not None:
             raise ValueError("guided decoding cannot be combined with a JSON response_format")
         return self
 

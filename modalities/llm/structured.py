@@ -58,14 +58,16 @@ def guided_grammar(kind: str, value: Any, param: str) -> str:
     when it is malformed or does not compile."""
     if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
         raise ToolError("choice must be a non-empty list of non-empty strings", param)
-    try:
-        if kind == "json":
-            schema = json.loads(value) if isinstance(value, str) else value
-            grammar = json_grammar(schema) if isinstance(schema, dict) else ""
-        else:
-            grammar = {"choice": choice_grammar, "regex": regex_grammar}.get(kind, cfg_grammar)(value)
-    except ValueError as exc:  # (not JSON; a GBNF text that does not convert)
-        raise ToolError(f"{param} does not compile to a grammar: {exc}", param) from exc
-    if not grammar:
+    build = {"json": json_grammar, "choice": choice_grammar, "regex": regex_grammar, "grammar": cfg_grammar}[kind]
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ToolError(f"{param} is not JSON: {exc}", param) from exc
+    if kind == "json" and not isinstance(value, dict):
         raise ToolError("a JSON schema must be an object", param)
+    try:
+        grammar = build(value)
+    except ValueError as exc:  # (a GBNF text that does not convert)
+        raise ToolError(f"{param} does not compile to a grammar: {exc}", param) from exc
     return _checked(grammar, param)
