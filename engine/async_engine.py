@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.openmp import release_thread_team
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import Guide
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,7 @@ class _Add:
     params: SamplingParams
     priority: int
     stream: _Stream
+    guides: list[Guide] | None = None
 
 
 @dataclass
@@ -150,9 +152,12 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         await self.start()
         request_id = request_id or f"req-{next(self._ids)}"
+        guides = None
+        if params.grammar is not None:  # compiled here, on a worker thread: it would stall every stream's step
+            guides = await asyncio.to_thread(self.engine.guides.new, params.grammar, params.n)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, admitted=loop.create_future())
-        self._submit(_Add(request_id, prompt, params, priority, stream))
+        self._submit(_Add(request_id, prompt, params, priority, stream, guides))
         finished = rejected = False
         try:
             try:
@@ -222,7 +227,7 @@ class AsyncEngine:
                 cmd.resolve(result, None)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority, cmd.guides)
         except Exception as exc:  # admission errors go back to the caller
             cmd.stream.admit(exc)
             return

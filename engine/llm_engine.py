@@ -22,7 +22,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, PromptInputs, Sequence, SequenceStatus
-from engine.structured import Guides
+from engine.structured import Guide, Guides
 
 if TYPE_CHECKING:
     from engine.model_loader import LoadedModel
@@ -170,9 +170,17 @@ class LLMEngine:
         check_token_ids(inputs.token_ids, self.adapter.vocab_size, "prompt")
         return inputs
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        guides: list[Guide] | None = None,
+    ) -> None:
         """Queue a request. Raises ``ValueError``/``PromptTooLongError`` for bad input and
-        ``QueueFullError`` when the waiting queue is at ``max_waiting``."""
+        ``QueueFullError`` when the waiting queue is at ``max_waiting``. ``guides``: one per
+        sequence, made by ``self.guides`` for ``params.grammar`` beforehand (else made here)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -189,7 +197,7 @@ class LLMEngine:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         seqs = [Sequence(request_id, i, inputs, params, priority) for i in range(params.n)]
         if params.grammar is not None:
-            for seq, guide in zip(seqs, self.guides.new(params.grammar, len(seqs)), strict=True):
+            for seq, guide in zip(seqs, guides or self.guides.new(params.grammar, len(seqs)), strict=True):
                 seq.guide = guide
         for sibling in seqs[1:]:
             sibling.status = SequenceStatus.WAITING_FOR_FORK

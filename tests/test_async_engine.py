@@ -18,6 +18,7 @@ from engine.llm_engine import MAX_FAILED_STEPS, LLMEngine
 from engine.model_loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import regex_grammar
 from tests.helpers import DEADLINE_S, until
 
 MAX_MODEL_LEN = 256
@@ -311,6 +312,35 @@ async def test_call_between_steps_runs_on_the_engine_thread_between_steps(loaded
         await gen.aclose()
         assert [name for name, _ in seen] == ["mmserve-engine"] * 2
         assert seen[1][1] > seen[0][1]  # steps ran in between
+        await _idle(engine)
+
+
+async def test_a_grammar_compiles_off_the_engine_thread_while_others_step(loaded) -> None:
+    """A big schema takes a while to compile: done on the engine thread, it would stall every
+    running stream's steps for that long."""
+    import threading
+
+    async with _async_engine(loaded) as engine:
+        llm = engine.engine
+        compile_guides = llm.guides.new
+        seen: list[tuple[str, int, int]] = []
+
+        def slow_compile(grammar: str, n: int = 1) -> list:
+            before = llm.num_generation_tokens
+            time.sleep(0.5)  # a slow compile
+            seen.append((threading.current_thread().name, before, llm.num_generation_tokens))
+            return compile_guides(grammar, n)
+
+        llm.guides.new = slow_compile  # type: ignore[method-assign]
+        gen = engine.generate("long", PROMPTS[0], LONG)
+        await gen.__anext__()
+        params = SamplingParams(temperature=0, max_tokens=8, grammar=regex_grammar("(yes|no)"))
+        _, text = await _collect(engine, PROMPTS[1], params)
+        await gen.aclose()
+        [(thread, before, after)] = seen
+        assert thread != "mmserve-engine"
+        assert after > before  # the running request kept stepping through the compile
+        assert text in ("yes", "no")
         await _idle(engine)
 
 
