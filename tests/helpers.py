@@ -59,3 +59,21 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert loop.time() < deadline, f"never happened: {what}"
         await asyncio.sleep(0.01)
+
+
+def streamed_calls(chunks: list[Any]) -> dict[int, list[tuple[str, str]]]:
+    """The tool calls of a streamed chat completion (``openai`` chunks), per choice: (name,
+    arguments joined from their deltas), checking that each call's first delta carries its id,
+    type and name and its later deltas only arguments."""
+    calls: dict[int, dict[int, list[str]]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for t in choice.delta.tool_calls or []:
+                mine = calls.setdefault(choice.index, {})
+                if t.index not in mine:
+                    assert t.id and t.id.startswith("call_") and t.type == "function" and t.function.name
+                    mine[t.index] = [t.function.name, t.function.arguments or ""]
+                else:
+                    assert t.id is None and t.function.name is None
+                    mine[t.index][1] += t.function.arguments or ""
+    return {i: [(name, args) for name, args in (v[k] for k in sorted(v))] for i, v in calls.items()}

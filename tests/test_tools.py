@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from modalities.llm.tools import CHATML_TOOLS, ToolCallStream, ToolError, check_tools, parse_tool_calls
+from tests.helpers import streamed_calls
 
 WEATHER = {
     "type": "function",
@@ -72,6 +73,33 @@ def test_parser_splits_calls_from_text_whole_or_in_any_pieces() -> None:
         assert parse_tool_calls(f"<tool_call>{bad}</tool_call>")[1] == []
 
 
+def test_a_calls_arguments_stream_as_they_are_written() -> None:
+    args = '{"q": "a<b } \\" {", "n": [1, {"m": 2}]}'
+    text = f'Hi <tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>\n<tool_call>{{"arguments": {{}}, "name": "g"}}</tool_call>'
+    stream = ToolCallStream(frozenset({"f", "g"}))
+    deltas = []
+    for ch in text:
+        stream.feed(ch)
+        deltas.append(stream.deltas())
+    _, calls = stream.finish()
+    assert (
+        [(c.name, c.arguments) for c in calls]
+        == [("f", args), ("g", "{}")]
+        == [(c.name, c.arguments) for c in parse_tool_calls(text)[1]]
+    )
+    first = next(k for k, d in enumerate(deltas) if d)
+    # announced once its name is read: then its arguments come a character at a time
+    head = {"index": 0, "id": calls[0].id, "type": "function", "function": {"name": "f", "arguments": "{"}}
+    assert text[: first + 1].endswith('"arguments": {') and deltas[first] == [head]
+    pieces = [d["function"]["arguments"] for ds in deltas[first + 1 :] for d in ds if d["index"] == 0]
+    assert len(pieces) == len(args) - 2 and "{" + "".join(pieces) == args  # ("<" waits: it may open </tool_call>)
+    # a call written arguments first is read whole, once closed
+    [(k, second)] = [(k, d) for k, ds in enumerate(deltas) for d in ds if d["index"] == 1]
+    assert k == len(text) - 1 and second == {"index": 1, **calls[1].to_openai()}
+    # a call cut short (max_tokens) after its name was read stays a call, its arguments cut
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"q": "Os')[1][0].arguments == '{"q": "Os'
+
+
 def test_tools_and_tool_choice_are_checked() -> None:
     class Plain:
         chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -126,11 +154,9 @@ def test_a_chat_completion_calls_the_tool(client: openai.OpenAI) -> None:
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
     assert "<tool_call>" not in text and chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
-        (0, "get_weather", call.function.arguments)
-    ]
+    assert streamed_calls(chunks) == {0: [("get_weather", call.function.arguments)]}
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 3  # its arguments streamed
     # n=2 streamed, each choice its own call; parallel_tool_calls false: one call at most
     chunks = list(
         client.chat.completions.create(
@@ -139,8 +165,7 @@ def test_a_chat_completion_calls_the_tool(client: openai.OpenAI) -> None:
     )
     last = {c.choices[0].index: c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason}
     assert sorted(last) == [0, 1] and all(ch.delta.content is None for ch in last.values())
-    for ch in last.values():
-        assert [t.function.arguments for t in ch.delta.tool_calls or []] == [call.function.arguments]
+    assert streamed_calls(chunks) == {i: [("get_weather", call.function.arguments)] for i in (0, 1)}
     one = client.chat.completions.create(
         model="smollm2", messages=SHOTS, tools=[WEATHER], temperature=0, max_tokens=40, parallel_tool_calls=False
     )

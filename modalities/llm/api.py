@@ -237,20 +237,22 @@ def _chat_choice_chunk(
     calls: ToolCallStream | None,
     policy: _Calls | None,
 ) -> dict[str, Any]:
-    """One choice's delta; with ``calls``, its text goes through the tool-call parser and the
-    calls come whole in the last delta."""
+    """One choice's delta; with ``calls``, its text goes through the tool-call parser, and the
+    calls stream as OpenAI's do: each announced once its name is read, then its arguments as
+    they are written (a call the parser can only read whole comes whole)."""
     delta: dict[str, Any] = {"content": co.delta_text}
     finish = co.finish_reason
     if calls is not None and policy is not None:
         delta["content"] = calls.feed(co.delta_text)
         if co.finished:
-            tail, found = calls.finish()
-            delta["content"] += tail
-            if found:
-                found = found[:1] if policy.one else found
-                delta["tool_calls"] = [{"index": k, **c.to_openai()} for k, c in enumerate(found)]
-                delta["content"] = delta["content"] or None
-                finish = policy.finish if finish == "stop" else finish
+            delta["content"] += calls.finish()[0]
+        updates = [d for d in calls.deltas() if not policy.one or d["index"] == 0]
+        if updates:
+            delta["tool_calls"] = updates
+        if updates or (co.finished and calls.calls):
+            delta["content"] = delta["content"] or None
+        if co.finished and calls.calls:
+            finish = policy.finish if finish == "stop" else finish
     return {
         "index": co.index,
         "delta": delta,

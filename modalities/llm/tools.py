@@ -172,14 +172,53 @@ def parse_tool_calls(text: str, names: frozenset[str] | None = None) -> tuple[st
     return head + tail, calls
 
 
+# A call that starts with its name, then its arguments object: those arguments can be streamed
+# as they are written (the grammar of tool_choice "required"/named writes calls this way).
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+class _ObjectScan:
+    """Finds, as text arrives, where a JSON object that starts the text ends (string-aware
+    brace matching; the text's validity is not checked)."""
+
+    def __init__(self) -> None:
+        self.end = 0  # characters scanned
+        self.done = False  # the object is closed: ``end`` is just past its last brace
+        self._depth = 0
+        self._in_string = self._escape = False
+
+    def scan(self, text: str) -> None:
+        while self.end < len(text) and not self.done:
+            ch = text[self.end]
+            self.end += 1
+            if self._escape:
+                self._escape = False
+            elif self._in_string:
+                self._escape = ch == "\\"
+                self._in_string = ch != '"'
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                self.done = self._depth == 0
+
+
 class ToolCallStream:
     """Incremental ``parse_tool_calls``: ``feed`` returns the text that is surely no call;
-    ``finish`` returns what was held back and the calls."""
+    ``finish`` returns what was held back and the calls. A call that opens with its (declared)
+    name and then its arguments is known once its name is read: it joins ``calls`` then, its
+    ``arguments`` growing as they are written (``deltas`` reports the growth); such a call stays
+    a call, its arguments cut short if the reply is. Any other block is parsed whole once
+    closed, and stays text if it is no call."""
 
     def __init__(self, names: frozenset[str] | None = None) -> None:
         self._buf = ""  # held back: a possible OPEN's start, or an open call's text
         self._open = False
         self._blank = ""  # whitespace-only text held back
+        self._args: tuple[int, _ObjectScan] | None = None  # the open call's arguments: (start in _buf, scan)
+        self._sent: list[int] = []  # per call, the characters of its arguments ``deltas`` reported
         self.names = names  # the functions declared (None: any name)
         self.calls: list[ToolCall] = []
 
@@ -193,15 +232,33 @@ class ToolCallStream:
         text, self._blank = self._blank + text, ""
         return text
 
+    def deltas(self) -> list[dict[str, Any]]:
+        """What the calls gained since the last ``deltas``, as OpenAI's streamed ``tool_calls``:
+        a new call whole as far as it is known (``index``, ``id``, ``type``, ``function``), then
+        ``{"index": k, "function": {"arguments": more}}``."""
+        out: list[dict[str, Any]] = []
+        for k, call in enumerate(self.calls):
+            if k == len(self._sent):
+                self._sent.append(len(call.arguments))
+                out.append({"index": k, **call.to_openai()})
+            elif len(call.arguments) > self._sent[k]:
+                out.append({"index": k, "function": {"arguments": call.arguments[self._sent[k] :]}})
+                self._sent[k] = len(call.arguments)
+        return out
+
     def _feed(self, delta: str) -> str:
         self._buf += delta
         out = []
         while True:
             if self._open:
                 end = self._buf.find(CLOSE)
+                self._grow(end)
                 if end < 0:
                     return "".join(out)
                 block, self._buf, self._open = self._buf[:end], self._buf[end + len(CLOSE) :], False
+                if self._args is not None:
+                    self._args = None  # (its call is in ``calls`` already)
+                    continue
                 call = _call(block.strip(), self.names)
                 if call is None:
                     out.append(OPEN + block + CLOSE)  # not a call: it was text
@@ -218,13 +275,30 @@ class ToolCallStream:
             self._buf = self._buf[len(self._buf) - keep :]
             return "".join(out)
 
+    def _grow(self, close: int) -> None:
+        """Read the open call's name, then its arguments up to ``close`` (-1: not written yet;
+        a possible start of it is held back)."""
+        if self._args is None:
+            head = _HEADER.match(self._buf)
+            if head is None or (self.names and head[1] not in self.names):
+                return
+            self._args = (head.end(), _ObjectScan())
+            self.calls.append(ToolCall(head[1], ""))
+        start, scan = self._args
+        limit = close if close >= 0 else len(self._buf) - _partial(self._buf, CLOSE)
+        scan.scan(self._buf[start:limit])
+        self.calls[-1].arguments = self._buf[start : start + scan.end]
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
-        of the JSON, or within the closing tag), else it is text."""
+        of the JSON, or within the closing tag), else it is text (unless its name was read)."""
         rest, self._buf = self._buf, ""
         blank, self._blank = self._blank, ""
         if self._open:
             self._open = False
+            if self._args is not None:
+                self._args = None
+                return blank, self.calls
             block = rest.rstrip()
             cut = _partial(block, CLOSE)
             call = _call(block[: len(block) - cut].strip(), self.names)
