@@ -2,8 +2,9 @@
 
 For each backend (``piper``: the packaged voice; ``ar``: the AR TTS on the shared engine, the
 tiny random model unless ``--ar-model`` names one) and each concurrency ``c``, ``--rounds``
-rounds each start ``c`` requests at once (multi-sentence texts) and time, per request, the first
-audio chunk and the last. Reported: P50/P99 TTFA and their ratio to the ``c=1`` figures (the
+rounds each start ``c`` requests at once (multi-sentence texts; ``--arrivals closed``: ``c``
+clients each send ``--rounds`` requests back to back) and time, per request, the first audio
+chunk and the last. Reported: P50/P99 TTFA and their ratio to the ``c=1`` figures (the
 target is within 2x at 8), P99 playback stall (how long a listener playing each request's audio
 at real time from its first chunk waited for more), P50 per-request real-time factor (wall time /
 audio seconds) and the aggregate audio seconds produced per second. ``--url`` measures the same through a running
@@ -40,6 +41,13 @@ def add_tts_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backends", default="piper,ar", help="comma list of piper, ar")
     ap.add_argument("--concurrency", default="1,8", help="comma list of concurrent request counts")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per concurrency (c requests each)")
+    ap.add_argument(
+        "--arrivals",
+        choices=("burst", "closed"),
+        default="burst",
+        help="burst: each round's c requests start at once (the target's reading); closed: c clients "
+        "each send their next request when the last one's audio is all in (rounds requests each)",
+    )
     ap.add_argument("--workers", type=int, default=2, help="Piper workers")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime threads per Piper worker")
     ap.add_argument("--ar-model", default=None, help="AR TTS directory (default: the tiny random one)")
@@ -91,16 +99,26 @@ async def _one_http(client: Any, url: str, text: str, model: str | None, voice: 
     return {"ttfa": first or total, "total": total, "audio_s": size / 2 / 24_000, "stall": player.stall}
 
 
-async def _measure(one: Any, concurrencies: list[int], rounds: int) -> list[dict[str, Any]]:
+async def _closed_loop(one: Any, c: int, rounds: int) -> list[dict[str, float]]:
+    """``c`` clients, each sending its next request as soon as its last one's audio is all in."""
+
+    async def client(i: int) -> list[dict[str, float]]:
+        return [await one(TEXTS[(r + i) % len(TEXTS)]) for r in range(rounds)]
+
+    return [run for runs in await asyncio.gather(*(client(i) for i in range(c))) for run in runs]
+
+
+async def _measure(one: Any, concurrencies: list[int], rounds: int, arrivals: str = "burst") -> list[dict[str, Any]]:
     await one(TEXTS[0])  # warm-up
     rows: list[dict[str, Any]] = []
     for c in concurrencies:
         runs: list[dict[str, float]] = []
-        wall = 0.0
-        for r in range(rounds):
-            start = time.perf_counter()
+        start = time.perf_counter()
+        if arrivals == "closed":
+            runs = await _closed_loop(one, c, rounds)
+        for r in range(rounds if arrivals == "burst" else 0):
             runs += await asyncio.gather(*(one(TEXTS[(r + i) % len(TEXTS)]) for i in range(c)))
-            wall += time.perf_counter() - start
+        wall = time.perf_counter() - start
         ttfa = [x["ttfa"] for x in runs]
         rows.append(
             {
@@ -136,7 +154,7 @@ async def _bench_backend(name: str, args: argparse.Namespace, concurrencies: lis
         raise SystemExit(f"unknown backend {name!r} (piper, ar)")
     await engine.start()
     try:
-        return await _measure(lambda text: _one_engine(engine, text, None), concurrencies, args.rounds)
+        return await _measure(lambda text: _one_engine(engine, text, None), concurrencies, args.rounds, args.arrivals)
     finally:
         await engine.shutdown()
 
@@ -152,7 +170,10 @@ def run_tts(args: argparse.Namespace) -> dict[str, Any]:
         async def http() -> list[dict[str, Any]]:
             async with httpx.AsyncClient(timeout=300) as client:
                 return await _measure(
-                    lambda t: _one_http(client, args.url, t, args.model, args.voice), concurrencies, args.rounds
+                    lambda t: _one_http(client, args.url, t, args.model, args.voice),
+                    concurrencies,
+                    args.rounds,
+                    args.arrivals,
                 )
 
         results["backends"]["http"] = asyncio.run(http())
