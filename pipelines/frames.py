@@ -170,8 +170,26 @@ class TextDelta(ReplyFrame):
 
 
 @dataclass
+class ToolCallStarted(ReplyFrame):
+    """The reply began a call of function ``name`` (its name read: ``modalities.llm.tools``),
+    conversation item ``item_id``; ``ToolCallArguments`` follow, then ``ToolCall``."""
+
+    item_id: str
+    call_id: str
+    name: str
+
+
+@dataclass
+class ToolCallArguments(ReplyFrame):
+    """More of the arguments of the call being written (item ``item_id``)."""
+
+    item_id: str
+    delta: str
+
+
+@dataclass
 class ToolCall(ReplyFrame):
-    """The reply calls a function (``modalities.llm.tools``): conversation item ``item_id``."""
+    """The reply's call (``ToolCallStarted``) is whole: conversation item ``item_id``."""
 
     item_id: str
     call_id: str

@@ -391,6 +391,8 @@ class Reply:
     # reply that only calls a function has no message) and done (before a call's item is added).
     opened: bool = False
     message: dict[str, Any] | None = None
+    # The call being written: its event fields (response_id, output_index, item_id, call_id) and item.
+    writing: tuple[dict[str, Any], dict[str, Any]] | None = None
 
     def played_ms(self) -> float:
         """How much the client can have played: real-time clock since the first chunk, capped."""

@@ -3,7 +3,7 @@ OpenAI Realtime server events (``RealtimeSession`` handles the client's events).
 
 A response's lifecycle: ``LLMStarted`` opens it (``response.created``, and its message item and
 content part, which a reply that may call functions announces only at its first text or
-audio), ``TextDelta`` and ``TTSAudio`` stream into it, a ``ToolCall`` adds a function call
+audio), ``TextDelta`` and ``TTSAudio`` stream into it, a ``ToolCallStarted`` adds a function call
 item, ``LLMDone`` records its text and usage, ``TTSDone`` completes it, and an ``Interrupt``
 (barge-in or ``response.cancel``) cancels it, truncating its item to what the client has played.
 """
@@ -33,6 +33,8 @@ from pipelines.frames import (
     SpeechStopped,
     TextDelta,
     ToolCall,
+    ToolCallArguments,
+    ToolCallStarted,
     TTSAudio,
     TTSDone,
 )
@@ -170,8 +172,13 @@ class ServerEvents:
                 if not r.out_of_band:  # a turn's reply, not a side request
                     self._observe_turn(r.first_audio)
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
-        elif isinstance(frame, ToolCall):
-            await self._tool_call(r, frame)
+        elif isinstance(frame, ToolCallStarted):
+            await self._call_started(r, frame)
+        elif isinstance(frame, ToolCallArguments) and r.writing is not None:
+            r.writing[1]["arguments"] += frame.delta
+            await self.send("response.function_call_arguments.delta", **r.writing[0], delta=frame.delta)
+        elif isinstance(frame, ToolCall) and r.writing is not None:
+            await self._call_done(r, frame)
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
             err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
             await self.send("error", error=err)
@@ -189,25 +196,36 @@ class ServerEvents:
         elif isinstance(frame, TTSDone):
             await self._finish(r, "completed")
 
-    async def _tool_call(self, r: Reply, frame: ToolCall) -> None:
-        """A function call: an output item of its own after the reply's message (which is done
-        by then), its arguments sent whole (the call is parsed once it is complete)."""
+    async def _call_started(self, r: Reply, frame: ToolCallStarted) -> None:
+        """A function call: an output item of its own after the reply's message (closed here:
+        the reply's text ends where a call starts), its arguments streamed as they are written."""
         if r.opened and r.message is None:
             await self._close_message(r, "completed")
         if not r.opened:  # a call alone: its reply has no message item
             self.conv.remove(r.item_id)
         item = self.conv.get(frame.item_id) or Item(  # (an out-of-band reply's call is in no conversation)
-            frame.item_id, "assistant", frame.arguments, kind="function_call", call_id=frame.call_id, name=frame.name
+            frame.item_id, "assistant", kind="function_call", call_id=frame.call_id, name=frame.name
         )
         where = {"response_id": r.id, "output_index": int(r.opened) + len(r.calls)}
         added = {**function_item_event(item, "in_progress"), "arguments": ""}
         await self.send("response.output_item.added", **where, item=added)
         if not r.out_of_band and item in self.conv.items:  # (the client may have deleted it)
             await self.send("conversation.item.created", previous_item_id=self._previous(item.id), item=added)
-        call = {**where, "item_id": item.id, "call_id": item.call_id}
-        await self.send("response.function_call_arguments.delta", **call, delta=frame.arguments)
-        await self.send("response.function_call_arguments.done", **call, name=item.name, arguments=frame.arguments)
-        r.calls.append(function_item_event(item))
+        r.writing = ({**where, "item_id": item.id, "call_id": item.call_id}, added)
+
+    async def _call_done(self, r: Reply, frame: ToolCall, status: str = "completed") -> None:
+        """The call being written ends: whole (``frame``'s arguments), or cut short (``status``
+        "incomplete": it stays in the conversation, as a cut message does)."""
+        assert r.writing is not None
+        call, added = r.writing
+        r.writing = None
+        arguments = frame.arguments if status == "completed" else added["arguments"]
+        if status == "completed":
+            await self.send("response.function_call_arguments.done", **call, name=frame.name, arguments=arguments)
+        if (item := self.conv.get(call["item_id"])) is not None:
+            item.status = status
+        r.calls.append({**added, "status": status, "arguments": arguments})
+        where = {"response_id": r.id, "output_index": call["output_index"]}
         await self.send("response.output_item.done", not r.out_of_band, **where, item=r.calls[-1])
 
     def _previous(self, item_id: str | None) -> str | None:
@@ -279,6 +297,9 @@ class ServerEvents:
             await self._close_message(r, status)
         if not r.opened:
             self.conv.remove(r.item_id)
+        if r.writing is not None:
+            call, added = r.writing
+            await self._call_done(r, ToolCall(r.id, call["item_id"], call["call_id"], added["name"], ""), "incomplete")
         if status != "completed":  # calls the client was never told of leave the conversation too
             told = {c["id"] for c in r.calls}
             for item in [i for i in self.conv.items if i.response_id == r.id and i.id not in told]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,8 @@ from pipelines.frames import (
     SpeechResumed,
     TextDelta,
     ToolCall,
+    ToolCallArguments,
+    ToolCallStarted,
     Transcript,
 )
 from pipelines.processor import Processor
@@ -187,17 +189,21 @@ class LLM(Processor):
                 spec = None
             outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids, params)
             calls = None if names is None else ToolCallStream(names)
+            made: list[Item] = []  # the calls' items
             async for out in outputs:
                 final = out
                 delta = out.outputs[0].delta_text
                 if calls is not None:  # the text of a call is not said: it becomes a ToolCall
-                    delta = calls.feed(delta)
+                    said = calls.feed(delta)
+                    delta = "" if made else said  # (the message ends where a call starts)
                 if delta:
                     if not item.truncated:
                         item.text += delta
                     yield TextDelta(response_id, delta)
+                for frame in self._call_frames(response_id, item, calls, made, req.out_of_band):
+                    yield frame
             if calls is not None:
-                async for frame in self._calls(response_id, item, calls, req.out_of_band):
+                for frame in self._calls(response_id, item, calls, made, req.out_of_band):
                     yield frame
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
@@ -217,25 +223,40 @@ class LLM(Processor):
             error_code=mapped.code if mapped is not None else None,
         )
 
-    async def _calls(
-        self, response_id: str, item: Item, calls: ToolCallStream, out_of_band: bool
-    ) -> AsyncIterator[Frame]:
-        """The reply's held-back text, then its calls: each a conversation item after the reply's
-        (not for an out-of-band reply) and a ``ToolCall``."""
+    def _calls(
+        self, response_id: str, item: Item, calls: ToolCallStream, made: list[Item], out_of_band: bool
+    ) -> Iterator[Frame]:
+        """At the reply's end: its held-back text (unless a call came before it), the calls only
+        read whole, then a ``ToolCall`` for each call."""
         tail, found = calls.finish()
-        if tail:
+        if tail and not made:
             if not item.truncated:
                 item.text += tail
             yield TextDelta(response_id, tail)
-        after = item.id
-        for call in found:
-            fields = {"kind": "function_call", "call_id": call.id, "name": call.name, "response_id": response_id}
-            if out_of_band:
-                call_item = Item(self.conversation.new_id(), "assistant", call.arguments, **fields)
-            else:
-                call_item = self.conversation.add("assistant", call.arguments, after=after, **fields)
-            after = call_item.id
+        yield from self._call_frames(response_id, item, calls, made, out_of_band)
+        for call, call_item in zip(found, made, strict=True):
+            call_item.status = "completed"
             yield ToolCall(response_id, call_item.id, call.id, call.name, call.arguments)
+
+    def _call_frames(
+        self, response_id: str, item: Item, calls: ToolCallStream | None, made: list[Item], out_of_band: bool
+    ) -> Iterator[Frame]:
+        """What the reply's calls gained: a new call's item (in the conversation after the
+        reply's, or the last call's, unless the reply is out-of-band) and ``ToolCallStarted``;
+        ``ToolCallArguments``."""
+        for d in calls.deltas() if calls is not None else ():
+            fn = d["function"]
+            if "id" in d:
+                fields = {"kind": "function_call", "call_id": d["id"], "name": fn["name"], "response_id": response_id}
+                if out_of_band:
+                    made.append(Item(self.conversation.new_id(), "assistant", status="in_progress", **fields))
+                else:
+                    after = next((i.id for i in [*made[::-1], item] if self.conversation.get(i.id)), None)
+                    made.append(self.conversation.add("assistant", after=after, status="in_progress", **fields))
+                yield ToolCallStarted(response_id, made[-1].id, d["id"], fn["name"])
+            if fn["arguments"]:
+                made[d["index"]].text += fn["arguments"]
+                yield ToolCallArguments(response_id, made[d["index"]].id, fn["arguments"])
 
     async def on_interrupt(self) -> None:
         self.active = None

@@ -33,7 +33,7 @@ from pipelines.frames import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
-    ToolCall,
+    ToolCallStarted,
     Transcript,
     TTSAudio,
     TTSDone,
@@ -208,7 +208,7 @@ class Sentences(Processor):
             first = self.splitter.index
             for k, text in enumerate(self.splitter.feed(frame.text)):
                 yield Sentence(frame.response_id, text, first + k)
-        elif isinstance(frame, LLMDone | ToolCall):  # (the text before a call is whole)
+        elif isinstance(frame, LLMDone | ToolCallStarted):  # (the text before a call is whole)
             index = self.splitter.index
             if rest := self.splitter.flush():
                 yield Sentence(frame.response_id, rest, index)

@@ -535,7 +535,7 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
     """Session tools on the real SmolLM2, first with its own template (which cannot show tools:
     refused), then with mmserve's ChatML template with tools. Two calls the client adds to the
     conversation teach the model the format; asked about a third city it calls the function
-    itself: its own output item, arguments events, the call in ``response.done``; the client then
+    itself: its own output item, its arguments streamed, the call in ``response.done``; the client then
     adds the function's output."""
     from modalities.llm.tools import CHATML_TOOLS
 
@@ -575,6 +575,8 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
             assert json.loads(fn["arguments"]) == {"city": "Oslo"}
             args = next(e for e in c.events if e["type"] == "response.function_call_arguments.done")
             assert (args["item_id"], args["call_id"], args["output_index"]) == (fn["id"], fn["call_id"], 0)
+            deltas = [e["delta"] for e in c.events if e["type"] == "response.function_call_arguments.delta"]
+            assert len(deltas) > 3 and "".join(deltas) == fn["arguments"]  # streamed as written
             added = [e["item"]["type"] for e in c.events if e["type"] == "response.output_item.added"]
             assert added == ["function_call"]
             created = [e for e in c.events if e["type"] == "conversation.item.created"]
@@ -605,9 +607,19 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
 
 def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
     """Session state only: a reply's message is done before its call's item is added (output
-    indexes 0 and 1), and the conversation renders the two as one assistant turn; a reply
-    cancelled after its call was made but before the client heard of it leaves no call behind."""
-    from pipelines.frames import Interrupt, LLMDone, LLMStarted, TextDelta, ToolCall, TTSDone
+    indexes 0 and 1), the call's arguments stream, and the conversation renders the two as one
+    assistant turn; a reply cancelled after its call was made but before the client heard of it
+    leaves no call behind; one cancelled while its call is written leaves it, incomplete."""
+    from pipelines.frames import (
+        Interrupt,
+        LLMDone,
+        LLMStarted,
+        TextDelta,
+        ToolCall,
+        ToolCallArguments,
+        ToolCallStarted,
+        TTSDone,
+    )
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
@@ -620,8 +632,18 @@ def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
         sent.clear()
         await s._on_frame(LLMStarted("resp_1", item_id=reply.id, calls=True))
         assert [e["type"] for e in sent] == ["response.created"]  # no message yet: it may be a call alone
-        for frame in (TextDelta("resp_1", "Let me check."), ToolCall("resp_1", call.id, "c1", "f", "{}")):
+        for frame in (
+            TextDelta("resp_1", "Let me check."),
+            ToolCallStarted("resp_1", call.id, "c1", "f"),
+            ToolCallArguments("resp_1", call.id, "{"),
+            ToolCallArguments("resp_1", call.id, "}"),
+            ToolCall("resp_1", call.id, "c1", "f", "{}"),
+        ):
             await s._on_frame(frame)
+        deltas = [e["delta"] for e in sent if e["type"] == "response.function_call_arguments.delta"]
+        assert (
+            deltas == ["{", "}"] and [e for e in sent if e["type"].endswith("arguments.done")][0]["arguments"] == "{}"
+        )
         await s._on_frame(LLMDone("resp_1", "Let me check."))
         await s._on_frame(TTSDone("resp_1"))
         order = [(e["type"], e.get("output_index")) for e in sent if e["type"].startswith("response.output_item")]
@@ -639,6 +661,16 @@ def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
         await s._on_frame(Interrupt("client_cancelled"))
         assert sent[-1]["response"]["status"] == "cancelled" and s.conv.get(late.id) is None
         assert sent[-1]["response"]["output"] == [] and s.conv.get(reply.id) is None  # no empty message either
+        # cancelled while its call is written: the client was told of it, so it stays, incomplete
+        reply = s.conv.add("assistant")
+        cut = s.conv.add("assistant", '{"x": 1', kind="function_call", call_id="c3", name="f", response_id="resp_3")
+        await s._on_frame(LLMStarted("resp_3", item_id=reply.id, calls=True))
+        await s._on_frame(ToolCallStarted("resp_3", cut.id, "c3", "f"))
+        await s._on_frame(ToolCallArguments("resp_3", cut.id, '{"x": 1'))
+        await s._on_frame(Interrupt("client_cancelled"))
+        [out] = sent[-1]["response"]["output"]
+        assert out["status"] == "incomplete" and out["arguments"] == '{"x": 1' and sent[-2]["item"] == out
+        assert s.conv.get(cut.id) is not None and s.conv.get(cut.id).status == "incomplete"
 
     run(go())
 
