@@ -36,6 +36,14 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return newer
 
 
+def _refuse(cmd: _Add | _Call | str | None, error: BaseException) -> None:
+    """Fail a command the engine loop will never take."""
+    if isinstance(cmd, _Add):
+        cmd.stream.admit(error)
+    elif isinstance(cmd, _Call):
+        cmd.resolve(None, error)
+
+
 def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
@@ -148,13 +156,13 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; admission errors are raised before the first item.
         Leaving the loop early (or cancelling the task) aborts the request in the engine."""
+        guides = None
+        if params.grammar is not None:  # compiled here, on a worker thread: it would stall every stream's step
+            guides = await asyncio.to_thread(self.engine.guides.new, params.grammar, params.n)
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         await self.start()
         request_id = request_id or f"req-{next(self._ids)}"
-        guides = None
-        if params.grammar is not None:  # compiled here, on a worker thread: it would stall every stream's step
-            guides = await asyncio.to_thread(self.engine.guides.new, params.grammar, params.n)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, admitted=loop.create_future())
         self._submit(_Add(request_id, prompt, params, priority, stream, guides))
@@ -199,7 +207,10 @@ class AsyncEngine:
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         for cmd in self._pending.pop(loop, ()):
-            self._commands.put(cmd)
+            if self._dead is not None:  # (the loop died since it was sent: nobody would take it)
+                _refuse(cmd, EngineDeadError(f"the engine loop has stopped: {self._dead}"))
+            else:
+                self._commands.put(cmd)
 
     async def call_between_steps(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread between two steps and return its result (its
@@ -287,7 +298,4 @@ class AsyncEngine:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, _Add):
-                    cmd.stream.admit(error)
-                elif isinstance(cmd, _Call):
-                    cmd.resolve(None, error)
+                _refuse(cmd, error)

@@ -147,9 +147,9 @@ class Guide:
 
 class Guides:
     """Makes a ``Guide`` per sequence for one engine's tokenizer (its llguidance view is built
-    at the first structured request: ~0.4-1 s). Thread-safe: ``AsyncEngine`` compiles a request's
-    grammar on a worker thread (llguidance releases the GIL), so the engine thread never waits
-    on a compile."""
+    at the first structured request: ~0.4-1 s). Thread-safe, one compile at a time:
+    ``AsyncEngine`` compiles a request's grammar on a worker thread (llguidance releases the
+    GIL), so the engine thread never waits on a compile."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
         self._tokenizer = tokenizer
@@ -161,17 +161,17 @@ class Guides:
     def new(self, grammar: str, n: int = 1) -> list[Guide]:
         """``n`` guides at the grammar's start (compiled once); ``ValueError`` when this engine
         cannot guide."""
-        matcher = llguidance.LLMatcher(self._view(), grammar)
+        with self._lock:  # one compile at a time: they share the cores with the engine's steps
+            matcher = llguidance.LLMatcher(self._view(), grammar)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return [Guide(matcher if k == 0 else matcher.deep_copy(), self._eos_ids[0]) for k in range(n)]
 
     def _view(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._ll is None:
-                if self._tokenizer is None or not self._eos_ids:
-                    raise ValueError("structured outputs need a model with a tokenizer and an end-of-sequence token")
-                from llguidance.hf import from_tokenizer
+        if self._ll is None:
+            if self._tokenizer is None or not self._eos_ids:
+                raise ValueError("structured outputs need a model with a tokenizer and an end-of-sequence token")
+            from llguidance.hf import from_tokenizer
 
-                self._ll = from_tokenizer(self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_ids)
-            return self._ll
+            self._ll = from_tokenizer(self._tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_ids)
+        return self._ll

@@ -344,6 +344,29 @@ async def test_a_grammar_compiles_off_the_engine_thread_while_others_step(loaded
         await _idle(engine)
 
 
+async def test_an_engine_that_dies_during_a_compile_refuses_the_request(loaded) -> None:
+    async with _async_engine(loaded) as engine:
+        llm = engine.engine
+        compile_guides = llm.guides.new
+
+        def crash() -> list:
+            raise RuntimeError("the device fell over")
+
+        def compile_while_it_dies(grammar: str, n: int = 1) -> list:
+            llm.step = crash  # type: ignore[method-assign]
+            time.sleep(0.3)  # the loop steps the running request meanwhile: it dies
+            return compile_guides(grammar, n)
+
+        llm.guides.new = compile_while_it_dies  # type: ignore[method-assign]
+        gen = engine.generate("long", PROMPTS[0], LONG)
+        await gen.__anext__()
+        params = SamplingParams(temperature=0, max_tokens=8, grammar=regex_grammar("(yes|no)"))
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_collect(engine, PROMPTS[1], params), DEADLINE_S)
+        with pytest.raises(EngineDeadError):
+            await gen.__anext__()
+
+
 async def test_detokenize_false_gives_the_same_tokens_without_text(loaded) -> None:
     params = dict(temperature=0, max_tokens=12, ignore_eos=True)
     async with _async_engine(loaded) as engine:

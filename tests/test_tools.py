@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from unittest.mock import ANY
 
 import openai
 import pytest
 
-from modalities.llm.tools import CHATML_TOOLS, ToolCallStream, ToolError, check_tools, parse_tool_calls
+from modalities.llm.tools import (
+    CHATML_TOOLS,
+    ToolCall,
+    ToolCallStream,
+    ToolError,
+    check_tools,
+    parse_tool_calls,
+)
 from tests.helpers import streamed_calls
 
 WEATHER = {
@@ -97,7 +105,19 @@ def test_a_calls_arguments_stream_as_they_are_written() -> None:
     [(k, second)] = [(k, d) for k, ds in enumerate(deltas) for d in ds if d["index"] == 1]
     assert k == len(text) - 1 and second == {"index": 1, **calls[1].to_openai()}
     # a call cut short (max_tokens) after its name was read stays a call, its arguments cut
+    # (OpenAI's arguments need not be valid JSON either), as does one whose object is not closed
     assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"q": "Os')[1][0].arguments == '{"q": "Os'
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"q": 1</tool_call>ok') == (
+        "ok",
+        [ToolCall("f", '{"q": 1', ANY)],
+    )
+    # the closing tag inside an argument string is part of the arguments, in any pieces
+    tagged = '<tool_call>{"name": "f", "arguments": {"html": "</tool_call>"}}</tool_call>'
+    for size in (1, 2, 5, len(tagged)):
+        stream = ToolCallStream()
+        text = "".join(stream.feed(tagged[i : i + size]) for i in range(0, len(tagged), size))
+        tail, [call] = stream.finish()
+        assert text + tail == "" and call.arguments == '{"html": "</tool_call>"}'
 
 
 def test_tools_and_tool_choice_are_checked() -> None:

@@ -6,7 +6,11 @@ served with such a template via ``--chat-template``).
 Shared by ``/v1/chat/completions`` and the realtime sessions: ``check_tools`` validates a
 request's ``tools``/``tool_choice``, ``parse_tool_calls`` splits a finished text, and
 ``ToolCallStream`` does the same as deltas arrive (text that may open a call is held back until
-it is clear). A block that is not a JSON call stays text, as vLLM's Hermes parser leaves it.
+it is clear). A block that opens with a declared function's name and then its arguments is a
+call from there on, its arguments the model's text as written (so that they can stream): like
+OpenAI's, they may be no valid JSON (cut short by ``max_tokens``, or a small model's slip without
+a grammar), and the client checks them. Any other block is a call if it parses as one (its
+arguments re-serialised), else it stays text, as vLLM's Hermes parser leaves it.
 """
 
 from __future__ import annotations
@@ -179,7 +183,8 @@ _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:ar
 
 class _ObjectScan:
     """Finds, as text arrives, where a JSON object that starts the text ends (string-aware
-    brace matching; the text's validity is not checked)."""
+    brace matching; the text's validity is not checked). A ``<`` outside a string ends it too,
+    unread: no JSON, but maybe the ``</tool_call>`` of a call whose arguments were cut short."""
 
     def __init__(self) -> None:
         self.end = 0  # characters scanned
@@ -190,6 +195,9 @@ class _ObjectScan:
     def scan(self, text: str) -> None:
         while self.end < len(text) and not self.done:
             ch = text[self.end]
+            if ch == "<" and not self._in_string:
+                self.done = True
+                return
             self.end += 1
             if self._escape:
                 self._escape = False
@@ -251,8 +259,7 @@ class ToolCallStream:
         out = []
         while True:
             if self._open:
-                end = self._buf.find(CLOSE)
-                self._grow(end)
+                end = self._close()
                 if end < 0:
                     return "".join(out)
                 block, self._buf, self._open = self._buf[:end], self._buf[end + len(CLOSE) :], False
@@ -275,23 +282,27 @@ class ToolCallStream:
             self._buf = self._buf[len(self._buf) - keep :]
             return "".join(out)
 
-    def _grow(self, close: int) -> None:
-        """Read the open call's name, then its arguments up to ``close`` (-1: not written yet;
-        a possible start of it is held back)."""
+    def _close(self, final: bool = False) -> int:
+        """Where the open call's block ends (-1: not written yet): at its first CLOSE, or, once
+        its name is read, at the first past its arguments (a CLOSE in an argument string is
+        text of the arguments). Reads the call's name, then its arguments: all of them when
+        ``final``, else holding back a possible start of CLOSE."""
         if self._args is None:
             head = _HEADER.match(self._buf)
             if head is None or (self.names and head[1] not in self.names):
-                return
+                return self._buf.find(CLOSE)
             self._args = (head.end(), _ObjectScan())
             self.calls.append(ToolCall(head[1], ""))
         start, scan = self._args
-        limit = close if close >= 0 else len(self._buf) - _partial(self._buf, CLOSE)
-        scan.scan(self._buf[start:limit])
+        scan.scan(self._buf[start : len(self._buf) - (0 if final else _partial(self._buf, CLOSE))])
         self.calls[-1].arguments = self._buf[start : start + scan.end]
+        return self._buf.find(CLOSE, start + scan.end) if scan.done else -1
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
         of the JSON, or within the closing tag), else it is text (unless its name was read)."""
+        if self._args is not None:
+            self._close(final=True)
         rest, self._buf = self._buf, ""
         blank, self._blank = self._blank, ""
         if self._open:
