@@ -41,6 +41,8 @@ class Item:
 
     def message(self) -> dict[str, Any] | None:
         """The chat message for the template (None: an empty message, left out)."""
+        if self.kind == "function_call" and self.status == "incomplete":
+            return None  # cut short: no call was made (its arguments may be no JSON)
         if self.kind == "function_call":
             call = ToolCall(self.name, self.text, self.call_id).to_openai()
             return {"role": "assistant", "content": None, "tool_calls": [call]}

@@ -321,7 +321,7 @@ class RealtimeSession(ServerEvents):
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         if item.kind != "message":
-            await self.send("conversation.item.retrieved", item=function_item_event(item))
+            await self.send("conversation.item.retrieved", item=function_item_event(item, item.status))
             return
         r = self.reply
         status = "in_progress" if r is not None and r.item_id == item.id and not r.done else item.status

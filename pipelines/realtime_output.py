@@ -174,11 +174,12 @@ class ServerEvents:
             await self.send("response.audio.delta", **self._where(r), delta=base64.b64encode(pcm).decode())
         elif isinstance(frame, ToolCallStarted):
             await self._call_started(r, frame)
-        elif isinstance(frame, ToolCallArguments) and r.writing is not None:
-            r.writing[1]["arguments"] += frame.delta
-            await self.send("response.function_call_arguments.delta", **r.writing[0], delta=frame.delta)
-        elif isinstance(frame, ToolCall) and r.writing is not None:
-            await self._call_done(r, frame)
+        elif isinstance(frame, ToolCallArguments | ToolCall) and r.writing and r.writing[0]["item_id"] == frame.item_id:
+            if isinstance(frame, ToolCall):
+                await self._call_done(r, frame)
+            else:
+                r.writing[1]["arguments"] += frame.delta
+                await self.send("response.function_call_arguments.delta", **r.writing[0], delta=frame.delta)
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
             err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
             await self.send("error", error=err)
@@ -215,7 +216,8 @@ class ServerEvents:
 
     async def _call_done(self, r: Reply, frame: ToolCall, status: str = "completed") -> None:
         """The call being written ends: whole (``frame``'s arguments), or cut short (``status``
-        "incomplete": it stays in the conversation, as a cut message does)."""
+        "incomplete": it stays in the conversation with the arguments the client was sent, as a
+        cut message keeps what was heard)."""
         assert r.writing is not None
         call, added = r.writing
         r.writing = None
@@ -223,10 +225,11 @@ class ServerEvents:
         if status == "completed":
             await self.send("response.function_call_arguments.done", **call, name=frame.name, arguments=arguments)
         if (item := self.conv.get(call["item_id"])) is not None:
-            item.status = status
+            item.status, item.text = status, arguments
         r.calls.append({**added, "status": status, "arguments": arguments})
         where = {"response_id": r.id, "output_index": call["output_index"]}
-        await self.send("response.output_item.done", not r.out_of_band, **where, item=r.calls[-1])
+        in_conversation = not r.out_of_band and item is not None  # (the client may have deleted it)
+        await self.send("response.output_item.done", in_conversation, **where, item=r.calls[-1])
 
     def _previous(self, item_id: str | None) -> str | None:
         """The id of the item the client knows before ``item_id`` (None: before a new last

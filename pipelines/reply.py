@@ -140,7 +140,7 @@ class LLM(Processor):
             logger.debug("no speculative reply", exc_info=True)
             return
         splitter = SentenceSplitter()
-        calls = None if self.options.tool_calls is None else ToolCallStream(self.options.tool_calls)  # not spoken
+        calls = None if self.options.tool_calls is None else ToolCallStream(self.options.tool_calls, False)  # unsaid
 
         def first_sentence(out: Any) -> None:
             """Synthesise the reply's first sentence (the one ``Sentences`` will send) early."""
@@ -188,14 +188,14 @@ class LLM(Processor):
                 spec.cancel()
                 spec = None
             outputs = spec.outputs.replay() if spec is not None else self._generate(response_id, ids, params)
-            calls = None if names is None else ToolCallStream(names)
+            # The text of a call is not said: it becomes a ToolCall; the message ends where a call starts.
+            calls = None if names is None else ToolCallStream(names, text_after_calls=False)
             made: list[Item] = []  # the calls' items
             async for out in outputs:
                 final = out
                 delta = out.outputs[0].delta_text
-                if calls is not None:  # the text of a call is not said: it becomes a ToolCall
-                    said = calls.feed(delta)
-                    delta = "" if made else said  # (the message ends where a call starts)
+                if calls is not None:
+                    delta = calls.feed(delta)
                 if delta:
                     if not item.truncated:
                         item.text += delta
@@ -226,24 +226,20 @@ class LLM(Processor):
     def _calls(
         self, response_id: str, item: Item, calls: ToolCallStream, made: list[Item], out_of_band: bool
     ) -> Iterator[Frame]:
-        """At the reply's end: its held-back text (unless a call came before it), the calls only
-        read whole, then a ``ToolCall`` for each call."""
-        tail, found = calls.finish()
-        if tail and not made:
+        """At the reply's end: its held-back text, then what its calls gained (all whole now)."""
+        tail, _ = calls.finish()
+        if tail:
             if not item.truncated:
                 item.text += tail
             yield TextDelta(response_id, tail)
         yield from self._call_frames(response_id, item, calls, made, out_of_band)
-        for call, call_item in zip(found, made, strict=True):
-            call_item.status = "completed"
-            yield ToolCall(response_id, call_item.id, call.id, call.name, call.arguments)
 
     def _call_frames(
         self, response_id: str, item: Item, calls: ToolCallStream | None, made: list[Item], out_of_band: bool
     ) -> Iterator[Frame]:
         """What the reply's calls gained: a new call's item (in the conversation after the
         reply's, or the last call's, unless the reply is out-of-band) and ``ToolCallStarted``;
-        ``ToolCallArguments``."""
+        ``ToolCallArguments``; ``ToolCall`` once a call is whole."""
         for d in calls.deltas() if calls is not None else ():
             fn = d["function"]
             if "id" in d:
@@ -257,6 +253,10 @@ class LLM(Processor):
             if fn["arguments"]:
                 made[d["index"]].text += fn["arguments"]
                 yield ToolCallArguments(response_id, made[d["index"]].id, fn["arguments"])
+        for call, call_item in zip(calls.calls[: calls.whole] if calls is not None else (), made, strict=False):
+            if call_item.status == "in_progress":
+                call_item.status = "completed"
+                yield ToolCall(response_id, call_item.id, call.id, call.name, call.arguments)
 
     async def on_interrupt(self) -> None:
         self.active = None

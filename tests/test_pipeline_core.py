@@ -718,6 +718,62 @@ def test_the_llm_stage_asks_the_engine_for_its_priority() -> None:
         assert engine.priorities == [priority]
 
 
+class _Scripted:
+    """A streaming LLM engine that writes the given pieces."""
+
+    max_model_len = 4096
+    tokenizer = type("Tok", (), {"apply_chat_template": lambda _, m, **__: [1, 2, 3]})()
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    async def generate(
+        self, request_id: str, ids: list[int], params: object, priority: int = 0
+    ) -> AsyncIterator[object]:
+        from types import SimpleNamespace
+
+        for i, piece in enumerate(self.pieces):
+            out = SimpleNamespace(delta_text=piece, token_ids=list(range(i + 1)))
+            yield SimpleNamespace(outputs=[out], finished=i == len(self.pieces) - 1, num_cached_tokens=0)
+
+
+def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None:
+    from pipelines.conversation import Conversation
+    from pipelines.frames import LLMDone, ResponseRequest, TextDelta, ToolCall, ToolCallArguments, ToolCallStarted
+    from pipelines.reply import LLM, LLMOptions
+    from pipelines.services import Services
+
+    pieces = ["Sure.", " <tool_call>", '{"name": "f", "arguments": {"a"', ": 1}}</tool_call>\n<tool_call>"]
+    pieces += ['{"name": "g", "arguments": {}}</tool_call> Done, I', " said it."]  # (text after a call: unsaid)
+    conv = Conversation("sys")
+    llm = LLM(Services(llm=_Scripted(pieces)), conv, LLMOptions(tool_calls=frozenset({"f", "g"})))
+    frames = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
+    kinds = [(type(f).__name__, getattr(f, "text", getattr(f, "delta", getattr(f, "name", "")))) for f in frames]
+    assert kinds[1:] == [
+        ("TextDelta", "Sure."),
+        ("ToolCallStarted", "f"),
+        ("ToolCallArguments", '{"a"'),
+        ("ToolCallArguments", ": 1}"),
+        ("ToolCall", "f"),  # whole once its block closes, before the next call starts
+        ("ToolCallStarted", "g"),
+        ("ToolCallArguments", "{}"),
+        ("ToolCall", "g"),
+        ("LLMDone", "Sure."),
+    ]
+    calls = [f for f in frames if isinstance(f, ToolCall)]
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", "{}")]
+    assert [f.item_id for f in frames if isinstance(f, ToolCallStarted | ToolCallArguments)] == [
+        calls[0].item_id
+    ] * 3 + [calls[1].item_id] * 2
+    assert [(i.kind, i.text, i.status) for i in conv.items] == [
+        ("message", "Sure.", "completed"),
+        ("function_call", '{"a": 1}', "completed"),
+        ("function_call", "{}", "completed"),
+    ]
+    assert not any(isinstance(f, TextDelta) and "Done" in f.text for f in frames)
+    assert isinstance(frames[-1], LLMDone)
+
+
 def test_realtime_ga_session_patch_and_event_translation() -> None:
     from pipelines.realtime_events import EventError
     from pipelines.realtime_ga import ga_error, ga_param, is_ga, session_patch, translate

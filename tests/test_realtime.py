@@ -671,6 +671,9 @@ def test_a_replys_text_then_its_call_and_a_cancelled_call() -> None:
         [out] = sent[-1]["response"]["output"]
         assert out["status"] == "incomplete" and out["arguments"] == '{"x": 1' and sent[-2]["item"] == out
         assert s.conv.get(cut.id) is not None and s.conv.get(cut.id).status == "incomplete"
+        assert not any(m.get("tool_calls") and m["tool_calls"][0]["id"] == "c3" for m in s.conv.messages())  # unsaid
+        await s._handle(json.dumps({"type": "conversation.item.retrieve", "item_id": cut.id}))
+        assert sent[-1]["item"]["status"] == "incomplete"
 
     run(go())
 

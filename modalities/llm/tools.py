@@ -219,16 +219,20 @@ class ToolCallStream:
     name and then its arguments is known once its name is read: it joins ``calls`` then, its
     ``arguments`` growing as they are written (``deltas`` reports the growth); such a call stays
     a call, its arguments cut short if the reply is. Any other block is parsed whole once
-    closed, and stays text if it is no call."""
+    closed, and stays text if it is no call. ``whole``: how many of ``calls`` are complete (their
+    blocks closed, or the reply finished). ``text_after_calls`` False: text after the first call
+    is dropped (a spoken reply's message ends where it starts calling)."""
 
-    def __init__(self, names: frozenset[str] | None = None) -> None:
+    def __init__(self, names: frozenset[str] | None = None, text_after_calls: bool = True) -> None:
         self._buf = ""  # held back: a possible OPEN's start, or an open call's text
         self._open = False
         self._blank = ""  # whitespace-only text held back
         self._args: tuple[int, _ObjectScan] | None = None  # the open call's arguments: (start in _buf, scan)
         self._sent: list[int] = []  # per call, the characters of its arguments ``deltas`` reported
+        self._text_after_calls = text_after_calls
         self.names = names  # the functions declared (None: any name)
         self.calls: list[ToolCall] = []
+        self.whole = 0
 
     def feed(self, delta: str) -> str:
         """The text now surely outside any call; whitespace alone waits for more text (between
@@ -256,31 +260,32 @@ class ToolCallStream:
 
     def _feed(self, delta: str) -> str:
         self._buf += delta
-        out = []
+        out: list[str] = []
         while True:
             if self._open:
                 end = self._close()
                 if end < 0:
                     return "".join(out)
                 block, self._buf, self._open = self._buf[:end], self._buf[end + len(CLOSE) :], False
-                if self._args is not None:
-                    self._args = None  # (its call is in ``calls`` already)
-                    continue
-                call = _call(block.strip(), self.names)
-                if call is None:
-                    out.append(OPEN + block + CLOSE)  # not a call: it was text
-                else:
+                if self._args is None and (call := _call(block.strip(), self.names)) is not None:
                     self.calls.append(call)
+                elif self._args is None:
+                    self._say(out, OPEN + block + CLOSE)  # not a call: it was text
+                self._args, self.whole = None, len(self.calls)
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
-                out.append(self._buf[:start])
+                self._say(out, self._buf[:start])
                 self._buf, self._open = self._buf[start + len(OPEN) :], True
                 continue
             keep = _partial(self._buf, OPEN)
-            out.append(self._buf[: len(self._buf) - keep])
+            self._say(out, self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep :]
             return "".join(out)
+
+    def _say(self, out: list[str], text: str) -> None:
+        if self._text_after_calls or not self.calls:
+            out.append(text)
 
     def _close(self, final: bool = False) -> int:
         """Where the open call's block ends (-1: not written yet): at its first CLOSE, or, once
@@ -301,6 +306,11 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
         of the JSON, or within the closing tag), else it is text (unless its name was read)."""
+        text, self.calls = self._finish()
+        self.whole = len(self.calls)
+        return ("" if self.calls and not (self._text_after_calls and text.strip()) else text), self.calls
+
+    def _finish(self) -> tuple[str, list[ToolCall]]:
         if self._args is not None:
             self._close(final=True)
         rest, self._buf = self._buf, ""
@@ -309,7 +319,7 @@ class ToolCallStream:
             self._open = False
             if self._args is not None:
                 self._args = None
-                return blank, self.calls
+                return "", self.calls
             block = rest.rstrip()
             cut = _partial(block, CLOSE)
             call = _call(block[: len(block) - cut].strip(), self.names)
@@ -317,5 +327,4 @@ class ToolCallStream:
                 return blank + OPEN + rest, self.calls
             self.calls.append(call)
             rest = ""
-        rest = blank + rest
-        return ("" if self.calls and not rest.strip() else rest), self.calls
+        return blank + rest, self.calls
