@@ -205,6 +205,7 @@ class LLMDone(ReplyFrame):
 
     text: str
     cancelled: bool = False
+    cut: bool = False  # it ended at its token limit (the response's max_output_tokens)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

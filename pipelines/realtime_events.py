@@ -391,6 +391,7 @@ class Reply:
     # reply that only calls a function has no message) and done (before a call's item is added).
     opened: bool = False
     message: dict[str, Any] | None = None
+    cut: bool = False  # its text ended at max_output_tokens: the response is "incomplete"
     # The call being written: its event fields (response_id, output_index, item_id, call_id) and item.
     writing: tuple[dict[str, Any], dict[str, Any]] | None = None
 

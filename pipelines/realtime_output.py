@@ -185,7 +185,7 @@ class ServerEvents:
             await self.send("error", error=err)
             await self._finish(r, "failed", "error")
         elif isinstance(frame, LLMDone):
-            r.text = frame.text
+            r.text, r.cut = frame.text, frame.cut
             cached = frame.cached_tokens
             r.usage = {
                 "total_tokens": frame.prompt_tokens + frame.completion_tokens,
@@ -194,6 +194,8 @@ class ServerEvents:
                 "input_token_details": {"cached_tokens": cached, "text_tokens": frame.prompt_tokens, "audio_tokens": 0},
                 "output_token_details": {"text_tokens": frame.completion_tokens, "audio_tokens": 0},
             }
+        elif isinstance(frame, TTSDone) and r.cut:
+            await self._finish(r, "incomplete", "max_output_tokens")
         elif isinstance(frame, TTSDone):
             await self._finish(r, "completed")
 
@@ -277,7 +279,7 @@ class ServerEvents:
     async def _close_message(self, r: Reply, status: str) -> None:
         where = self._where(r)
         part = self._part(r)
-        if status == "completed":
+        if status in ("completed", "incomplete"):  # (incomplete: cut at max_output_tokens, its text whole so far)
             if r.audio:
                 await self.send("response.audio.done", **where)
                 await self.send("response.audio_transcript.done", **where, transcript=part["transcript"])
@@ -292,9 +294,10 @@ class ServerEvents:
 
     async def _finish(self, r: Reply, status: str, reason: str | None = None) -> None:
         """Close the reply: its message (an empty one if it had neither text nor a call; none if
-        it only called functions, and its empty item leaves the conversation), then the response."""
+        it only called functions, and its empty item leaves the conversation), then the response
+        (``status`` "completed", "incomplete" at max_output_tokens, "cancelled" or "failed")."""
         r.done = True
-        if not r.opened and not r.calls and status == "completed":
+        if not r.opened and not r.calls and r.writing is None and status in ("completed", "incomplete"):
             await self._open(r)
         if r.opened and r.message is None:
             await self._close_message(r, status)

@@ -215,6 +215,7 @@ class LLM(Processor):
         yield LLMDone(
             response_id,
             item.text,
+            cut=final is not None and getattr(final.outputs[0], "finish_reason", None) == "length",
             prompt_tokens=len(ids),
             completion_tokens=len(final.outputs[0].token_ids) if final else 0,
             cached_tokens=final.num_cached_tokens if final else 0,

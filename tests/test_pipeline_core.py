@@ -724,8 +724,9 @@ class _Scripted:
     max_model_len = 4096
     tokenizer = type("Tok", (), {"apply_chat_template": lambda _, m, **__: [1, 2, 3]})()
 
-    def __init__(self, pieces: list[str]) -> None:
+    def __init__(self, pieces: list[str], finish: str = "stop") -> None:
         self.pieces = pieces
+        self.finish = finish
 
     async def generate(
         self, request_id: str, ids: list[int], params: object, priority: int = 0
@@ -733,8 +734,11 @@ class _Scripted:
         from types import SimpleNamespace
 
         for i, piece in enumerate(self.pieces):
-            out = SimpleNamespace(delta_text=piece, token_ids=list(range(i + 1)))
-            yield SimpleNamespace(outputs=[out], finished=i == len(self.pieces) - 1, num_cached_tokens=0)
+            last = i == len(self.pieces) - 1
+            out = SimpleNamespace(
+                delta_text=piece, token_ids=list(range(i + 1)), finish_reason=self.finish if last else None
+            )
+            yield SimpleNamespace(outputs=[out], finished=last, num_cached_tokens=0)
 
 
 def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None:
@@ -771,7 +775,12 @@ def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None
         ("function_call", "{}", "completed"),
     ]
     assert not any(isinstance(f, TextDelta) and "Done" in f.text for f in frames)
-    assert isinstance(frames[-1], LLMDone)
+    assert isinstance(frames[-1], LLMDone) and not frames[-1].cut
+    # cut at max_tokens while a call is written: that call never becomes whole; the reply is cut
+    llm = LLM(Services(llm=_Scripted(pieces[:3], "length")), Conversation("sys"), LLMOptions(tool_calls=frozenset("f")))
+    frames = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
+    assert [type(f).__name__ for f in frames[2:]] == ["ToolCallStarted", "ToolCallArguments", "LLMDone"]
+    assert frames[-1].cut
 
 
 def test_realtime_ga_session_patch_and_event_translation() -> None:

@@ -111,6 +111,9 @@ def test_a_calls_arguments_stream_as_they_are_written() -> None:
         "ok",
         [ToolCall("f", '{"q": 1', ANY)],
     )
+    # cut short before its name was read: no call, and no markup left as text
+    for cut in ("<tool_call>", '<tool_call>\n{"name": "f",', 'Hi <tool_call>{"na', '<tool_call>{"name": "f", "argum'):
+        assert parse_tool_calls(cut) == (cut[: cut.index("<")], [])
     # the closing tag inside an argument string is part of the arguments, in any pieces
     tagged = '<tool_call>{"name": "f", "arguments": {"html": "</tool_call>"}}</tool_call>'
     for size in (1, 2, 5, len(tagged)):

@@ -181,6 +181,20 @@ def parse_tool_calls(text: str, names: frozenset[str] | None = None) -> tuple[st
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
+def _prefixes(*atoms: str) -> re.Pattern[str]:
+    """A regex that fully matches the text of any prefix of ``atoms`` in a row."""
+    pattern = ""
+    for atom in reversed(atoms):
+        pattern = f"(?:{atom}{pattern})?"
+    return re.compile(pattern)
+
+
+# What a call's block holds before its name is read (loosely: keys as any lower-case word): a
+# reply that ends there was cut short while opening a call, not writing text.
+_KEY = (r'\s*"', "[a-z]*", '"', r"\s*:")
+_CUT_HEADER = _prefixes(r"\s*", r"\{", *_KEY, r'\s*"', "[A-Za-z0-9_-]*", '"', r"\s*,", *_KEY, r"\s*")
+
+
 class _ObjectScan:
     """Finds, as text arrives, where a JSON object that starts the text ends (string-aware
     brace matching; the text's validity is not checked). A ``<`` outside a string ends it too,
@@ -219,8 +233,9 @@ class ToolCallStream:
     name and then its arguments is known once its name is read: it joins ``calls`` then, its
     ``arguments`` growing as they are written (``deltas`` reports the growth); such a call stays
     a call, its arguments cut short if the reply is. Any other block is parsed whole once
-    closed, and stays text if it is no call. ``whole``: how many of ``calls`` are complete (their
-    blocks closed, or the reply finished). ``text_after_calls`` False: text after the first call
+    closed, and stays text if it is no call (but a block cut short before its name was read is
+    dropped). ``whole``: how many of ``calls`` are complete (their blocks closed, or at the
+    reply's end their arguments' object). ``text_after_calls`` False: text after the first call
     is dropped (a spoken reply's message ends where it starts calling)."""
 
     def __init__(self, names: frozenset[str] | None = None, text_after_calls: bool = True) -> None:
@@ -307,7 +322,6 @@ class ToolCallStream:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
         of the JSON, or within the closing tag), else it is text (unless its name was read)."""
         text, self.calls = self._finish()
-        self.whole = len(self.calls)
         return ("" if self.calls and not (self._text_after_calls and text.strip()) else text), self.calls
 
     def _finish(self) -> tuple[str, list[ToolCall]]:
@@ -315,16 +329,19 @@ class ToolCallStream:
             self._close(final=True)
         rest, self._buf = self._buf, ""
         blank, self._blank = self._blank, ""
+        self.whole = len(self.calls)
         if self._open:
             self._open = False
-            if self._args is not None:
+            if self._args is not None:  # whole if its arguments' object closed
+                self.whole -= not self._args[1].done
                 self._args = None
                 return "", self.calls
             block = rest.rstrip()
             cut = _partial(block, CLOSE)
             call = _call(block[: len(block) - cut].strip(), self.names)
             if call is None:
-                return blank + OPEN + rest, self.calls
+                return ("" if _CUT_HEADER.fullmatch(rest) else blank + OPEN + rest), self.calls
             self.calls.append(call)
+            self.whole += 1
             rest = ""
         return blank + rest, self.calls
