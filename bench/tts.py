@@ -116,8 +116,9 @@ async def _measure(one: Any, concurrencies: list[int], rounds: int, arrivals: st
         start = time.perf_counter()
         if arrivals == "closed":
             runs = await _closed_loop(one, c, rounds)
-        for r in range(rounds if arrivals == "burst" else 0):
-            runs += await asyncio.gather(*(one(TEXTS[(r + i) % len(TEXTS)]) for i in range(c)))
+        else:
+            for r in range(rounds):
+                runs += await asyncio.gather(*(one(TEXTS[(r + i) % len(TEXTS)]) for i in range(c)))
         wall = time.perf_counter() - start
         ttfa = [x["ttfa"] for x in runs]
         rows.append(

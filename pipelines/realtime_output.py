@@ -176,7 +176,7 @@ class ServerEvents:
             await self._call_started(r, frame)
         elif isinstance(frame, ToolCallArguments | ToolCall) and r.writing and r.writing[0]["item_id"] == frame.item_id:
             if isinstance(frame, ToolCall):
-                await self._call_done(r, frame)
+                await self._call_done(r, frame.arguments)
             else:
                 r.writing[1]["arguments"] += frame.delta
                 await self.send("response.function_call_arguments.delta", **r.writing[0], delta=frame.delta)
@@ -216,16 +216,18 @@ class ServerEvents:
             await self.send("conversation.item.created", previous_item_id=self._previous(item.id), item=added)
         r.writing = ({**where, "item_id": item.id, "call_id": item.call_id}, added)
 
-    async def _call_done(self, r: Reply, frame: ToolCall, status: str = "completed") -> None:
-        """The call being written ends: whole (``frame``'s arguments), or cut short (``status``
-        "incomplete": it stays in the conversation with the arguments the client was sent, as a
+    async def _call_done(self, r: Reply, arguments: str | None) -> None:
+        """The call being written ends: whole, with ``arguments``, or cut short (None: it is
+        "incomplete" and stays in the conversation with the arguments the client was sent, as a
         cut message keeps what was heard)."""
         assert r.writing is not None
         call, added = r.writing
         r.writing = None
-        arguments = frame.arguments if status == "completed" else added["arguments"]
-        if status == "completed":
-            await self.send("response.function_call_arguments.done", **call, name=frame.name, arguments=arguments)
+        status = "completed" if arguments is not None else "incomplete"
+        if arguments is None:
+            arguments = added["arguments"]
+        else:
+            await self.send("response.function_call_arguments.done", **call, name=added["name"], arguments=arguments)
         if (item := self.conv.get(call["item_id"])) is not None:
             item.status, item.text = status, arguments
         r.calls.append({**added, "status": status, "arguments": arguments})
@@ -304,8 +306,7 @@ class ServerEvents:
         if not r.opened:
             self.conv.remove(r.item_id)
         if r.writing is not None:
-            call, added = r.writing
-            await self._call_done(r, ToolCall(r.id, call["item_id"], call["call_id"], added["name"], ""), "incomplete")
+            await self._call_done(r, None)
         if status != "completed":  # calls the client was never told of leave the conversation too
             told = {c["id"] for c in r.calls}
             for item in [i for i in self.conv.items if i.response_id == r.id and i.id not in told]:

@@ -200,8 +200,9 @@ class LLM(Processor):
                     if not item.truncated:
                         item.text += delta
                     yield TextDelta(response_id, delta)
-                for frame in self._call_frames(response_id, item, calls, made, req.out_of_band):
-                    yield frame
+                if calls is not None:
+                    for frame in self._call_frames(response_id, item, calls, made, req.out_of_band):
+                        yield frame
             if calls is not None:
                 for frame in self._calls(response_id, item, calls, made, req.out_of_band):
                     yield frame
@@ -236,12 +237,12 @@ class LLM(Processor):
         yield from self._call_frames(response_id, item, calls, made, out_of_band)
 
     def _call_frames(
-        self, response_id: str, item: Item, calls: ToolCallStream | None, made: list[Item], out_of_band: bool
+        self, response_id: str, item: Item, calls: ToolCallStream, made: list[Item], out_of_band: bool
     ) -> Iterator[Frame]:
         """What the reply's calls gained: a new call's item (in the conversation after the
         reply's, or the last call's, unless the reply is out-of-band) and ``ToolCallStarted``;
         ``ToolCallArguments``; ``ToolCall`` once a call is whole."""
-        for d in calls.deltas() if calls is not None else ():
+        for d in calls.deltas():
             fn = d["function"]
             if "id" in d:
                 fields = {"kind": "function_call", "call_id": d["id"], "name": fn["name"], "response_id": response_id}
@@ -254,7 +255,7 @@ class LLM(Processor):
             if fn["arguments"]:
                 made[d["index"]].text += fn["arguments"]
                 yield ToolCallArguments(response_id, made[d["index"]].id, fn["arguments"])
-        for call, call_item in zip(calls.calls[: calls.whole] if calls is not None else (), made, strict=False):
+        for call, call_item in zip(calls.calls[: calls.whole], made, strict=False):
             if call_item.status == "in_progress":
                 call_item.status = "completed"
                 yield ToolCall(response_id, call_item.id, call.id, call.name, call.arguments)

@@ -321,10 +321,10 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed call is parsed if its JSON is whole (a model may stop at the end
         of the JSON, or within the closing tag), else it is text (unless its name was read)."""
-        text, self.calls = self._finish()
+        text = self._finish()
         return ("" if self.calls and not (self._text_after_calls and text.strip()) else text), self.calls
 
-    def _finish(self) -> tuple[str, list[ToolCall]]:
+    def _finish(self) -> str:
         if self._args is not None:
             self._close(final=True)
         rest, self._buf = self._buf, ""
@@ -335,13 +335,13 @@ class ToolCallStream:
             if self._args is not None:  # whole if its arguments' object closed
                 self.whole -= not self._args[1].done
                 self._args = None
-                return "", self.calls
+                return ""
             block = rest.rstrip()
             cut = _partial(block, CLOSE)
             call = _call(block[: len(block) - cut].strip(), self.names)
             if call is None:
-                return ("" if _CUT_HEADER.fullmatch(rest) else blank + OPEN + rest), self.calls
+                return "" if _CUT_HEADER.fullmatch(rest) else blank + OPEN + rest
             self.calls.append(call)
             self.whole += 1
             rest = ""
-        return blank + rest, self.calls
+        return blank + rest
