@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.report import Playback
+from pipelines.realtime_audio import FORMATS
 
 RATE = 24_000
 QUESTIONS = [
@@ -74,6 +75,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="turn_detection.speculative_silence_ms: the pause that starts a turn speculatively (default: the server's)",
     )
+    ap.add_argument(
+        "--audio-format",
+        default="pcm16",
+        choices=["pcm16", "g711_ulaw", "g711_alaw"],
+        help="the session's input and output audio (G.711: 8 kHz, as a phone gateway sends it)",
+    )
     ap.add_argument("--max-tokens", type=int, default=48, help="max_response_output_tokens")
     ap.add_argument(
         "--uploads",
@@ -107,16 +114,17 @@ def synthesise(texts: list[str]) -> list[tuple[bytes, float]]:
 async def _mic(
     ws: Any, pcm: bytes, end_s: float, marks: dict[str, float], done: asyncio.Event, args: argparse.Namespace
 ) -> None:
-    """Send ``pcm`` then silence in ``chunk_ms`` pieces at ``pace`` x real time until ``done``;
-    ``marks["end"]`` is when the chunk holding the end of speech went out."""
-    step = RATE * args.chunk_ms // 1000 * 2
-    silence = b"\0" * step
+    """Send ``pcm`` (in ``args.audio_format``) then silence in ``chunk_ms`` pieces at ``pace`` x
+    real time until ``done``; ``marks["end"]`` is when the chunk holding the end of speech went out."""
+    fmt = FORMATS[args.audio_format]
+    step = fmt.rate * args.chunk_ms // 1000 * fmt.width
+    silence = fmt.encode(np.zeros(step // fmt.width, np.float32))
     t0 = time.monotonic()
     i = 0
     while not done.is_set():
         chunk = pcm[i * step : (i + 1) * step] if i * step < len(pcm) else silence
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}))
-        if "end" not in marks and (i + 1) * step >= end_s * RATE * 2:
+        if "end" not in marks and (i + 1) * step >= end_s * fmt.rate * fmt.width:
             marks["end"] = time.monotonic()
         i += 1
         await asyncio.sleep(max(0.0, t0 + i * args.chunk_ms / 1000 * args.pace - time.monotonic()))
@@ -133,6 +141,8 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
         elif args.speculative_ms is not None:
             td["speculative_silence_ms"] = args.speculative_ms
         session = {"temperature": 0, "max_response_output_tokens": args.max_tokens, "turn_detection": td}
+        fmt = FORMATS[args.audio_format]
+        session |= {"input_audio_format": fmt.name, "output_audio_format": fmt.name}
         await ws.send(json.dumps({"type": "session.update", "session": session}))
         for turn in range(turns):
             pcm, end_s = clips[turn % len(clips)]
@@ -154,7 +164,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                         reply.append(ev.get("delta", ""))
                     elif kind == "response.audio.delta":
                         marks.setdefault("first_audio", now)
-                        player.add(now, len(base64.b64decode(ev["delta"])) / 2 / RATE)
+                        player.add(now, len(base64.b64decode(ev["delta"])) / fmt.width / fmt.rate)
                     elif kind == "error":
                         print(f"server error: {ev['error']}", file=sys.stderr)
                     elif kind == "response.done":
@@ -244,14 +254,18 @@ def _launch(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.report import percentiles, print_table, save_result, versions_of
+    from modalities.audio import from_pcm16, resample
 
     clips = synthesise(QUESTIONS)
+    recording = _recording(clips) if args.uploads else None  # (pcm16 uploads)
+    fmt = FORMATS[args.audio_format]
+    if fmt.name != "pcm16":  # (pcm16 goes as synthesised)
+        clips = [(fmt.encode(resample(from_pcm16(pcm), RATE, fmt.rate)), end_s) for pcm, end_s in clips]
     server = None if args.url else _launch(args)
     base = args.url or server.base_url
     url = base.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/realtime"
     levels: dict[str, Any] = {}
     rows = []
-    recording = _recording(clips) if args.uploads else None
     try:
         for n in [int(x) for x in str(args.sessions).split(",") if x]:
             uploads: dict[str, float] = {}

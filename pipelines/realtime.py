@@ -32,7 +32,6 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
-from modalities.audio import from_pcm16
 from modalities.llm.tools import declared
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation
@@ -45,8 +44,8 @@ from pipelines.frames import (
     Interrupt,
     ResponseRequest,
 )
+from pipelines.realtime_audio import FORMATS
 from pipelines.realtime_events import (
-    RATE,
     EventError,
     SessionConfig,
     check_instructions,
@@ -54,7 +53,7 @@ from pipelines.realtime_events import (
     check_max_tokens,
     check_temperature,
     check_voice,
-    decode_audio_b64,
+    decode_append,
     parse_event,
     reply_tokens,
     shown_tools,
@@ -148,7 +147,7 @@ class RealtimeSession(ServerEvents):
         self.llm_options.grammar = tools_grammar(getattr(self.services.llm, "tokenizer", None), c)
         heard = c.input_audio_transcription or {}
         self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
-        self.tts_options.sample_rate = RATE
+        self.tts_options.sample_rate = FORMATS[c.output_audio_format].rate
         self.conv.instructions = c.instructions
 
     @property
@@ -248,13 +247,14 @@ class RealtimeSession(ServerEvents):
         return output.get("voice")
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
-        data = decode_audio_b64(event.get("audio"))
+        fmt = FORMATS[self.config.input_audio_format]
+        samples = decode_append(event.get("audio"), fmt)
         if self.services.asr is None:
             raise EventError("this server has no speech recognition model; send text items", code="unsupported")
-        if data:
-            await self._charge_audio(len(data) / 2 / RATE)
-            self.appended_ms += len(data) / 2 / RATE * 1000
-            await self.inbox.put(AudioFrame(from_pcm16(data), RATE))
+        if len(samples):
+            await self._charge_audio(len(samples) / fmt.rate)
+            self.appended_ms += len(samples) / fmt.rate * 1000
+            await self.inbox.put(AudioFrame(samples, fmt.rate))
 
     async def _charge_audio(self, seconds: float) -> None:
         """The tenant's ``audio_seconds`` budget pays for every second of input audio; over the

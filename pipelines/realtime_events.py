@@ -10,9 +10,10 @@ import base64
 import binascii
 import functools
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
 from modalities.asr.types import whisper_languages
@@ -20,10 +21,10 @@ from modalities.llm.structured import reply_grammar
 from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_tool_choice
 from modalities.llm.tools import check_template as tools_template
 from modalities.tts.registry import unknown_voice
-from pipelines.conversation import DEFAULT_INSTRUCTIONS, Spoken
+from pipelines.conversation import DEFAULT_INSTRUCTIONS
+from pipelines.realtime_audio import FORMATS, WireFormat
 from pipelines.turns import EAGERNESS
 
-RATE = 24_000  # pcm16 in and out, as OpenAI sends it
 MAX_APPEND_BYTES = 15 * (1 << 20)
 # The WebSocket frame size the server takes: the largest append, base64, with its event around
 # it (a larger append then gets the session's error event, not a closed socket).
@@ -82,6 +83,8 @@ class SessionConfig:
     temperature: float = 0.8
     max_response_output_tokens: int | str = "inf"
     speed: float = 1.0  # of the spoken replies (OpenAI's range: 0.25 to 1.5)
+    input_audio_format: str = "pcm16"  # a ``pipelines.realtime_audio.FORMATS`` name
+    output_audio_format: str = "pcm16"
     # ``language`` and ``prompt`` reach the ASR. Null sends no ``input_audio_transcription``
     # events, as OpenAI's; the turns are still transcribed (the replies need the text). On by
     # default here (OpenAI's default is null): mmserve transcribes every turn anyway.
@@ -99,8 +102,8 @@ class SessionConfig:
             "instructions": self.instructions,
             "voice": self.voice,
             "speed": self.speed,
-            "input_audio_format": "pcm16",
-            "output_audio_format": "pcm16",
+            "input_audio_format": self.input_audio_format,
+            "output_audio_format": self.output_audio_format,
             "input_audio_transcription": self.input_audio_transcription,
             "turn_detection": self.turn_detection,
             "tools": self.tools,
@@ -132,8 +135,8 @@ class SessionConfig:
                 "" if patch["instructions"] is None else patch["instructions"], "session.instructions"
             )
         for key in ("input_audio_format", "output_audio_format"):
-            if key in patch and patch[key] != "pcm16":
-                raise EventError(f"{key} {patch[key]!r} is not supported; use 'pcm16'", param=f"session.{key}")
+            if key in patch:
+                new[key] = wire_format(patch[key], f"session.{key}")
         if "temperature" in patch:
             new["temperature"] = check_temperature(patch["temperature"], "session.temperature")
         if "max_response_output_tokens" in patch:
@@ -356,8 +359,28 @@ def check_instructions(value: Any, param: str) -> str:
     return value
 
 
-def decode_audio_b64(value: Any) -> bytes:
-    """The pcm16 bytes of an ``input_audio_buffer.append``."""
+def wire_format(name: Any, param: str) -> str:
+    """A beta format name, checked."""
+    if name not in FORMATS:
+        raise EventError(
+            f"{param.rsplit('.', 1)[-1]} {name!r} is not supported; use one of {list(FORMATS)}", param=param
+        )
+    return str(name)
+
+
+def ga_wire_format(value: Any, param: str) -> str:
+    """The beta name of a GA format object (``{"type": "audio/pcm", "rate": 24000}``,
+    ``{"type": "audio/pcmu"}``, ``{"type": "audio/pcma"}``; a G.711 one may say ``"rate": 8000``)."""
+    for f in FORMATS.values():
+        if isinstance(value, dict) and value.get("type") == f.ga["type"]:
+            if set(value) <= {"type", "rate"} and value.get("rate", f.rate) == f.rate:
+                return f.name
+    shapes = [f.ga for f in FORMATS.values()]
+    raise EventError(f"{param.removeprefix('session.')} {value!r} is not supported; use one of {shapes}", param=param)
+
+
+def decode_append(value: Any, fmt: WireFormat) -> np.ndarray:
+    """The samples of an ``input_audio_buffer.append``'s base64 ``audio`` in ``fmt``."""
     if not isinstance(value, str):
         raise EventError("audio must be a base64 string", param="audio")
     if len(value) > MAX_APPEND_BYTES * 4 // 3 + 4:
@@ -366,53 +389,6 @@ def decode_audio_b64(value: Any) -> bytes:
         data = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise EventError(f"audio is not valid base64: {exc}", param="audio") from exc
-    if len(data) % 2:
-        raise EventError("pcm16 audio must have an even number of bytes", param="audio")
-    return data
-
-
-@dataclass
-class Reply:
-    """Book-keeping of one response for events, truncation and usage."""
-
-    id: str
-    item_id: str
-    audio: bool
-    text: str = ""
-    spoken: list[Spoken] = field(default_factory=list)
-    audio_ms: float = 0.0
-    first_audio: float | None = None  # monotonic time the first audio delta was sent
-    done: bool = False
-    usage: dict[str, Any] = field(default_factory=dict)
-    out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
-    metadata: dict[str, Any] | None = None  # response.metadata, echoed
-    calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
-    # Its message item: announced (with tools on, only at its first text or audio, so that a
-    # reply that only calls a function has no message) and done (before a call's item is added).
-    opened: bool = False
-    message: dict[str, Any] | None = None
-    cut: bool = False  # its text ended at max_output_tokens: the response is "incomplete"
-    # The call being written: its event fields (response_id, output_index, item_id, call_id) and item.
-    writing: tuple[dict[str, Any], dict[str, Any]] | None = None
-
-    def played_ms(self) -> float:
-        """How much the client can have played: real-time clock since the first chunk, capped."""
-        if self.first_audio is None:
-            return 0.0
-        return min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
-
-    def playing(self) -> bool:
-        return self.audio and self.played_ms() < self.audio_ms
-
-
-def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
-    details = {"type": status, "reason": reason} if reason else None
-    return {
-        "id": r.id,
-        "object": "realtime.response",
-        "status": status,
-        "status_details": details,
-        "output": output,
-        "usage": r.usage or None,
-        "metadata": r.metadata,
-    }
+    if len(data) % fmt.width:
+        raise EventError(f"{fmt.name} audio must have an even number of bytes", param="audio")
+    return fmt.decode(data)

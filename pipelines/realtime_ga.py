@@ -19,7 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipelines.realtime_events import RATE, EventError, wants_audio
+from pipelines.realtime_audio import FORMATS
+from pipelines.realtime_events import EventError, ga_wire_format, wants_audio
 
 RENAMED = {
     "response.text.delta": "response.output_text.delta",
@@ -31,7 +32,6 @@ RENAMED = {
     "conversation.item.created": "conversation.item.added",
 }
 PART_TYPES = {"text": "output_text", "audio": "output_audio"}
-PCM = {"type": "audio/pcm", "rate": RATE}
 
 
 def is_ga(session: Any) -> bool:
@@ -88,11 +88,8 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     for side, conf in sides.items():
         if not isinstance(conf, dict):
             raise EventError(f"audio.{side} must be an object", param=f"session.audio.{side}")
-        fmt = conf.get("format")
-        if fmt is not None and (not isinstance(fmt, dict) or {**PCM, **fmt} != PCM):
-            raise EventError(
-                f"audio.{side}.format {fmt!r} is not supported; use {PCM}", param=f"session.audio.{side}.format"
-            )
+        if conf.get("format") is not None:
+            out[f"{side}_audio_format"] = ga_wire_format(conf["format"], f"session.audio.{side}.format")
     if "turn_detection" in sides["input"]:
         out["turn_detection"] = sides["input"]["turn_detection"]
     for key in ("voice", "speed"):
@@ -114,12 +111,16 @@ def session_object(beta: dict[str, Any]) -> dict[str, Any]:
         "instructions": beta["instructions"],
         "audio": {
             "input": {
-                "format": dict(PCM),
+                "format": dict(FORMATS[beta["input_audio_format"]].ga),
                 "transcription": beta["input_audio_transcription"],
                 "turn_detection": beta["turn_detection"],
                 "noise_reduction": None,
             },
-            "output": {"format": dict(PCM), "voice": beta["voice"], "speed": beta["speed"]},
+            "output": {
+                "format": dict(FORMATS[beta["output_audio_format"]].ga),
+                "voice": beta["voice"],
+                "speed": beta["speed"],
+            },
         },
         "tools": beta["tools"],
         "tool_choice": beta["tool_choice"],

@@ -1,12 +1,15 @@
 """Conversation items on the Realtime wire: a client's items (text messages, function calls and
-their outputs, references) read into ``Item`` fields, and items written as Realtime objects."""
+their outputs, references) read into ``Item`` fields, and items and responses (``Reply``'s
+book-keeping) written as Realtime objects."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.conversation import Conversation, Item
+from pipelines.conversation import Conversation, Item, Spoken
 from pipelines.realtime_events import EventError
 
 
@@ -98,4 +101,51 @@ def item_event(item_id: str, role: str, content: list[dict[str, Any]], status: s
         "status": status,
         "role": role,
         "content": content,
+    }
+
+
+@dataclass
+class Reply:
+    """Book-keeping of one response for events, truncation and usage."""
+
+    id: str
+    item_id: str
+    audio: bool
+    text: str = ""
+    spoken: list[Spoken] = field(default_factory=list)
+    audio_ms: float = 0.0
+    first_audio: float | None = None  # monotonic time the first audio delta was sent
+    done: bool = False
+    usage: dict[str, Any] = field(default_factory=dict)
+    out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
+    metadata: dict[str, Any] | None = None  # response.metadata, echoed
+    calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
+    # Its message item: announced (with tools on, only at its first text or audio, so that a
+    # reply that only calls a function has no message) and done (before a call's item is added).
+    opened: bool = False
+    message: dict[str, Any] | None = None
+    cut: bool = False  # its text ended at max_output_tokens: the response is "incomplete"
+    # The call being written: its event fields (response_id, output_index, item_id, call_id) and item.
+    writing: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+    def played_ms(self) -> float:
+        """How much the client can have played: real-time clock since the first chunk, capped."""
+        if self.first_audio is None:
+            return 0.0
+        return min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
+
+    def playing(self) -> bool:
+        return self.audio and self.played_ms() < self.audio_ms
+
+
+def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
+    details = {"type": status, "reason": reason} if reason else None
+    return {
+        "id": r.id,
+        "object": "realtime.response",
+        "status": status,
+        "status_details": details,
+        "output": output,
+        "usage": r.usage or None,
+        "metadata": r.metadata,
     }

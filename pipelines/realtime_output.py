@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import WebSocket
 
-from modalities.audio import to_pcm16
+from modalities.audio import resample
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation, Item, Spoken, heard_text
 from pipelines.frames import (
@@ -38,8 +38,9 @@ from pipelines.frames import (
     TTSAudio,
     TTSDone,
 )
-from pipelines.realtime_events import Reply, SessionConfig, response_event
-from pipelines.realtime_items import content_part, function_item_event, item_event
+from pipelines.realtime_audio import FORMATS
+from pipelines.realtime_events import SessionConfig
+from pipelines.realtime_items import Reply, content_part, function_item_event, item_event, response_event
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
 
@@ -104,6 +105,14 @@ class ServerEvents:
             "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
         )
 
+    def _encode(self, frame: TTSAudio) -> bytes:
+        """A chunk in the session's output format (resampled if the format changed mid-reply)."""
+        fmt = FORMATS[self.config.output_audio_format]
+        samples = frame.samples
+        if frame.sample_rate != fmt.rate:
+            samples = resample(samples, frame.sample_rate, fmt.rate)
+        return fmt.encode(samples)
+
     async def _truncate(self, reply: Reply, audio_end_ms: float) -> None:
         item = self.conv.get(reply.item_id)
         if item is not None:
@@ -161,7 +170,7 @@ class ServerEvents:
             await self.send(kind, **self._where(r), delta=frame.text)
         elif isinstance(frame, TTSAudio):
             await self._open(r)
-            pcm = to_pcm16(frame.samples)
+            pcm = self._encode(frame)
             ms = len(frame.samples) / frame.sample_rate * 1000
             if frame.text or not r.spoken:
                 r.spoken.append(Spoken(frame.text, 0.0))

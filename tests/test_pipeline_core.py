@@ -798,8 +798,15 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
         "modalities": ["text", "audio"],
         "max_response_output_tokens": 9,
         "turn_detection": td,
+        "input_audio_format": "pcm16",
     }
-    for bad in ({"output_modalities": ["text", "audio"]}, {"audio": {"input": {"format": {"rate": 16000}}}}):
+    phone = {"input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma", "rate": 8000}}}
+    assert session_patch({"type": "realtime", "audio": phone}) == {
+        "input_audio_format": "g711_ulaw",
+        "output_audio_format": "g711_alaw",
+    }
+    bad_formats = ({"rate": 16000}, {"type": "audio/pcmu", "rate": 24000}, {"type": "audio/pcm", "bits": 8})
+    for bad in ({"output_modalities": ["text", "audio"]}, *({"audio": {"input": {"format": f}}} for f in bad_formats)):
         with pytest.raises(EventError):
             session_patch({"type": "realtime", **bad})
     item = {"id": "i1", "role": "assistant", "status": "completed", "content": [{"type": "audio", "transcript": "Hi"}]}

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,7 @@ def server(smollm2_dir: Any) -> Iterator[dict[str, Any]]:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from gateway.app import create_app
+    from modalities.asr.api import router as asr_router
     from modalities.asr.engine import AsrConfig, AsrEngine
     from modalities.tts.piper_engine import PiperEngine
     from pipelines.plugin import router, warm_up
@@ -48,7 +50,7 @@ def server(smollm2_dir: Any) -> Iterator[dict[str, Any]]:
     asr = AsrEngine.from_config(AsrConfig(max_num_seqs=4))
     tts = PiperEngine(workers=1)
     engines = {"smollm2": llm, asr.model_name: asr, tts.model_name: tts}
-    app = create_app(engines, routers=[router], warm_ups=[warm_up])
+    app = create_app(engines, routers=[router, asr_router], warm_ups=[warm_up])  # (to hear replies)
     with serve_app(app) as url:
         ws_url = url.replace("http://", "ws://") + "/v1/realtime"
         warmed = {"llm": llm.stats(), "asr": asr.stats(), "tts": tts.stats()}  # before any test's request
@@ -297,7 +299,12 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
             err = await until("response.done")
             assert err.type == "error" and err.error.param == "response.output_modalities"
 
-            fmt = {"type": "audio/pcmu"}
+            fmt = {"type": "audio/pcmu"}  # G.711 mu-law at 8 kHz, as a phone gateway plays it
+            await conn.session.update(session={"type": "realtime", "audio": {"output": {"format": fmt}}})
+            updated = await until("session.updated")
+            assert updated.type == "session.updated" and updated.session.audio.output.format.type == "audio/pcmu"
+            assert updated.session.audio.input.format.type == "audio/pcm"
+            fmt = {"type": "audio/pcm", "rate": 16000}
             await conn.session.update(session={"type": "realtime", "audio": {"output": {"format": fmt}}})
             err = await until("session.updated")
             assert err.type == "error" and err.error.param == "session.audio.output.format"
@@ -324,6 +331,43 @@ def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> 
             done = await c.until("response.done")
             assert done["response"]["status"] in ENDED and done["response"]["output"]
             assert not [t for t in c.types()[first:] if "input_audio_transcription" in t], c.types()[first:]
+
+    run(go())
+
+
+def test_a_telephone_session_speaks_g711_at_8_khz(server: dict[str, Any]) -> None:
+    """A phone gateway's session: the question comes as G.711 mu-law at 8 kHz and is heard; the
+    reply's audio leaves as A-law at 8 kHz, and Whisper hears in it the words the reply says."""
+    from modalities import g711
+    from modalities.audio import encode_audio, from_pcm16, resample
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            formats = {"input_audio_format": "g711_ulaw", "output_audio_format": "g711_alaw"}
+            await c.send("session.update", session={**formats, "temperature": 0, "max_response_output_tokens": 16})
+            updated = await c.until("session.updated")
+            assert {k: updated["session"][k] for k in formats} == formats
+            phone = g711.encode(resample(from_pcm16(server["question"]), RATE, 8000), "ulaw")
+            await c.send("input_audio_buffer.append", audio=base64.b64encode(phone).decode())
+            done = await c.until("response.done")
+            assert_voice_turn(c, done)
+            reply = b"".join(base64.b64decode(e["delta"]) for e in c.events if e["type"] == "response.audio.delta")
+            said = done["response"]["output"][0]["content"][0]["transcript"]
+            assert len(reply) / 8000 > 0.5 and said
+            wav = encode_audio(g711.decode(reply, "alaw"), 8000, "wav")
+            files = {"file": ("reply.wav", wav, "audio/wav")}
+            heard = httpx.post(
+                server["http"] + "/v1/audio/transcriptions", files=files, data={"model": "whisper-tiny.en"}
+            )
+            words = lambda t: set(re.findall(r"[a-z]+", t.lower()))  # noqa: E731
+            assert heard.status_code == 200, heard.text
+            assert len(words(said) & words(heard.json()["text"])) >= len(words(said)) / 2, (said, heard.text)
+
+            await c.send("session.update", session={"output_audio_format": "pcm8"})
+            err = await c.until("error")
+            assert err["error"]["param"] == "session.output_audio_format" and "g711_alaw" in err["error"]["message"]
 
     run(go())
 
@@ -735,7 +779,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}),
         json.dumps({"type": "session.update", "session": {"modalities": ["video"]}}),
         json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "threshold": 7}}}),
-        json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}),
+        json.dumps({"type": "session.update", "session": {"input_audio_format": "opus"}}),
         json.dumps({"type": "input_audio_buffer.commit"}),
         json.dumps({"type": "response.cancel"}),
         json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0}),
