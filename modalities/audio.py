@@ -130,27 +130,6 @@ def resample(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
     return soxr.resample(samples, src_rate, dst_rate, quality="HQ").astype(np.float32, copy=False)
 
 
-class Resampler:
-    """Streaming resampler from ``src`` to ``dst`` Hz (identity when equal): chunk boundaries do
-    not click, and ``flush()`` returns the tail."""
-
-    def __init__(self, src: int, dst: int) -> None:
-        self._stream = None
-        if src != dst:
-            import soxr
-
-            self._stream = soxr.ResampleStream(src, dst, 1, dtype="float32", quality="HQ")
-
-    def __call__(self, chunk: np.ndarray) -> np.ndarray:
-        chunk = np.asarray(chunk, dtype=np.float32)
-        return chunk if self._stream is None else self._stream.resample_chunk(chunk)
-
-    def flush(self) -> np.ndarray:
-        if self._stream is None:
-            return np.zeros(0, np.float32)
-        return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
-
-
 def decode_audio(data: bytes, rate: int | None = ASR_RATE, max_seconds: float | None = None) -> Audio:
     """Decode an audio file's bytes to mono float32, resampled to ``rate`` (``None``: native
     rate). Raises ``AudioDecodeError`` for unreadable or empty input, ``AudioTooLong`` past

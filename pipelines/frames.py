@@ -137,6 +137,9 @@ class ResponseRequest(Frame):
     temperature: float | None = None  # for this reply only (None: the session's)
     max_tokens: int | None = None  # for this reply only (None: the session's)
     voice: str | None = None  # for this reply only (None: the session's)
+    # Its speech's rate and the transport's name for its encoding, for this reply only (None: the session's)
+    sample_rate: int | None = None
+    audio_format: str | None = None
     tools: list[dict[str, Any]] | None = None  # for this reply only, chat-shaped ([]: none; None: the session's)
     grammar: str | None = None  # with ``tools``: what its tool_choice holds the reply to
 
@@ -159,6 +162,8 @@ class LLMStarted(ReplyFrame):
     out_of_band: bool = False  # the item is not in the conversation
     metadata: dict[str, Any] | None = None  # of the ResponseRequest that asked for it
     voice: str | None = None  # of the ResponseRequest that asked for it (None: the session's)
+    sample_rate: int | None = None  # the same
+    audio_format: str | None = None  # the same
     calls: bool = False  # it may call functions (then its text may be none at all)
 
 

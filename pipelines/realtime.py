@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
+from modalities.audio import ASR_RATE
 from modalities.llm.tools import declared
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation
@@ -54,11 +55,13 @@ from pipelines.realtime_events import (
     check_temperature,
     check_voice,
     decode_append,
+    ga_wire_format,
     parse_event,
     reply_tokens,
     shown_tools,
     tools_grammar,
     wants_audio,
+    wire_format,
 )
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, response_items
 from pipelines.realtime_output import ServerEvents
@@ -66,10 +69,11 @@ from pipelines.reply import LLMOptions
 from pipelines.services import Services
 from pipelines.speech import ASROptions, TTSOptions
 from pipelines.turns import EAGERNESS
-from pipelines.vad import VADConfig
+from pipelines.vad import MAX_BUFFER_SAMPLES, VADConfig
 from pipelines.voice import voice_pipeline
 
 logger = logging.getLogger("mmserve.realtime")
+MAX_BUFFER_S = MAX_BUFFER_SAMPLES / ASR_RATE
 _sessions = itertools.count(1)
 # The client events handled (``_ev_<type with "." as "_">``).
 CLIENT_EVENTS = frozenset(
@@ -251,6 +255,11 @@ class RealtimeSession(ServerEvents):
         samples = decode_append(event.get("audio"), fmt)
         if self.services.asr is None:
             raise EventError("this server has no speech recognition model; send text items", code="unsupported")
+        if len(samples) / fmt.rate > MAX_BUFFER_S:  # (15 MiB of 8 kHz G.711 is 33 minutes)
+            raise EventError(
+                f"audio chunk is too long: {len(samples) / fmt.rate:.0f} s, the buffer holds {MAX_BUFFER_S:.0f} s",
+                param="audio",
+            )
         if len(samples):
             await self._charge_audio(len(samples) / fmt.rate)
             self.appended_ms += len(samples) / fmt.rate * 1000
@@ -362,6 +371,9 @@ class RealtimeSession(ServerEvents):
         limit_key = "max_output_tokens" if self.ga else "max_response_output_tokens"
         limit = response.get(limit_key)
         max_tokens = None if limit is None else reply_tokens(check_max_tokens(limit, f"response.{limit_key}"))
+        tools, grammar = self._response_tools(response)
+        voice = self._response_voice(response)
+        audio_format = self._response_format(response)  # (after the voice, which checks GA's shapes)
         request = ResponseRequest(
             instructions,
             audio,
@@ -370,11 +382,23 @@ class RealtimeSession(ServerEvents):
             metadata,
             temperature,
             max_tokens,
-            self._response_voice(response),
-            *self._response_tools(response),
+            voice,
+            None if audio_format is None else FORMATS[audio_format].rate,
+            audio_format,
+            tools,
+            grammar,
         )
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
+
+    def _response_format(self, response: dict[str, Any]) -> str | None:
+        """A ``response.create``'s own output format (beta ``output_audio_format``, GA
+        ``audio.output.format``; None: the session's)."""
+        if not self.ga:
+            fmt = response.get("output_audio_format")
+            return None if fmt is None else wire_format(fmt, "response.output_audio_format")
+        fmt = ((response.get("audio") or {}).get("output") or {}).get("format")
+        return None if fmt is None else ga_wire_format(fmt, "response.audio.output.format")
 
     def _response_tools(self, response: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
         """A ``response.create``'s own ``tools``/``tool_choice`` (checked as ``session.update``

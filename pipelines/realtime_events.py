@@ -361,22 +361,27 @@ def check_instructions(value: Any, param: str) -> str:
 
 def wire_format(name: Any, param: str) -> str:
     """A beta format name, checked."""
-    if name not in FORMATS:
+    if not isinstance(name, str) or name not in FORMATS:
         raise EventError(
-            f"{param.rsplit('.', 1)[-1]} {name!r} is not supported; use one of {list(FORMATS)}", param=param
+            f"{param.rsplit('.', 1)[-1]} {json.dumps(name)} is not supported; use one of {json.dumps(list(FORMATS))}",
+            param=param,
         )
-    return str(name)
+    return name
 
 
 def ga_wire_format(value: Any, param: str) -> str:
     """The beta name of a GA format object (``{"type": "audio/pcm", "rate": 24000}``,
-    ``{"type": "audio/pcmu"}``, ``{"type": "audio/pcma"}``; a G.711 one may say ``"rate": 8000``)."""
-    for f in FORMATS.values():
-        if isinstance(value, dict) and value.get("type") == f.ga["type"]:
-            if set(value) <= {"type", "rate"} and value.get("rate", f.rate) == f.rate:
+    ``{"type": "audio/pcmu"}``, ``{"type": "audio/pcma"}``); a missing type is pcm, a missing or
+    null rate the type's own."""
+    if isinstance(value, dict) and set(value) <= {"type", "rate"}:
+        kind = value.get("type", "audio/pcm")
+        for f in FORMATS.values():
+            if kind == f.ga["type"] and value.get("rate") in (None, f.rate):
                 return f.name
-    shapes = [f.ga for f in FORMATS.values()]
-    raise EventError(f"{param.removeprefix('session.')} {value!r} is not supported; use one of {shapes}", param=param)
+    shapes = json.dumps([f.ga for f in FORMATS.values()])
+    raise EventError(
+        f"{param.removeprefix('session.')} {json.dumps(value)} is not supported; use one of {shapes}", param=param
+    )
 
 
 def decode_append(value: Any, fmt: WireFormat) -> np.ndarray:

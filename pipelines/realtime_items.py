@@ -119,6 +119,7 @@ class Reply:
     usage: dict[str, Any] = field(default_factory=dict)
     out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
     metadata: dict[str, Any] | None = None  # response.metadata, echoed
+    audio_format: str = "pcm16"  # its audio's wire format (``pipelines.realtime_audio.FORMATS``)
     calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
     # Its message item: announced (with tools on, only at its first text or audio, so that a
     # reply that only calls a function has no message) and done (before a call's item is added).

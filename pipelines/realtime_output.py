@@ -105,9 +105,10 @@ class ServerEvents:
             "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
         )
 
-    def _encode(self, frame: TTSAudio) -> bytes:
-        """A chunk in the session's output format (resampled if the format changed mid-reply)."""
-        fmt = FORMATS[self.config.output_audio_format]
+    def _encode(self, r: Reply, frame: TTSAudio) -> bytes:
+        """A chunk in the reply's format, fixed as it starts. (Its TTS fixed the rate a moment
+        before: a session.update in between leaves a chunk at the other rate, resampled.)"""
+        fmt = FORMATS[r.audio_format]
         samples = frame.samples
         if frame.sample_rate != fmt.rate:
             samples = resample(samples, frame.sample_rate, fmt.rate)
@@ -170,7 +171,7 @@ class ServerEvents:
             await self.send(kind, **self._where(r), delta=frame.text)
         elif isinstance(frame, TTSAudio):
             await self._open(r)
-            pcm = self._encode(frame)
+            pcm = self._encode(r, frame)
             ms = len(frame.samples) / frame.sample_rate * 1000
             if frame.text or not r.spoken:
                 r.spoken.append(Spoken(frame.text, 0.0))
@@ -259,7 +260,12 @@ class ServerEvents:
         self.requested = False
         audio = spoken(frame.audio, self.tts_options, self.services)
         self.reply = r = Reply(
-            frame.response_id, frame.item_id, audio, out_of_band=frame.out_of_band, metadata=frame.metadata
+            frame.response_id,
+            frame.item_id,
+            audio,
+            out_of_band=frame.out_of_band,
+            metadata=frame.metadata,
+            audio_format=frame.audio_format or self.config.output_audio_format,
         )
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio

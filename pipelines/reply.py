@@ -170,7 +170,15 @@ class LLM(Processor):
         names = self.options.tool_calls if req.tools is None else declared(req.tools) if req.tools else None
         self.active = response_id
         yield LLMStarted(
-            response_id, item.id, req.audio, req.out_of_band, req.metadata, req.voice, calls=names is not None
+            response_id,
+            item.id,
+            req.audio,
+            req.out_of_band,
+            req.metadata,
+            req.voice,
+            req.sample_rate,
+            req.audio_format,
+            calls=names is not None,
         )
         final, error, mapped = None, None, None
         ids: list[int] = []

@@ -16,7 +16,8 @@ import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from modalities.audio import ASR_RATE, Resampler
+from modalities.audio import ASR_RATE
+from modalities.stream_resample import Resampler
 from modalities.tts.text import SentenceSplitter
 from pipelines.frames import (
     AudioFrame,
@@ -236,7 +237,8 @@ def spoken(asked: bool | None, options: TTSOptions, services: Services) -> bool:
 
 
 class TTS(Processor):
-    """``Sentence`` → ``TTSAudio`` chunks at ``options.sample_rate`` (consumed); after the
+    """``Sentence`` → ``TTSAudio`` chunks at the reply's rate (its ``LLMStarted``'s, else
+    ``options.sample_rate`` as the reply starts) (consumed); after the
     reply's ``LLMDone``, ``TTSDone``. Cancelling ``process`` closes the TTS stream, which stops
     that request inside the TTS engine. A first sentence that ``prefetch`` already synthesises
     (a speculative reply's) is taken from there."""
@@ -251,13 +253,16 @@ class TTS(Processor):
         self.prefetch = prefetch
         self.silent: set[str] = set()  # replies not spoken: text only, asked so or as the session says
         self.voices: dict[str, str] = {}  # replies asked for in a voice of their own
+        self.rates: dict[str, int] = {}  # each spoken reply's rate, fixed when it starts
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, LLMStarted):
             if not spoken(frame.audio, self.options, self.services):
                 self.silent.add(frame.response_id)
-            elif frame.voice is not None:
-                self.voices[frame.response_id] = frame.voice
+            else:
+                self.rates[frame.response_id] = frame.sample_rate or self.options.sample_rate
+                if frame.voice is not None:
+                    self.voices[frame.response_id] = frame.voice
             yield frame
         elif isinstance(frame, Sentence):
             if frame.response_id in self.silent:
@@ -265,24 +270,23 @@ class TTS(Processor):
                     self.prefetch.cancel()  # a speculative first sentence nobody will hear
                 return
             o, voice = self.options, self.voices.get(frame.response_id)
+            rate = self.rates.get(frame.response_id, o.sample_rate)
             early = None
             if self.prefetch is not None and frame.index == 0:
-                if voice is None:
+                if voice is None and rate == o.sample_rate:
                     early = self.prefetch.take(frame.text)
-                else:  # made in the session's voice: nobody will hear it
+                else:  # made in the session's voice or rate: nobody will hear it
                     self.prefetch.cancel()
             chunks = (
                 early.replay()
                 if early is not None
-                else self.services.speak(frame.text, voice or o.voice, o.sample_rate, o.priority, o.speed)
+                else self.services.speak(frame.text, voice or o.voice, rate, o.priority, o.speed)
             )
             first = True
             try:
                 async for chunk in chunks:
                     if chunk.size:
-                        yield TTSAudio(
-                            frame.response_id, chunk, o.sample_rate, frame.index, frame.text if first else ""
-                        )
+                        yield TTSAudio(frame.response_id, chunk, rate, frame.index, frame.text if first else "")
                         first = False
             finally:
                 if early is not None:
@@ -290,6 +294,7 @@ class TTS(Processor):
         elif isinstance(frame, LLMDone):
             self.silent.discard(frame.response_id)
             self.voices.pop(frame.response_id, None)
+            self.rates.pop(frame.response_id, None)
             yield frame
             yield TTSDone(frame.response_id)
         else:
@@ -298,6 +303,7 @@ class TTS(Processor):
     async def on_interrupt(self) -> None:
         self.silent.clear()  # the cut replies' LLMDone may never come
         self.voices.clear()
+        self.rates.clear()
         self.close()
 
     def close(self) -> None:

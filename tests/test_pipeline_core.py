@@ -805,6 +805,15 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
         "input_audio_format": "g711_ulaw",
         "output_audio_format": "g711_alaw",
     }
+    lax = ({}, {"rate": 24000}, {"type": "audio/pcmu", "rate": None})  # a type or rate left out
+    lax_patch = {"audio": {"input": {"format": lax[0]}, "output": {"format": lax[1]}}}
+    assert session_patch({"type": "realtime", **lax_patch}) == {
+        "input_audio_format": "pcm16",
+        "output_audio_format": "pcm16",
+    }
+    assert session_patch({"type": "realtime", "audio": {"input": {"format": lax[2]}}}) == {
+        "input_audio_format": "g711_ulaw"
+    }
     bad_formats = ({"rate": 16000}, {"type": "audio/pcmu", "rate": 24000}, {"type": "audio/pcm", "bits": 8})
     for bad in ({"output_modalities": ["text", "audio"]}, *({"audio": {"input": {"format": f}}} for f in bad_formats)):
         with pytest.raises(EventError):
@@ -848,6 +857,45 @@ def test_tts_stage_leaves_a_text_only_reply_unspoken() -> None:
     assert spoken == ["b said."]
     assert [f.response_id for f in out if isinstance(f, TTSAudio)] == ["b"]
     assert [f.response_id for f in out if isinstance(f, TTSDone)] == ["a", "b"]
+
+
+def test_a_replys_speech_keeps_the_rate_it_started_with() -> None:
+    """A reply is spoken at its own rate (its ``LLMStarted``'s) or at the session's as it
+    starts: a session change mid-reply does not relabel the rest of its audio."""
+    from pipelines.frames import LLMDone, LLMStarted, Sentence, TTSAudio
+    from pipelines.services import Services
+    from pipelines.speech import TTS, TTSOptions
+
+    asked: list[int] = []
+
+    class Voice(Services):
+        async def speak(self, text: str, voice: object, rate: int, *_: object) -> AsyncIterator[np.ndarray]:
+            asked.append(rate)
+            yield np.ones(rate // 100, np.float32)
+
+    options = TTSOptions(sample_rate=24_000)
+    stage = TTS(Voice(tts=object()), options)
+
+    async def go() -> list[Frame]:
+        out: list[Frame] = []
+        for frame in (LLMStarted("a"), Sentence("a", "One.", 0)):
+            out += [f async for f in stage.process(frame)]
+        options.sample_rate = 8000  # a session.update mid-reply
+        for frame in (Sentence("a", "Two.", 1), LLMDone("a", "One. Two.")):
+            out += [f async for f in stage.process(frame)]
+        for frame in (LLMStarted("b", sample_rate=16_000), Sentence("b", "Three.", 0), LLMStarted("c")):
+            out += [f async for f in stage.process(frame)]
+        out += [f async for f in stage.process(Sentence("c", "Four.", 0))]
+        return out
+
+    out = asyncio.run(go())
+    assert asked == [24_000, 24_000, 16_000, 8000]
+    assert [(f.response_id, f.sample_rate, f.samples.size) for f in out if isinstance(f, TTSAudio)] == [
+        ("a", 24_000, 240),
+        ("a", 24_000, 240),
+        ("b", 16_000, 160),
+        ("c", 8000, 80),
+    ]
 
 
 def test_conversation_remove_keeps_the_items_left_out() -> None:

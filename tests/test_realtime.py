@@ -335,11 +335,26 @@ def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> 
     run(go())
 
 
+def hears(server: dict[str, Any], audio: np.ndarray, rate: int, said: str) -> None:
+    """Whisper (the server's ``/v1/audio/transcriptions``) hears in ``audio`` at least half the
+    words of ``said``: the audio is what it claims to be."""
+    from modalities.audio import encode_audio
+
+    files = {"file": ("reply.wav", encode_audio(audio, rate, "wav"), "audio/wav")}
+    heard = httpx.post(server["http"] + "/v1/audio/transcriptions", files=files, data={"model": "whisper-tiny.en"})
+    assert heard.status_code == 200, heard.text
+    words = set(re.findall(r"[a-z]+", said.lower()))
+    assert said and len(words & set(re.findall(r"[a-z]+", heard.json()["text"].lower()))) >= len(words) / 2, (
+        said,
+        heard.text,
+    )
+
+
 def test_a_telephone_session_speaks_g711_at_8_khz(server: dict[str, Any]) -> None:
     """A phone gateway's session: the question comes as G.711 mu-law at 8 kHz and is heard; the
     reply's audio leaves as A-law at 8 kHz, and Whisper hears in it the words the reply says."""
     from modalities import g711
-    from modalities.audio import encode_audio, from_pcm16, resample
+    from modalities.audio import from_pcm16, resample
 
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
@@ -356,14 +371,15 @@ def test_a_telephone_session_speaks_g711_at_8_khz(server: dict[str, Any]) -> Non
             reply = b"".join(base64.b64decode(e["delta"]) for e in c.events if e["type"] == "response.audio.delta")
             said = done["response"]["output"][0]["content"][0]["transcript"]
             assert len(reply) / 8000 > 0.5 and said
-            wav = encode_audio(g711.decode(reply, "alaw"), 8000, "wav")
-            files = {"file": ("reply.wav", wav, "audio/wav")}
-            heard = httpx.post(
-                server["http"] + "/v1/audio/transcriptions", files=files, data={"model": "whisper-tiny.en"}
-            )
-            words = lambda t: set(re.findall(r"[a-z]+", t.lower()))  # noqa: E731
-            assert heard.status_code == 200, heard.text
-            assert len(words(said) & words(heard.json()["text"])) >= len(words(said)) / 2, (said, heard.text)
+            hears(server, g711.decode(reply, "alaw"), 8000, said)
+
+            # One response in a format of its own: pcm16 at 24 kHz.
+            c.events.clear()
+            await c.send("conversation.item.create", item=user_item("And of Italy?"))
+            await c.send("response.create", response={"output_audio_format": "pcm16"})
+            done = await c.until("response.done")
+            reply = b"".join(base64.b64decode(e["delta"]) for e in c.events if e["type"] == "response.audio.delta")
+            hears(server, from_pcm16(reply), RATE, done["response"]["output"][0]["content"][0]["transcript"])
 
             await c.send("session.update", session={"output_audio_format": "pcm8"})
             err = await c.until("error")
@@ -780,6 +796,8 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "session.update", "session": {"modalities": ["video"]}}),
         json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "threshold": 7}}}),
         json.dumps({"type": "session.update", "session": {"input_audio_format": "opus"}}),
+        json.dumps({"type": "session.update", "session": {"output_audio_format": {"type": "audio/pcmu"}}}),
+        json.dumps({"type": "response.create", "response": {"output_audio_format": "mp3"}}),
         json.dumps({"type": "input_audio_buffer.commit"}),
         json.dumps({"type": "response.cancel"}),
         json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0}),

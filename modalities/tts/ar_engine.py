@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from modalities.audio import Resampler
+from modalities.stream_resample import Resampler
 from modalities.tts.base import check_request
 from modalities.tts.codec_stream import CodecBatcher, StreamingCodecDecoder
 from modalities.tts.protocol import TTSRequest

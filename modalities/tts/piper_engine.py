@@ -37,7 +37,7 @@ import numpy as np
 
 from engine.errors import EngineDeadError
 from engine.foreground import FOREGROUND
-from modalities.audio import Resampler
+from modalities.stream_resample import Resampler
 from modalities.tts.base import check_request
 from modalities.tts.phonemizer import Phonemizer
 from modalities.tts.piece_queue import END, Item, PieceJob, PieceQueue
