@@ -43,28 +43,22 @@ from pipelines.frames import (
     End,
     Frame,
     Interrupt,
-    ResponseRequest,
 )
 from pipelines.realtime_audio import FORMATS
 from pipelines.realtime_events import (
     EventError,
     SessionConfig,
-    check_instructions,
     check_language,
-    check_max_tokens,
-    check_temperature,
     check_voice,
     decode_append,
-    ga_wire_format,
     parse_event,
     reply_tokens,
     shown_tools,
     tools_grammar,
-    wants_audio,
-    wire_format,
 )
-from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, response_items
+from pipelines.realtime_items import client_item, content_part, function_item_event, item_event
 from pipelines.realtime_output import ServerEvents
+from pipelines.realtime_response import response_request
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
 from pipelines.speech import ASROptions, TTSOptions
@@ -238,18 +232,6 @@ class RealtimeSession(ServerEvents):
         self._apply_config()
         await self.send("session.updated", session=self.config.to_dict(self.id))
 
-    def _response_voice(self, response: dict[str, Any]) -> str | None:
-        """A ``response.create``'s own voice (beta ``voice``, GA ``audio.output.voice``), checked."""
-        if not self.ga:
-            check_voice(self.services.tts, response, "response.voice")
-            return response.get("voice")
-        audio = response.get("audio") or {}
-        output = (audio.get("output") or {}) if isinstance(audio, dict) else None
-        if not isinstance(output, dict):
-            raise EventError("response.audio must be an object with an object output", param="response.audio")
-        check_voice(self.services.tts, output, "response.audio.output.voice")
-        return output.get("voice")
-
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         fmt = FORMATS[self.config.input_audio_format]
         samples = decode_append(event.get("audio"), fmt)
@@ -351,69 +333,9 @@ class RealtimeSession(ServerEvents):
             raise EventError(
                 "the conversation already has an active response", code="conversation_already_has_active_response"
             )
-        response = event.get("response") or {}
-        if not isinstance(response, dict):
-            raise EventError("response must be an object", param="response")
-        instructions = response.get("instructions")
-        if instructions is not None:
-            check_instructions(instructions, "response.instructions")
-        key = "output_modalities" if self.ga else "modalities"
-        audio = None if response.get(key) is None else wants_audio(response[key], self.ga, f"response.{key}")
-        conversation = response.get("conversation", "auto")
-        if conversation not in ("auto", "none"):
-            raise EventError("response.conversation must be 'auto' or 'none'", param="response.conversation")
-        metadata = response.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise EventError("response.metadata must be an object", param="response.metadata")
-        temperature = response.get("temperature")
-        if temperature is not None:
-            temperature = check_temperature(temperature, "response.temperature")
-        limit_key = "max_output_tokens" if self.ga else "max_response_output_tokens"
-        limit = response.get(limit_key)
-        max_tokens = None if limit is None else reply_tokens(check_max_tokens(limit, f"response.{limit_key}"))
-        tools, grammar = self._response_tools(response)
-        voice = self._response_voice(response)
-        audio_format = self._response_format(response)  # (after the voice, which checks GA's shapes)
-        request = ResponseRequest(
-            instructions,
-            audio,
-            response_items(response.get("input"), self.conv),
-            conversation == "none",
-            metadata,
-            temperature,
-            max_tokens,
-            voice,
-            None if audio_format is None else FORMATS[audio_format].rate,
-            audio_format,
-            tools,
-            grammar,
-        )
+        request = response_request(event.get("response"), self.ga, self.config, self.services, self.conv)
         self.requested = True  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
-
-    def _response_format(self, response: dict[str, Any]) -> str | None:
-        """A ``response.create``'s own output format (beta ``output_audio_format``, GA
-        ``audio.output.format``; None: the session's)."""
-        if not self.ga:
-            fmt = response.get("output_audio_format")
-            return None if fmt is None else wire_format(fmt, "response.output_audio_format")
-        fmt = ((response.get("audio") or {}).get("output") or {}).get("format")
-        return None if fmt is None else ga_wire_format(fmt, "response.audio.output.format")
-
-    def _response_tools(self, response: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
-        """A ``response.create``'s own ``tools``/``tool_choice`` (checked as ``session.update``
-        checks them) as the reply's chat-shaped tools ([]: none; None: the session's) and the
-        grammar its ``tool_choice`` holds it to."""
-        if "tools" not in response and "tool_choice" not in response:
-            return None, None
-        staged = dataclasses.replace(self.config)
-        try:
-            staged.update({k: response[k] for k in ("tools", "tool_choice") if k in response})
-            grammar = tools_grammar(getattr(self.services.llm, "tokenizer", None), staged)
-        except EventError as exc:
-            exc.param = (exc.param or "").replace("session.", "response.", 1)
-            raise
-        return shown_tools(staged) or [], grammar
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:

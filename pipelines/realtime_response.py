@@ -1,0 +1,112 @@
+"""A ``response.create``'s ``response`` object read into a ``ResponseRequest``: the reply's own
+instructions, modalities, limits, voice, output format and tools, each checked as the session's
+are (the session's apply where it says nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipelines.conversation import Conversation
+from pipelines.frames import ResponseRequest
+from pipelines.realtime_audio import FORMATS
+from pipelines.realtime_events import (
+    EventError,
+    SessionConfig,
+    check_instructions,
+    check_max_tokens,
+    check_temperature,
+    check_voice,
+    ga_wire_format,
+    reply_tokens,
+    shown_tools,
+    tools_grammar,
+    wants_audio,
+    wire_format,
+)
+from pipelines.realtime_items import response_items
+from pipelines.services import Services
+
+
+def response_request(
+    response: Any, ga: bool, config: SessionConfig, services: Services, conv: Conversation
+) -> ResponseRequest:
+    """The request for ``response`` (beta or ``ga`` shape); an ``EventError`` names what is wrong."""
+    response = response or {}
+    if not isinstance(response, dict):
+        raise EventError("response must be an object", param="response")
+    instructions = response.get("instructions")
+    if instructions is not None:
+        check_instructions(instructions, "response.instructions")
+    key = "output_modalities" if ga else "modalities"
+    audio = None if response.get(key) is None else wants_audio(response[key], ga, f"response.{key}")
+    conversation = response.get("conversation", "auto")
+    if conversation not in ("auto", "none"):
+        raise EventError("response.conversation must be 'auto' or 'none'", param="response.conversation")
+    metadata = response.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise EventError("response.metadata must be an object", param="response.metadata")
+    temperature = response.get("temperature")
+    if temperature is not None:
+        temperature = check_temperature(temperature, "response.temperature")
+    limit_key = "max_output_tokens" if ga else "max_response_output_tokens"
+    limit = response.get(limit_key)
+    max_tokens = None if limit is None else reply_tokens(check_max_tokens(limit, f"response.{limit_key}"))
+    tools, grammar = _tools(response, config, services)
+    voice = _voice(response, ga, services)
+    audio_format = _format(response, ga)  # (after the voice, which checks GA's shapes)
+    return ResponseRequest(
+        instructions,
+        audio,
+        response_items(response.get("input"), conv),
+        conversation == "none",
+        metadata,
+        temperature,
+        max_tokens,
+        voice,
+        None if audio_format is None else FORMATS[audio_format].rate,
+        audio_format,
+        tools,
+        grammar,
+    )
+
+
+def _voice(response: dict[str, Any], ga: bool, services: Services) -> str | None:
+    """Its own voice (beta ``voice``, GA ``audio.output.voice``), checked."""
+    if not ga:
+        check_voice(services.tts, response, "response.voice")
+        return response.get("voice")
+    audio = response.get("audio") or {}
+    output = (audio.get("output") or {}) if isinstance(audio, dict) else None
+    if not isinstance(output, dict):
+        raise EventError("response.audio must be an object with an object output", param="response.audio")
+    check_voice(services.tts, output, "response.audio.output.voice")
+    return output.get("voice")
+
+
+def _format(response: dict[str, Any], ga: bool) -> str | None:
+    """Its own output format (beta ``output_audio_format``, GA ``audio.output.format``; None:
+    the session's)."""
+    if not ga:
+        fmt = response.get("output_audio_format")
+        return None if fmt is None else wire_format(fmt, "response.output_audio_format")
+    fmt = ((response.get("audio") or {}).get("output") or {}).get("format")
+    return None if fmt is None else ga_wire_format(fmt, "response.audio.output.format")
+
+
+def _tools(
+    response: dict[str, Any], config: SessionConfig, services: Services
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Its own ``tools``/``tool_choice`` (checked as ``session.update`` checks them) as the
+    reply's chat-shaped tools ([]: none; None: the session's) and the grammar its
+    ``tool_choice`` holds it to."""
+    if "tools" not in response and "tool_choice" not in response:
+        return None, None
+    staged = dataclasses.replace(config)
+    try:
+        staged.update({k: response[k] for k in ("tools", "tool_choice") if k in response})
+        grammar = tools_grammar(getattr(services.llm, "tokenizer", None), staged)
+    except EventError as exc:
+        exc.param = (exc.param or "").replace("session.", "response.", 1)
+        raise
+    return shown_tools(staged) or [], grammar
