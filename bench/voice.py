@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 
 from bench.report import Playback
-from pipelines.realtime_audio import FORMATS
+from pipelines.realtime_audio import FORMATS, RATE
 
-RATE = 24_000
 QUESTIONS = [
     "What is the capital of France?",
     "How many legs does a spider have?",
@@ -78,7 +77,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--audio-format",
         default="pcm16",
-        choices=["pcm16", "g711_ulaw", "g711_alaw"],
+        choices=list(FORMATS),
         help="the session's input and output audio (G.711: 8 kHz, as a phone gateway sends it)",
     )
     ap.add_argument("--max-tokens", type=int, default=48, help="max_response_output_tokens")

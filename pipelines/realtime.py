@@ -237,14 +237,14 @@ class RealtimeSession(ServerEvents):
         samples = decode_append(event.get("audio"), fmt)
         if self.services.asr is None:
             raise EventError("this server has no speech recognition model; send text items", code="unsupported")
-        if len(samples) / fmt.rate > MAX_BUFFER_S:  # (15 MiB of 8 kHz G.711 is 33 minutes)
+        seconds = len(samples) / fmt.rate
+        if seconds > MAX_BUFFER_S:  # (15 MiB of 8 kHz G.711 is 33 minutes)
             raise EventError(
-                f"audio chunk is too long: {len(samples) / fmt.rate:.0f} s, the buffer holds {MAX_BUFFER_S:.0f} s",
-                param="audio",
+                f"audio chunk is too long: {seconds:.0f} s, the buffer holds {MAX_BUFFER_S:.0f} s", param="audio"
             )
         if len(samples):
-            await self._charge_audio(len(samples) / fmt.rate)
-            self.appended_ms += len(samples) / fmt.rate * 1000
+            await self._charge_audio(seconds)
+            self.appended_ms += seconds * 1000
             await self.inbox.put(AudioFrame(samples, fmt.rate))
 
     async def _charge_audio(self, seconds: float) -> None:
