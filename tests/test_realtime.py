@@ -984,7 +984,8 @@ def test_input_audio_buffer_is_capped_at_15_mib(server: dict[str, Any]) -> None:
 
 def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
     """Input audio pays from the tenant's ``audio_seconds`` budget: over it, the chunk is dropped
-    with a ``rate_limit_exceeded`` error event and the session stays usable."""
+    with a ``rate_limit_exceeded`` error event and the session stays usable. A chunk the full
+    buffer refuses is not charged."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from gateway.app import create_app
@@ -993,25 +994,31 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
     from pipelines.plugin import router
 
     keys = KeyStore()
-    keys.add_tenant("small", [hash_key("k-small")], {"audio_seconds": 60})
+    keys.add_tenant("small", [hash_key("k-small")], {"audio_seconds": 440})
     llm = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir("llama"))))
     asr = AsrEngine.from_config(AsrConfig(max_num_seqs=1))
     app = create_app({"tiny": llm, asr.model_name: asr}, routers=[router], keys=keys)
-    forty_s = base64.b64encode(bytes(RATE * 2 * 40)).decode()  # 40 s of pcm16 silence
+    chunk = base64.b64encode(bytes(RATE * 2 * 100)).decode()  # 100 s of pcm16 silence
 
     async def go(ws_url: str) -> None:
         protocols = ["realtime", "openai-insecure-api-key.k-small"]
         async with websockets.connect(ws_url, max_size=None, subprotocols=protocols) as ws:
             c = Client(ws)
             await manual_session(c)
-            await c.send("input_audio_buffer.append", audio=forty_s)  # 40 of 60 s: accepted
-            await c.send("input_audio_buffer.append", audio=forty_s)  # 80 s > budget: dropped
+            for _ in range(4):  # 300 s buffered, then the buffer (328 s) refuses the fourth
+                await c.send("input_audio_buffer.append", audio=chunk)
+            full = await c.until("error")
+            assert full["error"]["code"] == "input_audio_buffer_full"
+            await c.send("input_audio_buffer.clear")
+            await c.until("input_audio_buffer.cleared")
+            await c.send("input_audio_buffer.append", audio=chunk)  # 400 of 440 s: accepted
+            await c.send("input_audio_buffer.append", audio=chunk)  # 500 s > budget (+ its refill): dropped
             err = await c.until("error")
             assert err["error"]["code"] == "rate_limit_exceeded"
             assert "retry after" in err["error"]["message"]
             await c.send("input_audio_buffer.clear")
             await c.until("input_audio_buffer.cleared")
-            assert [e for e in c.events if e["type"] == "error"] == [err]
+            assert [e for e in c.events if e["type"] == "error"] == [full, err]
 
     with serve_app(app) as url:
         run(go(url.replace("http://", "ws://") + "/v1/realtime"))
