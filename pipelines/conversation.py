@@ -58,6 +58,7 @@ class Conversation:
     tools: list[dict[str, Any]] | None = None  # chat-completions shaped, for the template
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
     _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
+    _removed: set[str] = field(default_factory=set, repr=False)  # ids deleted (a late transcript stays out)
 
     def new_id(self, kind: str = "item") -> str:
         return f"{kind}_{next(self._ids):06d}"
@@ -84,6 +85,16 @@ class Conversation:
         self._first += at < self._first  # among the items left out, it is left out too
         return item
 
+    def hear(self, item_id: str, text: str) -> Item | None:
+        """The user's speech ``item_id`` heard as ``text``: its item, added when the audio was
+        committed (empty until now, so prompts left it out), gets the text; without one, a new
+        item at the end. None if it was deleted before its transcript came."""
+        item = self.get(item_id) if item_id else None
+        if item is None:
+            return None if item_id in self._removed else self.add("user", text, item_id or None, audio=True)
+        item.text = text
+        return item
+
     def get(self, item_id: str) -> Item | None:
         return next((i for i in self.items if i.id == item_id), None)
 
@@ -91,6 +102,7 @@ class Conversation:
         """Delete item ``item_id`` (False if there is none): later prompts leave it out."""
         for k, item in enumerate(self.items):
             if item.id == item_id:
+                self._removed.add(item_id)
                 del self.items[k]
                 self._first -= k < self._first  # the items left out stay the same ones
                 return True

@@ -277,9 +277,8 @@ class RealtimeSession(ServerEvents):
             )
         self.appended_ms = 0.0
         item_id = self.conv.new_id("item_cm")  # (the VAD's turns are item_in_...)
-        self.unheard.add(item_id)  # before its frame goes: an ASR may fail it at once
+        await self._user_item_created(item_id)  # before its frame goes: an ASR may fail it at once
         await self.inbox.put(CommitFrame(item_id=item_id))
-        await self._user_item_created(item_id)
 
     async def _ev_input_audio_buffer_clear(self, event: dict[str, Any]) -> None:
         self.appended_ms = 0.0
@@ -312,10 +311,6 @@ class RealtimeSession(ServerEvents):
     async def _ev_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
         item = self.conv.get(item_id) if isinstance(item_id, str) else None
-        if item is None and isinstance(item_id, str) and item_id in self.unheard | self.failed:  # no transcript
-            user_audio = item_event(item_id, "user", [content_part("user", True, None)])
-            await self.send("conversation.item.retrieved", item=user_audio)
-            return
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         if item.kind != "message":
@@ -323,14 +318,15 @@ class RealtimeSession(ServerEvents):
             return
         r = self.reply
         status = "in_progress" if r is not None and r.item_id == item.id and not r.done else item.status
-        content = [content_part(item.role, item.audio, item.text)]
+        transcript = None if item.id in self.unheard | self.failed else item.text  # (none yet, or never)
+        content = [content_part(item.role, item.audio, transcript)]
         await self.send("conversation.item.retrieved", item=item_event(item.id, item.role, content, status))
 
     async def _ev_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = event.get("item_id")
         if self.active and self.reply is not None and item_id == self.reply.item_id:
             raise EventError("the active response's item cannot be deleted; cancel it first", param="item_id")
-        if not isinstance(item_id, str) or not (self.conv.remove(item_id) or item_id in self.failed):
+        if not isinstance(item_id, str) or not self.conv.remove(item_id):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         self.failed.discard(item_id)
         await self.send("conversation.item.deleted", item_id=item_id)

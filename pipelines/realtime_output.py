@@ -97,10 +97,16 @@ class ServerEvents:
         self.turn_ended = None
 
     async def _user_item_created(self, item_id: str) -> None:
-        previous = self._previous(None)
+        """The committed audio ``item_id`` joins the conversation at once, empty until it is heard
+        (the client may put items after it); its transcript is to come. (Before any await: the
+        turn's ``Transcript`` or its failure may come next.)"""
+        if self.conv.get(item_id) is None:  # (not already heard)
+            self.conv.add("user", "", item_id, audio=True)
+        if item_id not in self.failed:
+            self.unheard.add(item_id)
+        previous = self._previous(item_id)
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
         content = [content_part("user", True, None)]
-        self.unheard.add(item_id)
         await self.send(
             "conversation.item.created", previous_item_id=previous, item=item_event(item_id, "user", content)
         )

@@ -89,7 +89,7 @@ class LLM(Processor):
             self.close()
         elif isinstance(frame, Transcript):
             self._stop_judging()  # the turn is over
-            self.conversation.add("user", frame.text, frame.item_id or None, audio=True)
+            self.conversation.hear(frame.item_id, frame.text)
             yield frame
             if frame.respond and frame.text:  # nothing was said (noise): no reply
                 async for out in self._reply(ResponseRequest()):

@@ -1230,8 +1230,9 @@ def test_transcription_events_follow_the_sessions_setting() -> None:
             if null:
                 await s._handle(json.dumps({"type": "session.update", "session": {"input_audio_transcription": None}}))
                 assert sent[-1]["session"]["input_audio_transcription"] is None
+            for item_id in ("item_a", "item_b"):  # committed (or stopped), not yet heard
+                await s._user_item_created(item_id)
             sent.clear()
-            s.unheard.update({"item_a", "item_b"})
             await s._on_frame(Heard("hello", 0, 900, item_id="item_a"))
             await s._on_frame(ErrorFrame("ValueError: no", stage="ASR", item_id="item_b"))
             assert not s.unheard and s.failed == {"item_b"}  # the failed one stays, with no transcript
@@ -1284,6 +1285,45 @@ def test_items_keep_the_clients_ids_and_go_where_it_says() -> None:
         assert [i.text for i in s.conv.items] == ["first", "a", "middle", "b"]
         ids = [await create(s, f"n{k}") for k in range(12)]
         assert len({i.id for i in s.conv.items}) == len(s.conv.items) and all(e["item"]["id"] for e in ids)
+
+    run(go())
+
+
+def test_speech_is_an_item_before_it_is_heard() -> None:
+    """Stand-ins: speech the VAD ended (or a commit) is a conversation item at once, so a
+    client's item may follow it before its transcript comes; the transcript fills it in place
+    (prompts leave it out until then), and speech deleted before it is heard stays out."""
+    from pipelines.frames import Heard, SpeechStopped
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(asr=object()), sent)
+        await s._on_frame(SpeechStopped(900, item_id="item_in_000001"))
+        assert sent[-1]["type"] == "conversation.item.created" and sent[-1]["previous_item_id"] is None
+        assert s.conv.get("item_in_000001").message() is None  # not in a prompt yet
+        for text, after in (("Answer in French.", "item_in_000001"), ("Thanks.", None)):
+            item = {**user_item(text), "id": f"msg_{len(s.conv.items)}"}
+            await s._handle(json.dumps({"type": "conversation.item.create", "item": item, "previous_item_id": after}))
+            assert sent[-1]["type"] == "conversation.item.created", sent[-1]
+        assert sent[-1]["previous_item_id"] == "msg_1"
+        await s._handle(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_in_000001"}))
+        assert sent[-1]["item"]["content"] == [{"type": "input_audio", "transcript": None}]
+
+        s.conv.hear("item_in_000001", "What is the capital of France?")  # (the reply stage's part)
+        await s._on_frame(Heard("What is the capital of France?", 0, 900, item_id="item_in_000001"))
+        assert [i.text for i in s.conv.items] == ["What is the capital of France?", "Answer in French.", "Thanks."]
+        await s._handle(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_in_000001"}))
+        assert sent[-1]["item"]["content"][0]["transcript"] == "What is the capital of France?"
+
+        s.appended_ms = 500.0
+        await s._handle(json.dumps({"type": "input_audio_buffer.commit"}))
+        committed = [e for e in sent if e["type"] == "input_audio_buffer.committed"][-1]
+        assert committed["previous_item_id"] == "msg_2"
+        await s._handle(json.dumps({"type": "conversation.item.delete", "item_id": committed["item_id"]}))
+        assert sent[-1]["type"] == "conversation.item.deleted"
+        assert s.conv.hear(committed["item_id"], "late") is None and len(s.conv.items) == 3
 
     run(go())
 
