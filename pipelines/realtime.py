@@ -94,7 +94,8 @@ class RealtimeSession(ServerEvents):
 
     def __init__(self, ws: WebSocket, services: Services, model: str) -> None:
         self.ws, self.services = ws, services
-        self.id = f"sess_{next(_sessions):06d}"
+        number = next(_sessions)
+        self.id, self.conversation_id = f"sess_{number:06d}", f"conv_{number:06d}"
         self.config = SessionConfig(model, modalities=["text", "audio"] if services.tts is not None else ["text"])
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()

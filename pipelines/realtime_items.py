@@ -118,6 +118,7 @@ class Reply:
     done: bool = False
     usage: dict[str, Any] = field(default_factory=dict)
     out_of_band: bool = False  # response.conversation "none": its item is not in the conversation
+    conversation_id: str | None = None  # the session's conversation (None: out of band)
     metadata: dict[str, Any] | None = None  # response.metadata, echoed
     audio_format: str = "pcm16"  # its audio's wire format (``pipelines.realtime_audio.FORMATS``)
     calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
@@ -144,6 +145,7 @@ def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: 
     return {
         "id": r.id,
         "object": "realtime.response",
+        "conversation_id": r.conversation_id,
         "status": status,
         "status_details": details,
         "output": output,

@@ -57,6 +57,7 @@ class ServerEvents:
     inbox: asyncio.Queue[Frame]
     reply: Reply | None  # the latest response (active until done)
     in_band: Reply | None  # the latest response in the conversation (truncation)
+    conversation_id: str  # its one conversation's (OpenAI's "conv_...")
     unheard: set[str]  # user audio items created, their transcript still to come
     failed: set[str]  # user audio items whose transcription failed (kept, with no text)
     turn_ended: float | None  # when the VAD ended the user's last turn (monotonic)
@@ -270,6 +271,7 @@ class ServerEvents:
             frame.item_id,
             audio,
             out_of_band=frame.out_of_band,
+            conversation_id=None if frame.out_of_band else self.conversation_id,
             metadata=frame.metadata,
             audio_format=frame.audio_format or self.config.output_audio_format,
         )

@@ -473,6 +473,7 @@ def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str,
             await c.send("response.create", response={**response, "input": [ref, user_item(question)]})
             done = await c.until("response.done")
             assert done["response"]["status"] in ENDED and done["response"]["metadata"] == {"purpose": "check"}
+            assert done["response"]["conversation_id"] is None  # out of band
             # Its prompt: its own instructions and input, nothing else.
             assert done["response"]["usage"]["input_tokens"] == prompt_tokens("Answer yes or no.", said, question)
             oob = done["response"]["output"][0]
@@ -493,6 +494,7 @@ def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str,
             done = await c.until("response.done")
             assert done["response"]["usage"]["input_tokens"] == prompt_tokens("Answer in one word.", said)
             assert done["response"]["metadata"] is None
+            assert done["response"]["conversation_id"].startswith("conv_")
             reply = done["response"]["output"][0]["content"][0]["text"]
 
             # After another out-of-band reply, the latest reply in the conversation is still the
