@@ -314,13 +314,19 @@ class RealtimeSession(ServerEvents):
         item = self.conv.get(item_id) if isinstance(item_id, str) else None
         if item is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+        # The active reply's items as the client has them: the reply stage writes ahead of the events.
+        r = self.reply if self.reply is not None and not self.reply.done else None
         if item.kind != "message":
-            await self.send("conversation.item.retrieved", item=function_item_event(item, item.status))
+            writing = r.writing if r is not None and r.writing and r.writing[0]["item_id"] == item.id else None
+            await self.send(
+                "conversation.item.retrieved", item=writing[1] if writing else function_item_event(item, item.status)
+            )
             return
-        r = self.reply
-        status = "in_progress" if r is not None and r.item_id == item.id and not r.done else item.status
-        transcript = None if item.id in self.unheard | self.failed else item.text  # (none yet, or never)
-        content = [content_part(item.role, item.audio, transcript)]
+        if r is not None and r.item_id == item.id:
+            status, text = "in_progress", r.text
+        else:  # (a user's speech has no transcript yet, or never will)
+            status, text = item.status, None if item.id in self.unheard | self.failed else item.text
+        content = [content_part(item.role, item.audio, text)]
         await self.send("conversation.item.retrieved", item=item_event(item.id, item.role, content, status))
 
     async def _ev_conversation_item_delete(self, event: dict[str, Any]) -> None:

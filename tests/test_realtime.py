@@ -1330,6 +1330,36 @@ def test_speech_is_an_item_before_it_is_heard() -> None:
     run(go())
 
 
+def test_a_retrieve_mid_reply_shows_what_the_client_was_sent() -> None:
+    """Stand-ins: the reply stage writes the conversation ahead of the events; a retrieve of the
+    active reply's message or call shows only the text and arguments already sent."""
+    from pipelines.realtime_items import Reply
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def retrieve(s: Any, item_id: str) -> dict[str, Any]:
+        await s._handle(json.dumps({"type": "conversation.item.retrieve", "item_id": item_id}))
+        assert sent[-1]["type"] == "conversation.item.retrieved", sent[-1]
+        return sent[-1]["item"]
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        said = s.conv.add("assistant", "Let me check the weather for")
+        call = s.conv.add("assistant", '{"city": "Os', kind="function_call", call_id="call_1", name="get_weather")
+        s.reply = r = Reply("resp_1", said.id, audio=False, text="Let me")
+        sent_so_far = {"id": call.id, "type": "function_call", "status": "in_progress", "arguments": '{"ci'}
+        r.writing = ({"response_id": r.id, "output_index": 1, "item_id": call.id, "call_id": "call_1"}, sent_so_far)
+        got = await retrieve(s, said.id)
+        assert got["status"] == "in_progress" and got["content"][0]["text"] == "Let me"
+        assert await retrieve(s, call.id) == sent_so_far
+        r.done = True  # once it ended, the items are whole
+        assert (await retrieve(s, said.id))["content"][0]["text"] == "Let me check the weather for"
+        assert (await retrieve(s, call.id))["arguments"] == '{"city": "Os'
+
+    run(go())
+
+
 def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
     """Stand-ins: the replies' ``speed`` (beta ``speed``, GA ``audio.output.speed``, 0.25 to 1.5)
     reaches the TTS options and requests; a GA session's ``type``, an ``event_id`` and a
