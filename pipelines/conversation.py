@@ -38,6 +38,7 @@ class Item:
     call_id: str = ""
     name: str = ""  # a function call's
     response_id: str = ""  # the reply that made it (a function call's)
+    pending: bool = False  # a user's speech, committed: its transcript is still to come
 
     def message(self) -> dict[str, Any] | None:
         """The chat message for the template (None: an empty message, left out)."""
@@ -86,14 +87,29 @@ class Conversation:
         return item
 
     def hear(self, item_id: str, text: str) -> Item | None:
-        """The user's speech ``item_id`` heard as ``text``: its item, added when the audio was
-        committed (empty until now, so prompts left it out), gets the text; without one, a new
-        item at the end. None if it was deleted before its transcript came."""
+        """The user's speech ``item_id`` heard as ``text``: its item, added ``pending`` when the
+        audio was committed (empty until now, so prompts left it out), gets the text; without
+        one, a new item at the end. None if it was deleted before its transcript came."""
         item = self.get(item_id) if item_id else None
         if item is None:
-            return None if item_id in self._removed else self.add("user", text, item_id or None, audio=True)
-        item.text = text
+            return None if self.removed(item_id) else self.add("user", text, item_id or None, audio=True)
+        item.text, item.pending = text, False
         return item
+
+    def add_reply(self) -> Item:
+        """A reply's item: last, but before the speech still to be heard there. (Speech is heard
+        in the order it was committed, and a reply asked for after it is made after its
+        transcript: speech still pending was committed after this reply was asked for.)"""
+        at = len(self.items)
+        while at and self.items[at - 1].pending:
+            at -= 1
+        item = Item(self.new_id(), "assistant")
+        self.items.insert(at, item)
+        return item
+
+    def removed(self, item_id: str) -> bool:
+        """Whether item ``item_id`` was deleted."""
+        return item_id in self._removed
 
     def get(self, item_id: str) -> Item | None:
         return next((i for i in self.items if i.id == item_id), None)

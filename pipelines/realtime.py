@@ -102,6 +102,9 @@ class RealtimeSession(ServerEvents):
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
         self.tts_options = TTSOptions(priority=INTERACTIVE)  # its first pieces go first
         self.asr_options = ASROptions(priority=INTERACTIVE)  # its encoder passes go first
+        # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
+        # empty (server VAD trims and takes the buffer unseen from here).
+        self.fill_known, self.appended_ms = True, 0.0
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = voice_pipeline(
@@ -115,7 +118,6 @@ class RealtimeSession(ServerEvents):
         self.metrics = getattr(ws.app.state, "metrics", None)
         self.requested = False
         self.cancel_pending = False
-        self.appended_ms = 0.0
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
         self.ga = False
@@ -125,6 +127,7 @@ class RealtimeSession(ServerEvents):
         c = self.config
         td = c.turn_detection
         self.vad_config.server_vad = td is not None
+        self.fill_known = td is None and (self.fill_known or self.appended_ms == 0)
         eagerness = EAGERNESS[td["eagerness"]] if td is not None and td["type"] == "semantic_vad" else None
         self.vad_config.semantic = eagerness is not None
         self.llm_options.end_of_turn_p = None if eagerness is None else eagerness.end_p
@@ -243,7 +246,7 @@ class RealtimeSession(ServerEvents):
             raise EventError(
                 f"audio chunk is too long: {seconds:.0f} s, the buffer holds {MAX_BUFFER_S:.0f} s", param="audio"
             )
-        if not self.vad_config.server_vad and self.appended_ms / 1000 + seconds > MAX_BUFFER_S:
+        if self.fill_known and self.appended_ms / 1000 + seconds > MAX_BUFFER_S:
             # Manual turns buffer every chunk until a commit: refused here, before it is charged
             # and before a commit could count it (the VAD's own check runs later, on its task).
             raise EventError(
@@ -276,13 +279,13 @@ class RealtimeSession(ServerEvents):
                 f"buffer too small: expected at least 100ms of audio, got {self.appended_ms:.0f}ms",
                 code="input_audio_buffer_commit_empty",
             )
-        self.appended_ms = 0.0
+        self.appended_ms, self.fill_known = 0.0, not self.vad_config.server_vad
         item_id = self.conv.new_id("item_cm")  # (the VAD's turns are item_in_...)
         await self._user_item_created(item_id)  # before its frame goes: an ASR may fail it at once
         await self.inbox.put(CommitFrame(item_id=item_id))
 
     async def _ev_input_audio_buffer_clear(self, event: dict[str, Any]) -> None:
-        self.appended_ms = 0.0
+        self.appended_ms, self.fill_known = 0.0, not self.vad_config.server_vad
         await self.inbox.put(ClearFrame())
         await self.send("input_audio_buffer.cleared")
 
@@ -336,6 +339,7 @@ class RealtimeSession(ServerEvents):
         if not isinstance(item_id, str) or not self.conv.remove(item_id):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         self.failed.discard(item_id)
+        self.unheard.discard(item_id)  # (its transcript, if it comes, is for no item)
         await self.send("conversation.item.deleted", item_id=item_id)
 
     async def _ev_response_create(self, event: dict[str, Any]) -> None:

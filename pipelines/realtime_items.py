@@ -58,7 +58,7 @@ def response_items(raw: Any, conv: Conversation) -> list[Item] | None:
             item = conv.get(entry.get("id")) if isinstance(entry.get("id"), str) else None
             if item is None:
                 raise EventError(f"no item {entry.get('id')!r} in the conversation", "item_not_found", where + ".id")
-            out.append(dataclasses.replace(item))
+            out.append(item if item.pending else dataclasses.replace(item))  # (pending: heard before the reply renders)
         else:
             role, text, fields = client_item(entry, where)
             out.append(Item("", role, text, **fields))

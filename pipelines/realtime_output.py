@@ -102,7 +102,7 @@ class ServerEvents:
         (the client may put items after it); its transcript is to come. (Before any await: the
         turn's ``Transcript`` or its failure may come next.)"""
         if self.conv.get(item_id) is None:  # (not already heard)
-            self.conv.add("user", "", item_id, audio=True)
+            self.conv.add("user", "", item_id, audio=True, pending=True)
         if item_id not in self.failed:
             self.unheard.add(item_id)
         previous = self._previous(item_id)
@@ -140,8 +140,9 @@ class ServerEvents:
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
             await self._user_item_created(frame.item_id)
         elif isinstance(frame, Heard):
+            unheard = frame.item_id in self.unheard  # (else the client deleted it)
             self.unheard.discard(frame.item_id)
-            if self.config.input_audio_transcription is not None:  # null: the client asked for none
+            if unheard and self.config.input_audio_transcription is not None:  # null: the client asked for none
                 await self.send(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=frame.item_id,
@@ -156,8 +157,12 @@ class ServerEvents:
             error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
+            if not unheard and frame.item_id and self.conv.removed(frame.item_id):
+                return  # (speech the client deleted)
             if unheard:  # the item stays, as audio with no transcript
                 self.failed.add(frame.item_id)
+                if (item := self.conv.get(frame.item_id)) is not None:
+                    item.pending = False
             if unheard and self.config.input_audio_transcription is not None:
                 await self.send(
                     "conversation.item.input_audio_transcription.failed",

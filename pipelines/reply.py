@@ -89,9 +89,9 @@ class LLM(Processor):
             self.close()
         elif isinstance(frame, Transcript):
             self._stop_judging()  # the turn is over
-            self.conversation.hear(frame.item_id, frame.text)
+            heard = self.conversation.hear(frame.item_id, frame.text)
             yield frame
-            if frame.respond and frame.text:  # nothing was said (noise): no reply
+            if heard is not None and frame.respond and frame.text:  # nothing said (noise), or deleted: no reply
                 async for out in self._reply(ResponseRequest()):
                     yield out
             else:
@@ -163,7 +163,7 @@ class LLM(Processor):
         speculative reply for the next turn alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
-        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add("assistant")
+        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply()
         prompt = conv
         if req.out_of_band or req.input is not None or req.instructions or req.tools is not None:
             prompt = conv.context(req.input, item, req.instructions, req.tools)

@@ -339,6 +339,25 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:
     assert out[1].response_id == out[0].response_id and "maximum context length" in (out[1].error or "")
 
 
+def test_speech_deleted_before_it_is_heard_gets_no_reply() -> None:
+    """Its transcript stays out of the conversation, and no reply answers it."""
+    from pipelines.conversation import Conversation
+    from pipelines.reply import LLM
+    from pipelines.services import Services
+
+    class Engine:
+        async def generate(self, *_: object, **__: object) -> AsyncIterator[object]:
+            raise AssertionError("no reply was due")
+            yield  # an async generator, like AsyncEngine.generate
+
+    conv = Conversation("sys")
+    conv.add("user", "", "item_in_000001", audio=True, pending=True)  # committed
+    assert conv.remove("item_in_000001")  # deleted by the client
+    heard = Transcript("Hello there.", item_id="item_in_000001", respond=True)
+    out = asyncio.run(Pipeline([LLM(Services(llm=Engine()), conv)]).run_all([heard]))
+    assert out == [heard] and conv.items == []
+
+
 def test_vad_segmenter_buffer_is_capped_then_usable_after_take() -> None:
     from pipelines.vad import BufferFull, VADConfig, VADSegmenter
 

@@ -156,6 +156,7 @@ def _stand_in(services: Any, sent: list[dict[str, Any]]) -> Any:
 
     class Socket:
         app = types.SimpleNamespace(state=types.SimpleNamespace())
+        state = types.SimpleNamespace()  # (no tenant: audio is not charged)
 
         async def send_text(self, text: str) -> None:
             sent.append(json.loads(text))
@@ -1295,7 +1296,8 @@ def test_speech_is_an_item_before_it_is_heard() -> None:
     """Stand-ins: speech the VAD ended (or a commit) is a conversation item at once, so a
     client's item may follow it before its transcript comes; the transcript fills it in place
     (prompts leave it out until then), and speech deleted before it is heard stays out."""
-    from pipelines.frames import Heard, SpeechStopped
+    from pipelines.frames import ErrorFrame, Heard, SpeechStopped
+    from pipelines.realtime_items import response_items
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
@@ -1323,9 +1325,52 @@ def test_speech_is_an_item_before_it_is_heard() -> None:
         await s._handle(json.dumps({"type": "input_audio_buffer.commit"}))
         committed = [e for e in sent if e["type"] == "input_audio_buffer.committed"][-1]
         assert committed["previous_item_id"] == "msg_2"
+        # A reply asked for before this speech is heard goes before it (the reply stage has
+        # heard all speech committed before the reply was asked for).
+        reply = s.conv.add_reply()
+        assert [i.id for i in s.conv.items[-2:]] == [reply.id, committed["item_id"]]
+        s.conv.remove(reply.id)
+        # A response's input may refer to it: the transcript reaches the reply's prompt.
+        ref = [{"type": "item_reference", "id": committed["item_id"]}]
+        (item,) = response_items(ref, s.conv)
+        s.conv.hear(committed["item_id"], "And of Italy?")
+        await s._on_frame(Heard("And of Italy?", 0, 900, item_id=committed["item_id"]))
+        assert item.text == "And of Italy?"
+
+        s.appended_ms = 500.0
+        await s._handle(json.dumps({"type": "input_audio_buffer.commit"}))
+        committed = [e for e in sent if e["type"] == "input_audio_buffer.committed"][-1]
         await s._handle(json.dumps({"type": "conversation.item.delete", "item_id": committed["item_id"]}))
         assert sent[-1]["type"] == "conversation.item.deleted"
-        assert s.conv.hear(committed["item_id"], "late") is None and len(s.conv.items) == 3
+        assert s.conv.hear(committed["item_id"], "late") is None and len(s.conv.items) == 4
+        await s._on_frame(Heard("late", 0, 900, item_id=committed["item_id"]))
+        await s._on_frame(ErrorFrame("late", stage="ASR", item_id=committed["item_id"]))
+        assert sent[-1]["type"] == "conversation.item.deleted" and not s.unheard | s.failed  # nothing on it
+
+    run(go())
+
+
+def test_a_full_manual_buffer_is_refused_as_it_fills() -> None:
+    """Stand-ins: with manual turns the session knows the buffer's fill and refuses a chunk
+    that would overfill it; after server VAD (which trims the buffer unseen) it leaves that to
+    the VAD stage until a commit or clear."""
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+    minute = base64.b64encode(bytes(RATE * 2 * 60)).decode()  # pcm16 silence
+
+    async def go() -> None:
+        s = _stand_in(Services(asr=object()), sent)
+        for _ in range(6):  # 360 s under server VAD: its buffer holds the last second or so
+            await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
+        await s._handle(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+        await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
+        assert "error" not in [e["type"] for e in sent]
+        await s._handle(json.dumps({"type": "input_audio_buffer.clear"}))
+        for k in range(6):  # the sixth goes past 328 s
+            await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
+            assert (sent[-1]["type"] == "error") == (k == 5)
+        assert sent[-1]["error"]["code"] == "input_audio_buffer_full" and s.appended_ms == 300_000
 
     run(go())
 
