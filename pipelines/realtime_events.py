@@ -214,6 +214,14 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
         "speculative_silence_ms": (0, 10000),  # mmserve's extensions, echoed only once set
         "silence_floor_dbfs": (-120, 0),
     }
+    other = {"eagerness"} if kind == "server_vad" else limits.keys()
+    if misplaced := sorted(other & td.keys()):
+        takes = "eagerness" if kind == "semantic_vad" else "threshold, prefix_padding_ms, silence_duration_ms"
+        raise EventError(
+            f"turn_detection.{misplaced[0]} is not a {kind} setting ({kind} takes {takes}, "
+            "create_response and interrupt_response)",
+            param=f"session.turn_detection.{misplaced[0]}",
+        )
     for key, (lo, hi) in limits.items() if kind == "server_vad" else ():
         if key in td:
             v = td[key]

@@ -798,6 +798,15 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}),
         json.dumps({"type": "session.update", "session": {"modalities": ["video"]}}),
         json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "threshold": 7}}}),
+        json.dumps(
+            {"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}}
+        ),
+        json.dumps(
+            {
+                "type": "session.update",
+                "session": {"turn_detection": {"type": "semantic_vad", "silence_duration_ms": 9}},
+            }
+        ),
         json.dumps({"type": "session.update", "session": {"input_audio_format": "opus"}}),
         json.dumps({"type": "session.update", "session": {"output_audio_format": {"type": "audio/pcmu"}}}),
         json.dumps({"type": "response.create", "response": {"output_audio_format": "mp3"}}),
