@@ -117,6 +117,7 @@ class RealtimeSession(ServerEvents):
         self.turn_ended = None
         self.metrics = getattr(ws.app.state, "metrics", None)
         self.requested = False
+        self.expected = None
         self.cancel_pending = False
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
@@ -154,7 +155,7 @@ class RealtimeSession(ServerEvents):
 
     @property
     def active(self) -> bool:
-        return self.requested or (self.reply is not None and not self.reply.done)
+        return self.requested or self.expected is not None or (self.reply is not None and not self.reply.done)
 
     # -- main loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -340,6 +341,7 @@ class RealtimeSession(ServerEvents):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         self.failed.discard(item_id)
         self.unheard.discard(item_id)  # (its transcript, if it comes, is for no item)
+        self._no_reply(item_id)
         await self.send("conversation.item.deleted", item_id=item_id)
 
     async def _ev_response_create(self, event: dict[str, Any]) -> None:

@@ -43,6 +43,7 @@ from pipelines.realtime_events import SessionConfig
 from pipelines.realtime_items import Reply, content_part, function_item_event, item_event, response_event
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
+from pipelines.vad import VADConfig
 
 
 class ServerEvents:
@@ -62,7 +63,9 @@ class ServerEvents:
     failed: set[str]  # user audio items whose transcription failed (kept, with no text)
     turn_ended: float | None  # when the VAD ended the user's last turn (monotonic)
     metrics: Any
+    vad_config: VADConfig
     requested: bool  # a response.create is queued
+    expected: str | None  # the turn (server VAD's) whose automatic reply is on its way
     cancel_pending: bool  # ... and a response.cancel came before it started
     appended_ms: float  # audio appended since the last turn boundary
     ga: bool  # the GA dialect (pipelines.realtime_ga), once a session.update says so
@@ -96,6 +99,13 @@ class ServerEvents:
                 model=self.config.model,
             )
         self.turn_ended = None
+
+    def _no_reply(self, item_id: str) -> None:
+        """Turn ``item_id`` gets no automatic reply (nothing heard, a failure, deleted); a
+        response.cancel sent while it was expected has nothing left to cancel."""
+        if item_id and item_id == self.expected:
+            self.expected = None
+            self.cancel_pending = self.cancel_pending and self.requested
 
     async def _user_item_created(self, item_id: str) -> None:
         """The committed audio ``item_id`` joins the conversation at once, empty until it is heard
@@ -137,9 +147,13 @@ class ServerEvents:
         elif isinstance(frame, SpeechStopped):
             self.appended_ms = 0.0
             self.turn_ended = frame.created
+            if self.vad_config.create_response:  # (a client's response.create now is refused)
+                self.expected = frame.item_id
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
             await self._user_item_created(frame.item_id)
         elif isinstance(frame, Heard):
+            if not frame.text:  # nothing said: no reply
+                self._no_reply(frame.item_id)
             unheard = frame.item_id in self.unheard  # (else the client deleted it)
             self.unheard.discard(frame.item_id)
             if unheard and self.config.input_audio_transcription is not None:  # null: the client asked for none
@@ -157,6 +171,7 @@ class ServerEvents:
             error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
+            self._no_reply(frame.item_id)
             if not unheard and frame.item_id and self.conv.removed(frame.item_id):
                 return  # (speech the client deleted)
             if unheard:  # the item stays, as audio with no transcript
@@ -269,7 +284,7 @@ class ServerEvents:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
 
     async def _started(self, frame: LLMStarted) -> None:
-        self.requested = False
+        self.requested, self.expected = False, None
         audio = spoken(frame.audio, self.tts_options, self.services)
         self.reply = r = Reply(
             frame.response_id,
@@ -347,6 +362,7 @@ class ServerEvents:
         reply in it (an out-of-band response may have come after that reply)."""
         r, talk = self.reply, self.in_band
         self.requested = self.cancel_pending = False  # (a barge-in may drop a queued reply's start)
+        self.expected = None
         if r is not None and not r.done:
             if r is talk:
                 if r.audio and r.opened:

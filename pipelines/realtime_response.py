@@ -32,7 +32,7 @@ def response_request(
     response: Any, ga: bool, config: SessionConfig, services: Services, conv: Conversation
 ) -> ResponseRequest:
     """The request for ``response`` (beta or ``ga`` shape); an ``EventError`` names what is wrong."""
-    response = response or {}
+    response = {} if response is None else response
     if not isinstance(response, dict):
         raise EventError("response must be an object", param="response")
     instructions = response.get("instructions")

@@ -810,6 +810,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "session.update", "session": {"input_audio_format": "opus"}}),
         json.dumps({"type": "session.update", "session": {"output_audio_format": {"type": "audio/pcmu"}}}),
         json.dumps({"type": "response.create", "response": {"output_audio_format": "mp3"}}),
+        json.dumps({"type": "response.create", "response": []}),
         json.dumps({"type": "input_audio_buffer.commit"}),
         json.dumps({"type": "response.cancel"}),
         json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0}),
@@ -1355,6 +1356,39 @@ def test_speech_is_an_item_before_it_is_heard() -> None:
         await s._on_frame(Heard("late", 0, 900, item_id=committed["item_id"]))
         await s._on_frame(ErrorFrame("late", stage="ASR", item_id=committed["item_id"]))
         assert sent[-1]["type"] == "conversation.item.deleted" and not s.unheard | s.failed  # nothing on it
+
+    run(go())
+
+
+def test_a_turns_automatic_reply_counts_as_active_from_speech_stopped() -> None:
+    """Stand-ins: once server VAD ends a turn (create_response on), its reply is on its way: a
+    client's response.create is refused as OpenAI refuses one during a response, and a
+    response.cancel cancels that reply when it starts; a turn heard as nothing gets no reply,
+    so the session is free again and the cancel is dropped."""
+    from pipelines.frames import Heard, LLMStarted, SpeechStopped
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def event(s: Any, type_: str) -> dict[str, Any]:
+        await s._handle(json.dumps({"type": type_}))
+        return sent[-1]
+
+    async def go() -> None:
+        s = _stand_in(Services(asr=object()), sent)
+        await s._on_frame(SpeechStopped(900, item_id="item_in_000001"))
+        refused = await event(s, "response.create")
+        assert refused["error"]["code"] == "conversation_already_has_active_response"
+        sent.clear()
+        await s._handle(json.dumps({"type": "response.cancel"}))
+        assert sent == [] and s.cancel_pending  # (no error: it waits for the reply)
+        await s._on_frame(Heard("", 0, 900, item_id="item_in_000001"))  # noise: no reply comes
+        assert not s.active and not s.cancel_pending
+        assert (await event(s, "response.cancel"))["error"]["code"] == "response_cancel_not_active"
+
+        await s._on_frame(SpeechStopped(2900, item_id="item_in_000002"))
+        await s._on_frame(LLMStarted("resp_1", "item_000003", False))  # its reply starts
+        assert s.expected is None and s.reply is not None and not s.reply.done
 
     run(go())
 
