@@ -11,6 +11,7 @@ Every frame is a picklable dataclass, so frames also travel between Celery stage
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,10 +38,12 @@ class SystemFrame(Frame):
 
 @dataclass
 class AudioFrame(Frame):
-    """A chunk of mono float32 audio in [-1, 1] at ``sample_rate``."""
+    """A chunk of mono float32 audio in [-1, 1] at ``sample_rate``; ``refund``, if given, is
+    awaited when the input buffer refuses it (what was charged for it is given back)."""
 
     samples: np.ndarray
     sample_rate: int
+    refund: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass

@@ -27,7 +27,7 @@ import itertools
 import logging
 import re
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
@@ -65,6 +65,9 @@ from pipelines.speech import ASROptions, TTSOptions
 from pipelines.turns import EAGERNESS
 from pipelines.vad import MAX_BUFFER_SAMPLES, VADConfig
 from pipelines.voice import voice_pipeline
+
+if TYPE_CHECKING:
+    from gateway.ratelimit import Charge
 
 logger = logging.getLogger("mmserve.realtime")
 MAX_BUFFER_S = MAX_BUFFER_SAMPLES / ASR_RATE
@@ -255,18 +258,18 @@ class RealtimeSession(ServerEvents):
                 code="input_audio_buffer_full",
             )
         if len(samples):
-            await self._charge_audio(seconds)
+            charged = await self._charge_audio(seconds)
             self.appended_ms += seconds * 1000
-            await self.inbox.put(AudioFrame(samples, fmt.rate))
+            await self.inbox.put(AudioFrame(samples, fmt.rate, charged.refund))
 
-    async def _charge_audio(self, seconds: float) -> None:
+    async def _charge_audio(self, seconds: float) -> Charge:
         """The tenant's ``audio_seconds`` budget pays for every second of input audio; over the
         limit, this chunk is dropped with an error event (the session stays usable)."""
         from gateway.errors import APIError
         from gateway.ratelimit import charge
 
         try:
-            await charge(self.ws, "audio_seconds", seconds)  # type: ignore[arg-type]  # a WebSocket has the same state
+            return await charge(self.ws, "audio_seconds", seconds)  # type: ignore[arg-type]  # a WebSocket has the same state
         except APIError as exc:
             retry = exc.headers.get("Retry-After") if exc.headers else None
             suffix = f" (retry after {retry}s)" if retry else ""

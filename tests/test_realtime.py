@@ -1135,12 +1135,14 @@ def test_speech_resuming_after_a_pause_aborts_the_speculation(
     c = run(_voice_turn(server["url"], spoken("What is the capital", "of France?", gap_s=1.0), max_tokens=400))
     assert c.types()[: len(EXPECTED_ORDER)] == EXPECTED_ORDER, c.types()  # one turn: the pause did not end it
     transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
-    assert "capital" in transcript.lower() and "france" in transcript.lower(), transcript
+    # Both phrases heard ("of France" itself may be misheard: tiny.en once heard "My friends?")
+    words = re.findall(r"[a-z]+", transcript.lower())
+    assert "capital" in words and len(words) > 4, transcript
     *stale, reply = requests.calls
-    assert "france" in reply["prompt"].lower(), requests.calls  # the answer is to the whole question
+    assert words[-1] in reply["prompt"].lower(), requests.calls  # the answer is to the whole question
     # A speculation on the first phrase (if its transcript was ready before speech resumed) was
     # aborted inside the engine; nothing of it reached the client.
-    assert all(not r["finished"] and "france" not in r["prompt"].lower() for r in stale), requests.calls
+    assert all(not r["finished"] and words[-1] not in r["prompt"].lower() for r in stale), requests.calls
     # The cancelled reply leaves the engine at its next step, which may come after response.done.
     deadline = time.monotonic() + 2.0
     while server["llm"].stats()["num_running"] and time.monotonic() < deadline:
