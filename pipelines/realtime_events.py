@@ -117,13 +117,9 @@ class SessionConfig:
         if not isinstance(patch, dict):
             raise EventError("session must be an object", param="session")
         new = dict(vars(self))
-        if "modalities" in patch:
-            mods = patch["modalities"]
-            if not isinstance(mods, list) or not mods or not all(m in ("text", "audio") for m in mods):
-                raise EventError(
-                    "modalities must be a non-empty subset of ['text', 'audio']", param="session.modalities"
-                )
-            new["modalities"] = list(dict.fromkeys(mods))
+        if "modalities" in patch:  # (audio comes with its transcript: ["audio"] alone is no choice)
+            audio = wants_audio(patch["modalities"], False, "session.modalities")
+            new["modalities"] = ["text", "audio"] if audio else ["text"]
         if "voice" in patch:
             if patch["voice"] is not None and not isinstance(patch["voice"], str):
                 raise EventError("voice must be a string", param="session.voice")

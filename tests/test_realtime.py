@@ -797,6 +797,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "input_audio_buffer.append", "audio": "@@@"}),
         json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}),
         json.dumps({"type": "session.update", "session": {"modalities": ["video"]}}),
+        json.dumps({"type": "session.update", "session": {"modalities": ["audio"]}}),
         json.dumps({"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "threshold": 7}}}),
         json.dumps(
             {"type": "session.update", "session": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}}

@@ -67,7 +67,8 @@ def forced_function(tool_choice: Any, param: str) -> str | None:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":
         raise ToolError(
-            "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice must be 'auto', 'none', 'required' or a named function: {'type': 'function', "
+            "'function': {'name': ...}} (Realtime: {'type': 'function', 'name': ...})",
             param,
         )
     return name
