@@ -5,7 +5,9 @@ processor. System frames (``SystemFrame`` subclasses: speech started/stopped, in
 the queues: a concurrent pipeline hands them to the output at once, and an ``Interrupt`` cancels the
 work in flight of every interruptible processor after the one that emitted it.
 
-Every frame is a picklable dataclass, so frames also travel between Celery stages.
+Every frame is a picklable dataclass, so frames also travel between Celery stages (an
+``AudioFrame``'s ``refund`` excepted: only a live realtime session sets one, and its frames stay
+in its process).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class SystemFrame(Frame):
 @dataclass
 class AudioFrame(Frame):
     """A chunk of mono float32 audio in [-1, 1] at ``sample_rate``; ``refund``, if given, is
-    awaited when the input buffer refuses it (what was charged for it is given back)."""
+    awaited when the input buffer refuses it (what was charged for it is given back). A frame
+    with a ``refund`` does not pickle: it is for a realtime session's own pipeline only."""
 
     samples: np.ndarray
     sample_rate: int
