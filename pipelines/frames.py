@@ -12,6 +12,7 @@ in its process).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,12 @@ class Frame:
     """Base frame; ``created`` is a ``time.monotonic()`` stamp (latency accounting)."""
 
     created: float = field(default_factory=time.monotonic, kw_only=True)
+
+    def interrupted(self) -> Frame | None:
+        """This frame as it stays queued after an ``Interrupt`` (None: dropped). A barge-in
+        cancels every reply not yet started too: a reply's frames and requests for one are
+        dropped, and speech that already ended keeps its place but asks for no reply."""
+        return self
 
 
 @dataclass
@@ -93,6 +100,9 @@ class UserAudio(Frame):
     tentative: bool = False
     turn_key: int = -1
 
+    def interrupted(self) -> UserAudio:
+        return dataclasses.replace(self, respond=False)
+
 
 # -- text ----------------------------------------------------------------------------------------
 
@@ -128,6 +138,9 @@ class Transcript(Frame):
     tentative: bool = False
     turn_key: int = -1  # tentative: its pause's (``UserAudio.turn_key``)
 
+    def interrupted(self) -> Transcript:
+        return dataclasses.replace(self, respond=False)
+
 
 @dataclass
 class ResponseRequest(Frame):
@@ -149,12 +162,18 @@ class ResponseRequest(Frame):
     tools: list[dict[str, Any]] | None = None  # for this reply only, chat-shaped ([]: none; None: the session's)
     grammar: str | None = None  # with ``tools``: what its tool_choice holds the reply to
 
+    def interrupted(self) -> None:
+        return None
+
 
 @dataclass
 class ReplyFrame(Frame):
     """A frame of one reply; an ``Interrupt`` drops queued reply frames (nobody will hear them)."""
 
     response_id: str
+
+    def interrupted(self) -> None:
+        return None
 
 
 @dataclass
@@ -256,7 +275,9 @@ class TTSDone(ReplyFrame):
 
 @dataclass
 class Interrupt(SystemFrame):
-    """Barge-in: cancel the reply in flight downstream (LLM decode, TTS) and drop queued work."""
+    """Barge-in (or a client's cancel): cancel the reply in flight downstream (LLM decode, TTS)
+    and every reply not started yet (queued frames: ``Frame.interrupted``; speech being
+    transcribed: ``pipelines.speech.ASR``)."""
 
     reason: str = "speech_started"
 

@@ -9,7 +9,8 @@ queue per stage, the real-time mode), where:
 - system frames (``SystemFrame``) bypass the queues and reach the output at once;
 - an ``Interrupt`` emitted by stage *i* cancels the ``process`` call in flight of every
   interruptible stage after *i* (closing its async generators, so engine requests are aborted
-  right away), drops queued reply frames everywhere after *i* (output included), and calls
+  right away), drops queued reply frames and reply requests everywhere after *i* (output
+  included; ``Frame.interrupted``: queued speech asks for no reply now), and calls
   ``on_interrupt()`` on every stage after *i*;
 - an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
 - ``End`` flows in order; each stage forwards it after its queued work, then stops;
@@ -25,7 +26,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from pipelines.frames import End, ErrorFrame, Frame, Interrupt, ReplyFrame, SystemFrame
+from pipelines.frames import End, ErrorFrame, Frame, Interrupt, SystemFrame
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -133,11 +134,11 @@ class _Concurrent:
         for stage in self.stages[i + 1 :]:
             if stage.proc.interruptible and stage.current is not None:
                 stage.current.cancel()
-            _drop_replies(stage.queue)
+            _interrupt_queued(stage.queue)
             task = asyncio.get_running_loop().create_task(stage.proc.on_interrupt())
             self.hooks.add(task)  # keep a reference until it ran
             task.add_done_callback(self.hooks.discard)
-        _drop_replies(self.out)
+        _interrupt_queued(self.out)
 
     async def _run_stage(self, i: int) -> None:
         stage = self.stages[i]
@@ -199,11 +200,11 @@ class _Concurrent:
                 stage.proc.close()
 
 
-def _drop_replies(q: asyncio.Queue[Frame]) -> None:
+def _interrupt_queued(q: asyncio.Queue[Frame]) -> None:
     kept = []
     while not q.empty():
-        frame = q.get_nowait()
-        if not isinstance(frame, ReplyFrame):
+        frame = q.get_nowait().interrupted()
+        if frame is not None:
             kept.append(frame)
     for frame in kept:
         q.put_nowait(frame)

@@ -3,7 +3,9 @@
 The session turns client events into frames for a concurrent pipeline (resample 24 → 16 kHz,
 VAD, ASR, LLM, sentences, TTS at 24 kHz) and the pipeline's output frames into server events.
 Barge-in: the VAD's ``Interrupt`` cancels the LLM and TTS work in flight (the engine requests are
-aborted) and the assistant item is truncated to what the client has played so far, estimated
+aborted) and the replies not started yet (speech that ended before is heard but not answered:
+the next turn's reply answers both), and the assistant item is truncated to what the client has
+played so far, estimated
 from the audio sent and a real-time playback clock (or given by ``conversation.item.truncate``).
 
 Speculation: with server VAD, a pause of ``turn_detection.speculative_silence_ms`` (an mmserve

@@ -361,7 +361,7 @@ class ServerEvents:
         """Cancel the active response; the conversation keeps what the user heard of the latest
         reply in it (an out-of-band response may have come after that reply)."""
         r, talk = self.reply, self.in_band
-        self.requested = self.cancel_pending = False  # (a barge-in may drop a queued reply's start)
+        self.requested = self.cancel_pending = False  # (it cancels the replies not started too: frames.Interrupt)
         self.expected = None
         if r is not None and not r.done:
             if r is talk:

@@ -491,6 +491,47 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     assert hints == [("en", "Oslo"), ("en", "Oslo")]
 
 
+def test_a_barge_in_cancels_the_replies_not_started_yet() -> None:
+    """Speech that ended before the user spoke again gets no automatic reply: not the speech
+    being transcribed, nor a transcript queued for the LLM; a queued response request is
+    dropped. The transcripts still come (the conversation keeps them); later speech is answered."""
+    from pipelines.frames import ResponseRequest
+    from pipelines.services import Services
+    from pipelines.speech import ASR
+
+    class Fake(Services):
+        async def transcribe(self, samples: np.ndarray, *_: object) -> str:
+            await asyncio.sleep(0.2)
+            return f"said {samples.size}"
+
+    class Busy(Processor):
+        """A stage slow to take its frames (an LLM writing a reply), not interruptible."""
+
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            await asyncio.sleep(0.4 if isinstance(frame, Transcript) else 0)
+            yield frame
+
+    def speech(n: int) -> UserAudio:
+        return UserAudio(np.zeros(n, np.float32), 16_000, item_id=f"item_{n}")
+
+    async def source() -> AsyncIterator[Frame]:
+        # ASR: 1 (0-0.2 s), 2 (0.2-0.4), the request, 4 (0.4-0.6); Busy holds 1 till 0.6.
+        for frame in (speech(1), speech(2), ResponseRequest(), speech(4)):
+            yield frame
+        await asyncio.sleep(0.5)  # 2 and the request queued at Busy, 4 being transcribed
+        yield Interrupt()
+        yield speech(5)
+
+    async def run() -> list[Frame]:
+        return [f async for f in Pipeline([ASR(Fake()), Busy()]).stream(source())]
+
+    out = asyncio.run(run())
+    said = [(f.item_id, f.respond) for f in out if isinstance(f, Transcript)]
+    assert said == [("item_1", True), ("item_2", False), ("item_4", False), ("item_5", True)]
+    assert not any(isinstance(f, ResponseRequest) for f in out)
+    assert [f.text for f in out if isinstance(f, Heard)] == ["said 1", "said 2", "said 4", "said 5"]
+
+
 def test_chain_stages_skip_done_and_cancelled_work() -> None:
     from pipelines.chain import ChainOptions, StageStore, run_local, run_stage
     from pipelines.services import Services
