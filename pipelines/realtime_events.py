@@ -264,8 +264,11 @@ def shown_tools(config: SessionConfig) -> list[dict[str, Any]] | None:
 def tools_grammar(tokenizer: Any, config: SessionConfig) -> str | None:
     """What ``config``'s ``tool_choice`` holds replies to ("required", a named function; None:
     free text). Checks what ``SessionConfig.update`` cannot alone: a chat template that renders
-    the tools, a named function among them, parameters that compile."""
+    the tools, a named function among them (calls asked for with no tools are refused),
+    parameters that compile."""
     tools = shown_tools(config)
+    if tools is None and config.tool_choice not in ("auto", "none"):  # (a call it could not make)
+        raise EventError(f"tool_choice {config.tool_choice!r} needs tools: none are given", param="session.tool_choice")
     if tools is None:
         return None
     try:
