@@ -54,6 +54,7 @@ class AudioFrame(Frame):
     samples: np.ndarray
     sample_rate: int
     refund: Callable[[], Awaitable[None]] | None = None
+    event_id: str | None = None  # the client event that sent it (an error about it names it)
 
 
 @dataclass
@@ -291,6 +292,7 @@ class ErrorFrame(SystemFrame):
     stage: str = ""
     code: str | None = None
     item_id: str = ""  # the conversation item of the frame it failed on, if any
+    event_id: str | None = None  # the client event it refused, if any
 
 
 @dataclass

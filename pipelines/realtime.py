@@ -262,7 +262,7 @@ class RealtimeSession(ServerEvents):
         if len(samples):
             charged = await self._charge_audio(seconds)
             self.appended_ms += seconds * 1000
-            await self.inbox.put(AudioFrame(samples, fmt.rate, charged.refund))
+            await self.inbox.put(AudioFrame(samples, fmt.rate, charged.refund, event.get("event_id")))
 
     async def _charge_audio(self, seconds: float) -> Charge:
         """The tenant's ``audio_seconds`` budget pays for every second of input audio; over the

@@ -186,7 +186,7 @@ class ServerEvents:
                     error=error,
                 )
             else:
-                await self.send("error", error=error)
+                await self.send("error", error={**error, "event_id": frame.event_id})
         elif isinstance(frame, LLMStarted):
             await self._started(frame)
         elif r is None or getattr(frame, "response_id", None) != r.id or r.done:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from modalities.audio import ASR_RATE
 from modalities.stream_resample import Resampler
@@ -56,7 +56,7 @@ class Resample(Processor):
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, AudioFrame) and frame.sample_rate != self.rate:
             rs = self._streams.setdefault(frame.sample_rate, Resampler(frame.sample_rate, self.rate))
-            yield AudioFrame(rs(frame.samples), self.rate, frame.refund, created=frame.created)
+            yield replace(frame, samples=rs(frame.samples), sample_rate=self.rate)
         else:
             yield frame
 
@@ -92,7 +92,12 @@ class VAD(Processor):
             except BufferFull as exc:
                 if frame.refund is not None:
                     await frame.refund()
-                yield ErrorFrame(f"{exc}; this audio was dropped", stage=self.name, code="input_audio_buffer_full")
+                yield ErrorFrame(
+                    f"{exc}; this audio was dropped",
+                    stage=self.name,
+                    code="input_audio_buffer_full",
+                    event_id=frame.event_id,
+                )
                 return
             for ev in events:
                 if ev.kind == "start":

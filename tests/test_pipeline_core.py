@@ -392,9 +392,10 @@ def test_a_commit_of_an_empty_buffer_fails_its_item() -> None:
 
 
 def test_audio_the_full_buffer_refuses_is_refunded() -> None:
-    """The session charged each chunk as it came; the VAD stage that refuses one gives it back."""
+    """The session charged each chunk as it came; the VAD stage that refuses one gives it back,
+    and its error names the client event that sent it (kept through the resampler)."""
     from pipelines.frames import AudioFrame, ErrorFrame
-    from pipelines.speech import VAD
+    from pipelines.speech import VAD, Resample
     from pipelines.vad import VADConfig
 
     vad = VAD(VADConfig(server_vad=False))
@@ -405,13 +406,17 @@ def test_audio_the_full_buffer_refuses_is_refunded() -> None:
         async def refund() -> None:
             refunded.append(k)
 
-        return AudioFrame(np.ones(800, np.float32), 16_000, refund)
+        return AudioFrame(np.ones(800, np.float32), 16_000, refund, f"evt_{k}")
 
     async def go() -> list[Any]:
         return [f for k in range(3) async for f in vad.process(chunk(k))]
 
     (err,) = asyncio.run(go())
     assert isinstance(err, ErrorFrame) and err.code == "input_audio_buffer_full" and refunded == [2]
+    assert err.event_id == "evt_2"
+    sent = AudioFrame(np.ones(2400, np.float32), 24_000, event_id="evt_9")
+    (out,) = asyncio.run(Pipeline([Resample(16_000)]).run_all([sent]))
+    assert out.sample_rate == 16_000 and out.event_id == "evt_9" and out.created == sent.created
 
 
 def _spoken(text: str) -> np.ndarray:

@@ -1400,6 +1400,7 @@ def test_a_full_manual_buffer_is_refused_as_it_fills() -> None:
     """Stand-ins: with manual turns the session knows the buffer's fill and refuses a chunk
     that would overfill it; after server VAD (which trims the buffer unseen) it leaves that to
     the VAD stage until a commit or clear."""
+    from pipelines.frames import ErrorFrame
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
@@ -1407,8 +1408,11 @@ def test_a_full_manual_buffer_is_refused_as_it_fills() -> None:
 
     async def go() -> None:
         s = _stand_in(Services(asr=object()), sent)
-        for _ in range(6):  # 360 s under server VAD: its buffer holds the last second or so
-            await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
+        for k in range(6):  # 360 s under server VAD: its buffer holds the last second or so
+            event = {"type": "input_audio_buffer.append", "audio": minute, "event_id": f"evt_{k}"}
+            await s._handle(json.dumps(event))
+        queued = [s.inbox.get_nowait() for _ in range(s.inbox.qsize())]
+        assert [f.event_id for f in queued] == [f"evt_{k}" for k in range(6)]  # (a refusal names its event)
         await s._handle(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
         await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
         assert "error" not in [e["type"] for e in sent]
@@ -1417,6 +1421,9 @@ def test_a_full_manual_buffer_is_refused_as_it_fills() -> None:
             await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
             assert (sent[-1]["type"] == "error") == (k == 5)
         assert sent[-1]["error"]["code"] == "input_audio_buffer_full" and s.appended_ms == 300_000
+        late = ErrorFrame("full", stage="VAD", code="input_audio_buffer_full", event_id="evt_3")  # the VAD's
+        await s._on_frame(late)
+        assert sent[-1]["error"]["code"] == "input_audio_buffer_full" and sent[-1]["error"]["event_id"] == "evt_3"
 
     run(go())
 
@@ -1495,6 +1502,28 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         assert error["error"]["param"] == "event_id" and error["error"]["event_id"] is None
         await s._handle(json.dumps({"type": "conversation.item.truncate", "item_id": "i", "content_index": "0"}))
         assert sent[-1]["error"]["param"] == "content_index"
+
+    run(go())
+
+
+def test_calls_asked_for_with_no_tools_are_refused() -> None:
+    """Stand-in: a ``tool_choice`` that asks for a call ("required", a named function) with no
+    tools is an error, for the session and for one response; "auto" and "none" are not."""
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        for choice in ("required", {"type": "function", "name": "get_time"}):
+            await s._handle(json.dumps({"type": "session.update", "session": {"tool_choice": choice}}))
+            assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == "session.tool_choice"
+            await s._handle(json.dumps({"type": "response.create", "response": {"tool_choice": choice}}))
+            assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == "response.tool_choice"
+            assert s.inbox.empty() and not s.active
+        for choice in ("none", "auto"):
+            await s._handle(json.dumps({"type": "session.update", "session": {"tool_choice": choice}}))
+            assert sent[-1]["type"] == "session.updated" and sent[-1]["session"]["tool_choice"] == choice
 
     run(go())
 
