@@ -39,6 +39,8 @@ class Item:
     name: str = ""  # a function call's
     response_id: str = ""  # the reply that made it (a function call's)
     pending: bool = False  # a user's speech, committed: its transcript is still to come
+    client: bool = False  # made by the client (``conversation.item.create``)
+    made: int = 0  # the conversation's ``clock`` when it was added
 
     def message(self) -> dict[str, Any] | None:
         """The chat message for the template (None: an empty message, left out)."""
@@ -60,6 +62,7 @@ class Conversation:
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
     _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
     _removed: set[str] = field(default_factory=set, repr=False)  # ids deleted (a late transcript stays out)
+    clock: int = field(default=0, repr=False)  # items added so far (``Item.made``)
 
     def new_id(self, kind: str = "item") -> str:
         return f"{kind}_{next(self._ids):06d}"
@@ -75,7 +78,8 @@ class Conversation:
     ) -> Item:
         """A new item at the end, or right after item ``after`` ("root": first); KeyError if
         there is no such item. ``fields``: an ``Item``'s others (a function call's)."""
-        item = Item(item_id or self.new_id(), role, text, audio=audio, **fields)
+        self.clock += 1
+        item = Item(item_id or self.new_id(), role, text, audio=audio, made=self.clock, **fields)
         if after is None:
             self.items.append(item)
             return item
@@ -96,16 +100,31 @@ class Conversation:
         item.text, item.pending = text, False
         return item
 
-    def add_reply(self) -> Item:
-        """A reply's item: last, but before the speech still to be heard there. (Speech is heard
-        in the order it was committed, and a reply asked for after it is made after its
-        transcript: speech still pending was committed after this reply was asked for.)"""
-        at = len(self.items)
-        while at and self.items[at - 1].pending:
+    def add_reply(self, asked: int | None = None) -> Item:
+        """A reply's item: last, but before the speech still to be heard there and the client's
+        items added after ``asked`` (the ``clock`` when the reply was asked for; None: none are).
+        (Speech is heard in the order it was committed, and a reply asked for after it is made
+        after its transcript: speech still pending was committed after this reply was asked for.)"""
+        at, late = len(self.items), {id(i) for i in self.later(asked)}
+        while at and (self.items[at - 1].pending or id(self.items[at - 1]) in late):
             at -= 1
         item = Item(self.new_id(), "assistant")
         self.items.insert(at, item)
         return item
+
+    def later(self, asked: int | None) -> list[Item]:
+        """The client's items added after ``clock`` was ``asked`` (None: none)."""
+        return [] if asked is None else [i for i in self.items if i.client and i.made > asked]
+
+    def as_asked(self, asked: int | None) -> Conversation:
+        """What a reply asked for at ``clock`` ``asked`` renders: this conversation without the
+        client's items added since (itself if there are none; a copy shares the items, so
+        ``keep_from`` of a render of it holds for this one)."""
+        late = {id(i) for i in self.later(asked)}
+        if not late:
+            return self
+        first = sum(id(i) not in late for i in self.items[: self._first])
+        return dataclasses.replace(self, items=[i for i in self.items if id(i) not in late], _first=first)
 
     def removed(self, item_id: str) -> bool:
         """Whether item ``item_id`` was deleted."""

@@ -162,6 +162,9 @@ class ResponseRequest(Frame):
     audio_format: str | None = None
     tools: list[dict[str, Any]] | None = None  # for this reply only, chat-shaped ([]: none; None: the session's)
     grammar: str | None = None  # with ``tools``: what its tool_choice holds the reply to
+    # The conversation's ``clock`` when it was asked for: the client's items added later are not
+    # in its prompt, and its item goes before them (None: as the conversation is when it starts).
+    asked: int | None = None
 
     def interrupted(self) -> None:
         return None

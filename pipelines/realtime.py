@@ -309,7 +309,7 @@ class RealtimeSession(ServerEvents):
         if after is not None and not isinstance(after, str):
             raise EventError("previous_item_id must be a string", param="previous_item_id")
         try:
-            item = self.conv.add(role, text, item_id, after=after, **fields)
+            item = self.conv.add(role, text, item_id, after=after, client=True, **fields)
         except KeyError:
             raise EventError(f"no item {after!r} in the conversation", "item_not_found", "previous_item_id") from None
         await self.send(

@@ -68,6 +68,7 @@ def response_request(
         audio_format,
         tools,
         grammar,
+        conv.clock,
     )
 
 

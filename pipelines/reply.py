@@ -92,7 +92,7 @@ class LLM(Processor):
             heard = self.conversation.hear(frame.item_id, frame.text)
             yield frame
             if heard is not None and frame.respond and frame.text:  # nothing said (noise), or deleted: no reply
-                async for out in self._reply(ResponseRequest()):
+                async for out in self._reply(ResponseRequest(asked=heard.made)):  # (asked at the commit)
                     yield out
             else:
                 self.close()
@@ -158,15 +158,16 @@ class LLM(Processor):
         self.speculation = spec
 
     async def _reply(self, req: ResponseRequest) -> AsyncIterator[Frame]:
-        """A reply to the conversation, or to ``req.input``, under ``req.instructions`` if given
-        (for this reply only); an out-of-band one is not added to the conversation and leaves a
+        """A reply to the conversation as it was when asked for (``req.asked``), or to
+        ``req.input``, under ``req.instructions`` if given (for this reply only); an out-of-band one is not added to the conversation and leaves a
         speculative reply for the next turn alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
-        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply()
-        prompt = conv
-        if req.out_of_band or req.input is not None or req.instructions or req.tools is not None:
-            prompt = conv.context(req.input, item, req.instructions, req.tools)
+        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply(req.asked)
+        prompt = conv.as_asked(req.asked)  # (the client's items added since wait for the next reply)
+        own = req.out_of_band or req.input is not None or req.instructions or req.tools is not None
+        if own:
+            prompt = prompt.context(req.input, item, req.instructions, req.tools)
         names = self.options.tool_calls if req.tools is None else declared(req.tools) if req.tools else None
         self.active = response_id
         yield LLMStarted(
@@ -190,7 +191,7 @@ class LLM(Processor):
             # meanwhile; the items the render left out stay out of the live conversation.
             rendered, params = prompt.snapshot(), self._params(req)
             ids = await run_sized(rendered.chars(), self._prompt, rendered, params.max_tokens)
-            if prompt is conv:
+            if not own:
                 conv.keep_from(rendered)
             if spec is not None and not spec.matches(ids, params):
                 spec.cancel()

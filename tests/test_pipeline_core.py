@@ -537,6 +537,36 @@ def test_a_barge_in_cancels_the_replies_not_started_yet() -> None:
     assert [f.text for f in out if isinstance(f, Heard)] == ["said 1", "said 2", "said 4", "said 5"]
 
 
+def test_a_reply_answers_the_conversation_as_it_was_when_asked_for() -> None:
+    """An item the client adds after asking for a reply (a response.create, or the end of a
+    turn that gets one), before that reply starts, is not in its prompt, and the reply's item
+    goes before it; the next reply has it."""
+    from pipelines.conversation import Conversation
+    from pipelines.frames import LLMStarted, ResponseRequest
+    from pipelines.reply import LLM
+    from pipelines.services import Services
+
+    engine = _Replies(0.0)
+    conv = Conversation("sys")
+    llm = LLM(Services(llm=engine), conv)
+    conv.add("user", "Hi.", client=True)
+    asked = ResponseRequest(asked=conv.clock)  # (a response.create)
+    conv.add("user", "Later.", "late", client=True)
+    out = asyncio.run(Pipeline([llm]).run_all([asked]))
+    assert engine.requests[-1][1] == str(["sys", "Hi."])
+    reply = next(f for f in out if isinstance(f, LLMStarted)).item_id
+    assert [i.id for i in conv.items][1:] == [reply, "late"]
+    # A turn's automatic reply was asked for when its speech was committed.
+    conv.add("user", "", "speech", audio=True, pending=True)
+    conv.add("user", "Not yet.", "late2", client=True)
+    asyncio.run(Pipeline([llm]).run_all([Transcript("Bye.", item_id="speech")]))
+    assert engine.requests[-1][1] == str(["sys", "Hi.", "You said Hi.. Fine.", "Later.", "Bye."])
+    assert [(i.id, i.role) for i in conv.items][3::2] == [("speech", "user"), ("late2", "user")]
+    assert conv.items[4].role == "assistant" and conv.items[4].text == "You said Bye.. Fine."
+    asyncio.run(Pipeline([llm]).run_all([ResponseRequest(asked=conv.clock)]))
+    assert eval(engine.requests[-1][1])[-1] == "Not yet."  # noqa: S307 - the fake's repr of a list of str
+
+
 def test_chain_stages_skip_done_and_cancelled_work() -> None:
     from pipelines.chain import ChainOptions, StageStore, run_local, run_stage
     from pipelines.services import Services
