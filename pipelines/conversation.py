@@ -113,8 +113,12 @@ class Conversation:
         return item
 
     def later(self, asked: int | None) -> list[Item]:
-        """The client's items added after ``clock`` was ``asked`` (None: none)."""
-        return [] if asked is None else [i for i in self.items if i.client and i.made > asked]
+        """The client's items added after ``clock`` was ``asked`` (None: none), but for the
+        outputs of calls made before (a call's output must follow it)."""
+        if asked is None:
+            return []
+        calls = {i.call_id for i in self.items if i.kind == "function_call" and i.made <= asked}
+        return [i for i in self.items if i.client and i.made > asked and i.call_id not in calls]
 
     def as_asked(self, asked: int | None) -> Conversation:
         """What a reply asked for at ``clock`` ``asked`` renders: this conversation without the

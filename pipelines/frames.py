@@ -30,10 +30,10 @@ class Frame:
 
     created: float = field(default_factory=time.monotonic, kw_only=True)
 
-    def interrupted(self) -> Frame | None:
-        """This frame as it stays queued after an ``Interrupt`` (None: dropped). A barge-in
-        cancels every reply not yet started too: a reply's frames and requests for one are
-        dropped, and speech that already ended keeps its place but asks for no reply."""
+    def interrupted(self, by: Interrupt) -> Frame | None:
+        """This frame as it stays queued after ``by`` (None: dropped): a reply's frames are
+        dropped; after a barge-in (``by.takes_turn``) so are requests for a reply, and speech
+        that already ended keeps its place but asks for no reply."""
         return self
 
 
@@ -101,8 +101,8 @@ class UserAudio(Frame):
     tentative: bool = False
     turn_key: int = -1
 
-    def interrupted(self) -> UserAudio:
-        return dataclasses.replace(self, respond=False)
+    def interrupted(self, by: Interrupt) -> UserAudio:
+        return dataclasses.replace(self, respond=False) if by.takes_turn else self
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -139,8 +139,8 @@ class Transcript(Frame):
     tentative: bool = False
     turn_key: int = -1  # tentative: its pause's (``UserAudio.turn_key``)
 
-    def interrupted(self) -> Transcript:
-        return dataclasses.replace(self, respond=False)
+    def interrupted(self, by: Interrupt) -> Transcript:
+        return dataclasses.replace(self, respond=False) if by.takes_turn else self
 
 
 @dataclass
@@ -166,8 +166,8 @@ class ResponseRequest(Frame):
     # in its prompt, and its item goes before them (None: as the conversation is when it starts).
     asked: int | None = None
 
-    def interrupted(self) -> None:
-        return None
+    def interrupted(self, by: Interrupt) -> ResponseRequest | None:
+        return None if by.takes_turn else self
 
 
 @dataclass
@@ -176,7 +176,7 @@ class ReplyFrame(Frame):
 
     response_id: str
 
-    def interrupted(self) -> None:
+    def interrupted(self, by: Interrupt) -> None:
         return None
 
 
@@ -279,11 +279,16 @@ class TTSDone(ReplyFrame):
 
 @dataclass
 class Interrupt(SystemFrame):
-    """Barge-in (or a client's cancel): cancel the reply in flight downstream (LLM decode, TTS)
-    and every reply not started yet (queued frames: ``Frame.interrupted``; speech being
-    transcribed: ``pipelines.speech.ASR``)."""
+    """Cancel the reply in flight downstream (LLM decode, TTS). A barge-in (``takes_turn``:
+    the user spoke) also cancels every reply not started yet (queued frames:
+    ``Frame.interrupted``; speech being transcribed: ``pipelines.speech.ASR``); a client's
+    cancel, only the reply in flight."""
 
     reason: str = "speech_started"
+
+    @property
+    def takes_turn(self) -> bool:
+        return self.reason == "speech_started"
 
 
 @dataclass

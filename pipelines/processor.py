@@ -9,9 +9,10 @@ queue per stage, the real-time mode), where:
 - system frames (``SystemFrame``) bypass the queues and reach the output at once;
 - an ``Interrupt`` emitted by stage *i* cancels the ``process`` call in flight of every
   interruptible stage after *i* (closing its async generators, so engine requests are aborted
-  right away), drops queued reply frames and reply requests everywhere after *i* (output
-  included; ``Frame.interrupted``: queued speech asks for no reply now), and calls
-  ``on_interrupt()`` on every stage after *i*;
+  right away), turns every queued frame into what ``Frame.interrupted`` says (reply frames are
+  dropped; after a barge-in, requests for a reply too, wherever they wait, and those the source
+  made before it but passes on later), counts a barge-in in ``turns_taken`` of every stage
+  after *i* at once, and calls ``on_interrupt()`` on each of them;
 - an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
 - ``End`` flows in order; each stage forwards it after its queued work, then stops;
 - a stage may pass a frame on from outside ``process`` (a background task's result) with its
@@ -36,6 +37,9 @@ class Processor:
     their work cancelled by a barge-in."""
 
     interruptible: bool = False
+    # Barge-ins (``Interrupt.takes_turn``) from stages before this one, counted as they happen:
+    # work that outlives one (not interruptible) can tell it came.
+    turns_taken: int = 0
     # Set while a concurrent pipeline runs this stage: pass a frame downstream from a background
     # task (None in depth-first runs, where no work outlives ``process``).
     emit: Callable[[Frame], None] | None = None
@@ -76,6 +80,7 @@ class Pipeline(Processor):
         async for out in self.stages[i].process(frame):
             if isinstance(out, Interrupt):
                 for later in self.stages[i + 1 :]:
+                    later.turns_taken += out.takes_turn
                     await later.on_interrupt()
                 yield out
             elif isinstance(out, SystemFrame):
@@ -116,13 +121,14 @@ class _Concurrent:
         self.stages = [_Stage(p) for p in procs]
         self.out: asyncio.Queue[Frame] = asyncio.Queue()
         self.hooks: set[asyncio.Task[None]] = set()
+        self.taken: Interrupt | None = None  # the latest barge-in
         for i, p in enumerate(procs):
             p.emit = functools.partial(self._emit, i)
 
     def _emit(self, i: int, frame: Frame) -> None:
         """Route ``frame`` produced by stage ``i`` (-1: the source)."""
         if isinstance(frame, Interrupt):
-            self._interrupt(i)
+            self._interrupt(i, frame)
         if isinstance(frame, SystemFrame):
             self.out.put_nowait(frame)
         elif i + 1 < len(self.stages):
@@ -130,15 +136,20 @@ class _Concurrent:
         else:
             self.out.put_nowait(frame)
 
-    def _interrupt(self, i: int) -> None:
-        for stage in self.stages[i + 1 :]:
+    def _interrupt(self, i: int, by: Interrupt) -> None:
+        if by.takes_turn:
+            self.taken = by
+        for k, stage in enumerate(self.stages):
+            _interrupt_queued(stage.queue, by)  # (before the emitter: its requests for a reply)
+            if k <= i:
+                continue
+            stage.proc.turns_taken += by.takes_turn
             if stage.proc.interruptible and stage.current is not None:
                 stage.current.cancel()
-            _interrupt_queued(stage.queue)
             task = asyncio.get_running_loop().create_task(stage.proc.on_interrupt())
             self.hooks.add(task)  # keep a reference until it ran
             task.add_done_callback(self.hooks.discard)
-        _interrupt_queued(self.out)
+        _interrupt_queued(self.out, by)
 
     async def _run_stage(self, i: int) -> None:
         stage = self.stages[i]
@@ -170,7 +181,10 @@ class _Concurrent:
     async def _feed(self, source: AsyncIterator[Frame]) -> None:
         try:
             async for frame in source:
-                self._emit(-1, frame)
+                stale = self.taken is not None and frame.created <= self.taken.created
+                fed = frame.interrupted(self.taken) if stale and self.taken is not None else frame
+                if fed is not None:  # (made before the barge-in: as if it was queued at it)
+                    self._emit(-1, fed)
                 if isinstance(frame, End):
                     return
         except Exception as exc:  # noqa: BLE001
@@ -200,10 +214,10 @@ class _Concurrent:
                 stage.proc.close()
 
 
-def _interrupt_queued(q: asyncio.Queue[Frame]) -> None:
+def _interrupt_queued(q: asyncio.Queue[Frame], by: Interrupt) -> None:
     kept = []
     while not q.empty():
-        frame = q.get_nowait().interrupted()
+        frame = q.get_nowait().interrupted(by)
         if frame is not None:
             kept.append(frame)
     for frame in kept:

@@ -4,9 +4,9 @@ The session turns client events into frames for a concurrent pipeline (resample 
 VAD, ASR, LLM, sentences, TTS at 24 kHz) and the pipeline's output frames into server events.
 Barge-in: the VAD's ``Interrupt`` cancels the LLM and TTS work in flight (the engine requests are
 aborted) and the replies not started yet (speech that ended before is heard but not answered:
-the next turn's reply answers both), and the assistant item is truncated to what the client has
-played so far, estimated
-from the audio sent and a real-time playback clock (or given by ``conversation.item.truncate``).
+the next turn's reply answers both; a response.create not started ends "cancelled"), and the
+assistant item is truncated to what the client has played so far, estimated from the audio
+sent and a real-time playback clock (or given by ``conversation.item.truncate``).
 
 Speculation: with server VAD, a pause of ``turn_detection.speculative_silence_ms`` (an mmserve
 extension; default ``VADConfig.eager_ms``, 60 ms; 0: off) starts the turn's ASR, LLM and first
@@ -45,6 +45,7 @@ from pipelines.frames import (
     End,
     Frame,
     Interrupt,
+    ResponseRequest,
 )
 from pipelines.realtime_audio import FORMATS
 from pipelines.realtime_events import (
@@ -121,7 +122,7 @@ class RealtimeSession(ServerEvents):
         self.failed = set()
         self.turn_ended = None
         self.metrics = getattr(ws.app.state, "metrics", None)
-        self.requested = False
+        self.requested: ResponseRequest | None = None
         self.expected = None
         self.cancel_pending = False
         self._event_ids = itertools.count(1)
@@ -160,7 +161,9 @@ class RealtimeSession(ServerEvents):
 
     @property
     def active(self) -> bool:
-        return self.requested or self.expected is not None or (self.reply is not None and not self.reply.done)
+        return (
+            self.requested is not None or self.expected is not None or (self.reply is not None and not self.reply.done)
+        )
 
     # -- main loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -355,7 +358,7 @@ class RealtimeSession(ServerEvents):
                 "the conversation already has an active response", code="conversation_already_has_active_response"
             )
         request = response_request(event.get("response"), self.ga, self.config, self.services, self.conv)
-        self.requested = True  # only once the request is valid: a refused one leaves none queued
+        self.requested = request  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from pipelines.frames import (
     Interrupt,
     LLMDone,
     LLMStarted,
+    ResponseRequest,
     SpeechStarted,
     SpeechStopped,
     TextDelta,
@@ -64,7 +65,7 @@ class ServerEvents:
     turn_ended: float | None  # when the VAD ended the user's last turn (monotonic)
     metrics: Any
     vad_config: VADConfig
-    requested: bool  # a response.create is queued
+    requested: ResponseRequest | None  # a response.create, queued
     expected: str | None  # the turn (server VAD's) whose automatic reply is on its way
     cancel_pending: bool  # ... and a response.cancel came before it started
     appended_ms: float  # audio appended since the last turn boundary
@@ -105,7 +106,7 @@ class ServerEvents:
         response.cancel sent while it was expected has nothing left to cancel."""
         if item_id and item_id == self.expected:
             self.expected = None
-            self.cancel_pending = self.cancel_pending and self.requested
+            self.cancel_pending = self.cancel_pending and self.requested is not None
 
     async def _user_item_created(self, item_id: str) -> None:
         """The committed audio ``item_id`` joins the conversation at once, empty until it is heard
@@ -284,7 +285,7 @@ class ServerEvents:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
 
     async def _started(self, frame: LLMStarted) -> None:
-        self.requested, self.expected = False, None
+        self.requested, self.expected = None, None
         audio = spoken(frame.audio, self.tts_options, self.services)
         self.reply = r = Reply(
             frame.response_id,
@@ -357,12 +358,33 @@ class ServerEvents:
         output = [r.message] if r.message is not None else []
         await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
 
+    async def _cancelled_unstarted(self, asked: ResponseRequest) -> None:
+        """The events of a response a barge-in cancelled before it started (as OpenAI's, which
+        starts at the request: created, then done, "cancelled" for "turn_detected")."""
+        r = Reply(
+            self.conv.new_id("resp"),
+            "",
+            spoken(asked.audio, self.tts_options, self.services),
+            out_of_band=asked.out_of_band,
+            conversation_id=None if asked.out_of_band else self.conversation_id,
+            metadata=asked.metadata,
+        )
+        await self.send("response.created", response=response_event(r, "in_progress", []))
+        r.done = True
+        await self.send("response.done", response=response_event(r, "cancelled", [], "turn_detected"))
+
     async def _interrupted(self, frame: Interrupt) -> None:
-        """Cancel the active response; the conversation keeps what the user heard of the latest
-        reply in it (an out-of-band response may have come after that reply)."""
+        """Cancel the active response, and after a barge-in the one asked for before it; the
+        conversation keeps what the user heard of the latest reply in it (an out-of-band
+        response may have come after that reply)."""
         r, talk = self.reply, self.in_band
-        self.requested = self.cancel_pending = False  # (it cancels the replies not started too: frames.Interrupt)
-        self.expected = None
+        self.expected = None  # (a barge-in cancels it: frames.Interrupt; a response.cancel may drop its start)
+        asked = self.requested
+        if asked is not None and (not frame.takes_turn or asked.created <= frame.created):
+            self.requested = None
+            if frame.takes_turn:  # asked for before the user spoke: cancelled before it started
+                await self._cancelled_unstarted(asked)
+        self.cancel_pending = self.cancel_pending and self.requested is not None  # (one asked for since)
         if r is not None and not r.done:
             if r is talk:
                 if r.audio and r.opened:

@@ -104,8 +104,11 @@ def _tools(
     if "tools" not in response and "tool_choice" not in response:
         return None, None
     staged = dataclasses.replace(config)
+    patch = {k: response[k] for k in ("tools", "tool_choice") if k in response}
+    if not patch.get("tools", True) and "tool_choice" not in patch:  # (none for it: the session's choice cannot hold)
+        patch["tool_choice"] = "auto"
     try:
-        staged.update({k: response[k] for k in ("tools", "tool_choice") if k in response})
+        staged.update(patch)
         grammar = tools_grammar(getattr(services.llm, "tokenizer", None), staged)
     except EventError as exc:
         exc.param = (exc.param or "").replace("session.", "response.", 1)

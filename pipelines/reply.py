@@ -159,8 +159,9 @@ class LLM(Processor):
 
     async def _reply(self, req: ResponseRequest) -> AsyncIterator[Frame]:
         """A reply to the conversation as it was when asked for (``req.asked``), or to
-        ``req.input``, under ``req.instructions`` if given (for this reply only); an out-of-band one is not added to the conversation and leaves a
-        speculative reply for the next turn alone."""
+        ``req.input``, under ``req.instructions`` if given (for this reply only); an out-of-band
+        one is not added to the conversation and leaves a speculative reply for the next turn
+        alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
         item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply(req.asked)

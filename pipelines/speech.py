@@ -145,7 +145,7 @@ class ASROptions:
 
 class ASR(Processor):
     """``UserAudio`` → ``Heard`` (for the client, at once) and ``Transcript`` (the audio is
-    consumed); an ``Interrupt`` while an utterance is transcribed cancels its reply (its
+    consumed); a barge-in while an utterance is transcribed cancels its reply (its
     ``Transcript`` does not ``respond``). A tentative utterance starts its transcription in
     the background; the final one with the same ``turn_key`` takes that result
     (the silence wait and the ASR overlap) if the language and prompt are still those it ran
@@ -158,7 +158,6 @@ class ASR(Processor):
         self.services = services
         self.options = options or ASROptions()  # live: a session.update changes it in place
         self.early: tuple[tuple[int, str | None, str | None], asyncio.Task[str]] | None = None
-        self.interrupts = 0  # barge-ins so far: one during a transcription cancels its reply
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, SpeechResumed):
@@ -176,14 +175,11 @@ class ASR(Processor):
         if frame.tentative:
             self.early = (key, asyncio.create_task(self._early(frame)))
             return
-        interrupts = self.interrupts
+        taken = self.turns_taken
         text = (await (early[1] if early is not None else self._transcribe(frame))).strip()
-        respond = frame.respond and self.interrupts == interrupts  # (a barge-in meanwhile: no reply)
+        respond = frame.respond and self.turns_taken == taken  # (a barge-in meanwhile: no reply)
         yield Heard(text, frame.start_ms, frame.end_ms, item_id=frame.item_id)
         yield Transcript(text, frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=respond)
-
-    async def on_interrupt(self) -> None:
-        self.interrupts += 1
 
     async def _transcribe(self, frame: UserAudio) -> str:
         o = self.options

@@ -537,6 +537,57 @@ def test_a_barge_in_cancels_the_replies_not_started_yet() -> None:
     assert [f.text for f in out if isinstance(f, Heard)] == ["said 1", "said 2", "said 4", "said 5"]
 
 
+def test_a_barge_in_is_counted_at_once_and_reaches_requests_before_its_stage() -> None:
+    """A transcription that ends in the same step as a barge-in asks for no reply; a request
+    for a reply queued before the stage that saw the speech, or made before the barge-in and
+    passed on after it, is dropped, one made after it is not; a client's cancel (not a
+    barge-in) leaves the user's speech its reply."""
+    from pipelines.frames import AudioFrame, ResponseRequest
+    from pipelines.services import Services
+    from pipelines.speech import ASR
+
+    events: list[asyncio.Event] = []
+
+    class Waits(Services):
+        async def transcribe(self, samples: np.ndarray, *_: object) -> str:
+            await events[-1].wait()
+            return "said"
+
+    class Hears(Processor):
+        """Speech starts in every audio frame (a VAD), slowly."""
+
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            if isinstance(frame, AudioFrame):
+                await asyncio.sleep(0.05)
+                yield Interrupt()
+            else:
+                yield frame
+
+    async def run(reason: str) -> list[Frame]:
+        done = asyncio.Event()
+        events.append(done)
+
+        async def source() -> AsyncIterator[Frame]:
+            early = ResponseRequest(metadata={"n": 1})
+            yield UserAudio(np.zeros(3, np.float32), 16_000, item_id="item_a")
+            await asyncio.sleep(0.02)
+            done.set()
+            yield Interrupt(reason)  # (from the source: in the step the transcription ends)
+            yield AudioFrame(np.zeros(3, np.float32), 16_000)
+            yield ResponseRequest(metadata={"n": 2})  # queued behind the audio at the VAD
+            await asyncio.sleep(0.2)
+            yield early  # made before the barge-in
+            yield ResponseRequest(metadata={"n": 3})
+
+        return [f async for f in Pipeline([Hears(), ASR(Waits())]).stream(source())]
+
+    out = asyncio.run(run("speech_started"))
+    assert [f.respond for f in out if isinstance(f, Transcript)] == [False]
+    assert [f.metadata for f in out if isinstance(f, ResponseRequest)] == [{"n": 3}]
+    out = asyncio.run(run("client_cancelled"))
+    assert [f.respond for f in out if isinstance(f, Transcript)] == [True]
+
+
 def test_a_reply_answers_the_conversation_as_it_was_when_asked_for() -> None:
     """An item the client adds after asking for a reply (a response.create, or the end of a
     turn that gets one), before that reply starts, is not in its prompt, and the reply's item
@@ -565,6 +616,12 @@ def test_a_reply_answers_the_conversation_as_it_was_when_asked_for() -> None:
     assert conv.items[4].role == "assistant" and conv.items[4].text == "You said Bye.. Fine."
     asyncio.run(Pipeline([llm]).run_all([ResponseRequest(asked=conv.clock)]))
     assert eval(engine.requests[-1][1])[-1] == "Not yet."  # noqa: S307 - the fake's repr of a list of str
+    # The output of a call made before is not late: a call's output must follow it.
+    conv.add("assistant", "{}", kind="function_call", call_id="call_1", name="f")
+    asked_at = conv.clock
+    conv.add("tool", "21", kind="function_call_output", call_id="call_1", client=True)
+    conv.add("user", "And?", client=True)
+    assert [i.text for i in conv.later(asked_at)] == ["And?"]
 
 
 def test_chain_stages_skip_done_and_cancelled_work() -> None:

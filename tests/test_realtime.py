@@ -1170,6 +1170,33 @@ def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_ne
     run(go())
 
 
+def test_a_barge_in_cancels_a_response_asked_for_before_it() -> None:
+    """Stand-in: a response.create the pipeline has not started when the user speaks is
+    cancelled (frames.Interrupt drops it): the client gets its response.created and a
+    response.done "cancelled" for "turn_detected", and the session is free; one asked for after
+    the barge-in (the VAD saw the speech first) stays asked for."""
+    from pipelines.frames import Interrupt
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "response.create", "response": {"metadata": {"k": "v"}}}))
+        await s._on_frame(Interrupt("speech_started"))
+        created, done = sent[-2:]
+        assert created["type"] == "response.created" and done["type"] == "response.done"
+        assert done["response"]["id"] == created["response"]["id"] and done["response"]["metadata"] == {"k": "v"}
+        assert done["response"]["status"] == "cancelled" and done["response"]["output"] == []
+        assert done["response"]["status_details"]["reason"] == "turn_detected" and not s.active
+        barge_in = Interrupt("speech_started")
+        await s._handle(json.dumps({"type": "response.create"}))  # after it (not yet at the session)
+        await s._on_frame(barge_in)
+        assert s.active and sent[-1]["type"] == "response.done"  # (no second one)
+
+    run(go())
+
+
 def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:
     """Session state only (a stand-in socket and ASR): ``input_audio_transcription`` (beta) and
     ``audio.input.transcription`` (GA) set the live ASR options, field by field; a language the
@@ -1508,7 +1535,9 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
 
 def test_calls_asked_for_with_no_tools_are_refused() -> None:
     """Stand-in: a ``tool_choice`` that asks for a call ("required", a named function) with no
-    tools is an error, for the session and for one response; "auto" and "none" are not."""
+    tools is an error, for the session and for one response; "auto" and "none" are not, nor a
+    response's own empty tools under the session's choice of a call."""
+    from pipelines.realtime_response import response_request
     from pipelines.services import Services
 
     sent: list[dict[str, Any]] = []
@@ -1524,6 +1553,10 @@ def test_calls_asked_for_with_no_tools_are_refused() -> None:
         for choice in ("none", "auto"):
             await s._handle(json.dumps({"type": "session.update", "session": {"tool_choice": choice}}))
             assert sent[-1]["type"] == "session.updated" and sent[-1]["session"]["tool_choice"] == choice
+        # A response with no tools of its own does not hold the session's choice of a call.
+        s.config.tools, s.config.tool_choice = [{"type": "function", "name": "get_time"}], "required"
+        request = response_request({"tools": []}, False, s.config, s.services, s.conv)
+        assert request.tools == [] and request.grammar is None
 
     run(go())
 
