@@ -17,7 +17,8 @@ user's message ends the turn after ``VADConfig.complete_ms`` of silence, any oth
 up to the eagerness's longest silence.
 
 Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` has
-``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge).
+``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge). A client that
+says it speaks beta (the ``OpenAI-Beta: realtime=v1`` header) also gets ``conversation.created``.
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ class RealtimeSession(ServerEvents):
         if self.metrics is not None:
             self.metrics.inc("realtime_sessions_total", help="/v1/realtime sessions opened", model=self.config.model)
         await self.send("session.created", session=self.config.to_dict(self.id))
+        if self.ws.headers.get("openai-beta", "").strip().lower() == "realtime=v1":  # (GA has no such event)
+            conversation = {"id": self.conversation_id, "object": "realtime.conversation"}
+            await self.send("conversation.created", conversation=conversation)
         writer = asyncio.create_task(self._write())
         try:
             while True:

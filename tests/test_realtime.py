@@ -313,6 +313,34 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
     run(go())
 
 
+def test_a_beta_client_is_told_of_its_conversation(server: dict[str, Any]) -> None:
+    """``openai``'s beta client (the ``OpenAI-Beta: realtime=v1`` header) gets
+    ``conversation.created`` after ``session.created``, with the id its responses name; a GA
+    client (no header) does not."""
+    openai = pytest.importorskip("openai")
+
+    async def first_events(connect: Any) -> list[Any]:
+        async with connect(model="smollm2") as conn:
+            await conn.session.update(session={"instructions": "Be brief."})
+            events = []
+            async for ev in conn:
+                events.append(ev)
+                if ev.type in ("session.updated", "error"):
+                    return events
+        raise AssertionError("connection closed")
+
+    async def go() -> None:
+        http = server["http"] + "/v1"
+        client = openai.AsyncOpenAI(base_url=http, websocket_base_url=http.replace("http", "ws", 1), api_key="unused")
+        beta = await asyncio.wait_for(first_events(client.beta.realtime.connect), 30)
+        assert [e.type for e in beta] == ["session.created", "conversation.created", "session.updated"]
+        assert beta[1].conversation.id.startswith("conv_") and beta[1].conversation.object == "realtime.conversation"
+        ga = await asyncio.wait_for(first_events(client.realtime.connect), 30)
+        assert [e.type for e in ga] == ["session.created", "session.updated"]
+
+    run(go())
+
+
 def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> None:
     """Server VAD over a single append holding the question and its trailing silence."""
 
