@@ -176,8 +176,8 @@ class ReplyFrame(Frame):
 
     response_id: str
 
-    def interrupted(self, by: Interrupt) -> None:
-        return None
+    def interrupted(self, by: Interrupt) -> ReplyFrame | None:
+        return None if by.response_id in (None, self.response_id) else self
 
 
 @dataclass
@@ -279,12 +279,13 @@ class TTSDone(ReplyFrame):
 
 @dataclass
 class Interrupt(SystemFrame):
-    """Cancel the reply in flight downstream (LLM decode, TTS). A barge-in (``takes_turn``:
+    """Cancel the replies in flight downstream (LLM decode, TTS). A barge-in (``takes_turn``:
     the user spoke) also cancels every reply not started yet (queued frames:
     ``Frame.interrupted``; speech being transcribed: ``pipelines.speech.ASR``); a client's
-    cancel, only the reply in flight."""
+    cancel, only its ``response_id`` (the work of other replies and turns goes on)."""
 
     reason: str = "speech_started"
+    response_id: str | None = None
 
     @property
     def takes_turn(self) -> bool:

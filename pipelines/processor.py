@@ -9,10 +9,10 @@ queue per stage, the real-time mode), where:
 - system frames (``SystemFrame``) bypass the queues and reach the output at once;
 - an ``Interrupt`` emitted by stage *i* cancels the ``process`` call in flight of every
   interruptible stage after *i* (closing its async generators, so engine requests are aborted
-  right away), turns every queued frame into what ``Frame.interrupted`` says (reply frames are
+  right away; with ``response_id``, only work for that reply: ``reply_of``), turns every queued frame into what ``Frame.interrupted`` says (reply frames are
   dropped; after a barge-in, requests for a reply too, wherever they wait, and those the source
   made before it but passes on later), counts a barge-in in ``turns_taken`` of every stage
-  after *i* at once, and calls ``on_interrupt()`` on each of them;
+  after *i* at once, and calls ``on_interrupt(by)`` on each of them;
 - an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
 - ``End`` flows in order; each stage forwards it after its queued work, then stops;
 - a stage may pass a frame on from outside ``process`` (a background task's result) with its
@@ -52,8 +52,12 @@ class Processor:
         """Frames produced for ``frame`` (default: ``frame`` itself)."""
         yield frame
 
-    async def on_interrupt(self) -> None:
-        """Forget per-reply state (called when an upstream stage emits ``Interrupt``)."""
+    async def on_interrupt(self, by: Interrupt) -> None:
+        """Forget the state of the replies ``by`` cancels (an upstream stage emitted it)."""
+
+    def reply_of(self, frame: Frame) -> str | None:
+        """The reply this stage's work on ``frame`` is for (None: none known)."""
+        return getattr(frame, "response_id", None)
 
     def close(self) -> None:
         """Cancel background work: the concurrent run this stage was part of has ended."""
@@ -81,7 +85,7 @@ class Pipeline(Processor):
             if isinstance(out, Interrupt):
                 for later in self.stages[i + 1 :]:
                     later.turns_taken += out.takes_turn
-                    await later.on_interrupt()
+                    await later.on_interrupt(out)
                 yield out
             elif isinstance(out, SystemFrame):
                 yield out
@@ -89,9 +93,9 @@ class Pipeline(Processor):
                 async for final in self._through(i + 1, out):
                     yield final
 
-    async def on_interrupt(self) -> None:
+    async def on_interrupt(self, by: Interrupt) -> None:
         for stage in self.stages:
-            await stage.on_interrupt()
+            await stage.on_interrupt(by)
 
     def close(self) -> None:
         for stage in self.stages:
@@ -114,6 +118,7 @@ class _Stage:
         self.proc = proc
         self.queue: asyncio.Queue[Frame] = asyncio.Queue()
         self.current: asyncio.Task[None] | None = None
+        self.frame: Frame | None = None  # the frame ``current`` works on
 
 
 class _Concurrent:
@@ -144,9 +149,12 @@ class _Concurrent:
             if k <= i:
                 continue
             stage.proc.turns_taken += by.takes_turn
-            if stage.proc.interruptible and stage.current is not None:
+            ours = by.response_id is None or (
+                stage.frame is not None and stage.proc.reply_of(stage.frame) == by.response_id
+            )
+            if stage.proc.interruptible and stage.current is not None and ours:
                 stage.current.cancel()
-            task = asyncio.get_running_loop().create_task(stage.proc.on_interrupt())
+            task = asyncio.get_running_loop().create_task(stage.proc.on_interrupt(by))
             self.hooks.add(task)  # keep a reference until it ran
             task.add_done_callback(self.hooks.discard)
         _interrupt_queued(self.out, by)
@@ -155,9 +163,9 @@ class _Concurrent:
         stage = self.stages[i]
         while True:
             frame = await stage.queue.get()
-            stage.current = asyncio.create_task(self._process(i, frame))
+            stage.current, stage.frame = asyncio.create_task(self._process(i, frame)), frame
             await asyncio.wait([stage.current])  # a cancelled task here is a barge-in, not our end
-            stage.current = None
+            stage.current = stage.frame = None
             if isinstance(frame, End):
                 return
 

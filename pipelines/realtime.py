@@ -18,7 +18,7 @@ up to the eagerness's longest silence.
 
 Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` has
 ``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge). A client that
-says it speaks beta (the ``OpenAI-Beta: realtime=v1`` header) also gets ``conversation.created``.
+says it speaks beta (``_says_beta``) also gets ``conversation.created``.
 """
 
 from __future__ import annotations
@@ -93,6 +93,13 @@ CLIENT_EVENTS = frozenset(
 )
 SERVER_ID = re.compile(r"(item|item_in|item_cm|resp)_\d{6}")  # the ids the server makes
 INBOX_FRAMES = 256  # client events queued for the pipeline; beyond this the WebSocket reader waits
+
+
+def _says_beta(ws: WebSocket) -> bool:
+    """Whether the client asks for the beta protocol: the ``OpenAI-Beta: realtime=v1`` header
+    (the SDK's beta client), or the subprotocol ``openai-beta.realtime-v1`` (a browser's)."""
+    header = ws.headers.get("openai-beta", "").strip().lower() == "realtime=v1"
+    return header or "openai-beta.realtime-v1" in ws.scope.get("subprotocols", [])
 
 
 class RealtimeSession(ServerEvents):
@@ -171,7 +178,7 @@ class RealtimeSession(ServerEvents):
         if self.metrics is not None:
             self.metrics.inc("realtime_sessions_total", help="/v1/realtime sessions opened", model=self.config.model)
         await self.send("session.created", session=self.config.to_dict(self.id))
-        if self.ws.headers.get("openai-beta", "").strip().lower() == "realtime=v1":  # (GA has no such event)
+        if _says_beta(self.ws):  # (GA has no such event)
             conversation = {"id": self.conversation_id, "object": "realtime.conversation"}
             await self.send("conversation.created", conversation=conversation)
         writer = asyncio.create_task(self._write())
@@ -373,7 +380,7 @@ class RealtimeSession(ServerEvents):
             # before the LLM's, where an interrupt now would find nothing to cancel.
             self.cancel_pending = True
             return
-        await self.inbox.put(Interrupt("client_cancelled"))
+        await self.inbox.put(Interrupt("client_cancelled", self.reply.id))
 
     async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
         reply, end_ms = self.in_band, event.get("audio_end_ms")

@@ -303,7 +303,7 @@ class ServerEvents:
             await self._open(r)
         if self.cancel_pending:  # cancelled before it started
             self.cancel_pending = False
-            await self.inbox.put(Interrupt("client_cancelled"))
+            await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
 
     async def _open(self, r: Reply) -> None:
         """Announce the reply's message item (once)."""
@@ -378,13 +378,15 @@ class ServerEvents:
         conversation keeps what the user heard of the latest reply in it (an out-of-band
         response may have come after that reply)."""
         r, talk = self.reply, self.in_band
-        self.expected = None  # (a barge-in cancels it: frames.Interrupt; a response.cancel may drop its start)
-        asked = self.requested
-        if asked is not None and (not frame.takes_turn or asked.created <= frame.created):
-            self.requested = None
-            if frame.takes_turn:  # asked for before the user spoke: cancelled before it started
+        if frame.response_id is not None and (r is None or r.id != frame.response_id):
+            return  # a client's cancel of a reply that ended meanwhile: the next one goes on
+        if frame.takes_turn:  # (a client's cancel leaves the replies not started alone: frames.Interrupt)
+            self.expected = None
+            asked = self.requested
+            if asked is not None and asked.created <= frame.created:  # asked for before the user spoke
+                self.requested = None
                 await self._cancelled_unstarted(asked)
-        self.cancel_pending = self.cancel_pending and self.requested is not None  # (one asked for since)
+            self.cancel_pending = self.cancel_pending and self.requested is not None  # (one asked for since)
         if r is not None and not r.done:
             if r is talk:
                 if r.audio and r.opened:

@@ -19,6 +19,7 @@ from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
 from pipelines.frames import (
     Frame,
+    Interrupt,
     LLMDone,
     LLMStarted,
     ResponseRequest,
@@ -270,7 +271,12 @@ class LLM(Processor):
                 call_item.status = "completed"
                 yield ToolCall(response_id, call_item.id, call.id, call.name, call.arguments)
 
-    async def on_interrupt(self) -> None:
+    def reply_of(self, frame: Frame) -> str | None:
+        return self.active  # (the reply being written, whatever frame asked for it)
+
+    async def on_interrupt(self, by: Interrupt) -> None:
+        if by.response_id not in (None, self.active):
+            return  # a client's cancel of a reply written before: the one being written goes on
         self.active = None
         self.close(judging=False)  # (a client's response.cancel: the user's turn is still judged)
 

@@ -216,10 +216,11 @@ class Sentences(Processor):
 
     def __init__(self) -> None:
         self.splitter = SentenceSplitter()
+        self.reply: str | None = None  # whose text the splitter holds
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, LLMStarted):
-            self.splitter = SentenceSplitter()
+            self.splitter, self.reply = SentenceSplitter(), frame.response_id
             yield frame
         elif isinstance(frame, TextDelta):
             yield frame
@@ -234,8 +235,9 @@ class Sentences(Processor):
         else:
             yield frame
 
-    async def on_interrupt(self) -> None:
-        self.splitter = SentenceSplitter()
+    async def on_interrupt(self, by: Interrupt) -> None:
+        if by.response_id in (None, self.reply):
+            self.splitter = SentenceSplitter()
 
 
 @dataclass
@@ -317,7 +319,12 @@ class TTS(Processor):
         else:
             yield frame
 
-    async def on_interrupt(self) -> None:
+    async def on_interrupt(self, by: Interrupt) -> None:
+        if by.response_id is not None:  # a client's cancel of one reply (its LLMDone may never come)
+            self.silent.discard(by.response_id)
+            self.voices.pop(by.response_id, None)
+            self.rates.pop(by.response_id, None)
+            return
         self.silent.clear()  # the cut replies' LLMDone may never come
         self.voices.clear()
         self.rates.clear()

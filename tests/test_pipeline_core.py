@@ -52,7 +52,7 @@ class Split(Processor):
             self.cancelled += 1
             raise
 
-    async def on_interrupt(self) -> None:
+    async def on_interrupt(self, by: Interrupt) -> None:
         self.interrupts += 1
 
 
@@ -586,6 +586,46 @@ def test_a_barge_in_is_counted_at_once_and_reaches_requests_before_its_stage() -
     assert [f.metadata for f in out if isinstance(f, ResponseRequest)] == [{"n": 3}]
     out = asyncio.run(run("client_cancelled"))
     assert [f.respond for f in out if isinstance(f, Transcript)] == [True]
+
+
+def test_a_clients_cancel_stops_its_reply_only() -> None:
+    """A client's cancel of the reply being spoken (``Interrupt`` with its ``response_id``)
+    leaves the next reply, already being written behind it, to go on and be spoken."""
+    from pipelines.conversation import Conversation
+    from pipelines.frames import LLMStarted, ResponseRequest, TTSAudio, TTSDone
+    from pipelines.reply import LLM
+    from pipelines.services import Services
+    from pipelines.speech import TTS, Sentences
+
+    class Slow(Services):
+        async def speak(self, text: str, *_: object, **__: object) -> AsyncIterator[np.ndarray]:
+            for _ in range(4):
+                await asyncio.sleep(0.05)
+                yield np.ones(10, np.float32)
+
+    engine = _Replies(0.02)
+    services = Slow(llm=engine, tts=object())
+    pipe = Pipeline([LLM(services, Conversation("sys")), Sentences(), TTS(services)])
+
+    async def source() -> AsyncIterator[Frame]:
+        yield ResponseRequest()  # resp_000001: "You said sys. Fine." in two sentences
+        yield Transcript("Next.", item_id="item_b")  # its reply is written while the first is spoken
+        await asyncio.sleep(0.25)
+        yield Interrupt("client_cancelled", "resp_000001")
+        await asyncio.sleep(1.5)
+        yield End()
+
+    async def run() -> list[Frame]:
+        return [f async for f in pipe.stream(source())]
+
+    out = asyncio.run(run())
+    started = [f.response_id for f in out if isinstance(f, LLMStarted)]
+    assert len(started) == 2 and started[0] == "resp_000001"
+    done = [f.response_id for f in out if isinstance(f, TTSDone)]
+    assert done == [started[1]]  # the first was cut, the second spoken to its end
+    cut = out.index(next(f for f in out if isinstance(f, Interrupt)))
+    assert not any(isinstance(f, TTSAudio) and f.response_id == started[0] for f in out[cut:])
+    assert sum(isinstance(f, TTSAudio) and f.response_id == started[1] for f in out) == 8  # 2 sentences
 
 
 def test_a_reply_answers_the_conversation_as_it_was_when_asked_for() -> None:

@@ -315,8 +315,8 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
 
 def test_a_beta_client_is_told_of_its_conversation(server: dict[str, Any]) -> None:
     """``openai``'s beta client (the ``OpenAI-Beta: realtime=v1`` header) gets
-    ``conversation.created`` after ``session.created``, with the id its responses name; a GA
-    client (no header) does not."""
+    ``conversation.created`` after ``session.created``, with the id its responses name, and so
+    does a browser's (the subprotocol ``openai-beta.realtime-v1``); a GA client does not."""
     openai = pytest.importorskip("openai")
 
     async def first_events(connect: Any) -> list[Any]:
@@ -337,6 +337,11 @@ def test_a_beta_client_is_told_of_its_conversation(server: dict[str, Any]) -> No
         assert beta[1].conversation.id.startswith("conv_") and beta[1].conversation.object == "realtime.conversation"
         ga = await asyncio.wait_for(first_events(client.realtime.connect), 30)
         assert [e.type for e in ga] == ["session.created", "session.updated"]
+        browser = ["realtime", "openai-beta.realtime-v1"]  # (a browser can set no header)
+        async with websockets.connect(server["url"], subprotocols=browser) as ws:  # type: ignore[arg-type]
+            c = Client(ws)
+            created = await c.until("conversation.created", timeout=10)
+            assert c.types()[:2] == ["session.created", "conversation.created"] and created["conversation"]["id"]
 
     run(go())
 
@@ -1194,6 +1199,32 @@ def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_ne
         await s._on_frame(Interrupt("speech_started"))
         await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
         assert s.inbox.empty()  # no Interrupt("client_cancelled") for the next reply
+
+    run(go())
+
+
+def test_a_clients_cancel_leaves_the_turn_still_to_be_answered() -> None:
+    """Stand-in: a response.cancel names the reply it cancels; a turn that ended meanwhile
+    (interrupt_response off) still expects its reply, and a cancel that comes after its reply
+    ended leaves the next one alone."""
+    from pipelines.frames import Interrupt, LLMStarted, SpeechStopped
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._on_frame(LLMStarted("resp_1", item_id="item_1"))
+        await s._on_frame(SpeechStopped(900, item_id="item_in_1"))
+        await s._handle(json.dumps({"type": "response.cancel"}))
+        cancel = s.inbox.get_nowait()
+        assert isinstance(cancel, Interrupt) and cancel.response_id == "resp_1" and not cancel.takes_turn
+        await s._on_frame(cancel)
+        assert sent[-1]["type"] == "response.done" and sent[-1]["response"]["status"] == "cancelled"
+        assert s.expected == "item_in_1" and s.active  # its reply is still to come
+        await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
+        await s._on_frame(Interrupt("client_cancelled", "resp_1"))  # (a second cancel, late)
+        assert s.reply is not None and s.reply.id == "resp_2" and not s.reply.done and s.active
 
     run(go())
 
