@@ -165,6 +165,7 @@ class ResponseRequest(Frame):
     # The conversation's ``clock`` when it was asked for: the client's items added later are not
     # in its prompt, and its item goes before them (None: as the conversation is when it starts).
     asked: int | None = None
+    number: int = 0  # the session's count of the client's requests (0: a turn's own reply)
 
     def interrupted(self, by: Interrupt) -> ResponseRequest | None:
         return None if by.takes_turn else self
@@ -194,6 +195,7 @@ class LLMStarted(ReplyFrame):
     sample_rate: int | None = None  # the same
     audio_format: str | None = None  # the same
     calls: bool = False  # it may call functions (then its text may be none at all)
+    request: int = 0  # the ``ResponseRequest.number`` it answers
 
 
 @dataclass

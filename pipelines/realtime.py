@@ -133,6 +133,9 @@ class RealtimeSession(ServerEvents):
         self.requested: ResponseRequest | None = None
         self.expected = None
         self.cancel_pending = False
+        self._requests = itertools.count(1)
+        self.withdrawn: dict[int, float] = {}  # requests cancelled before they started, when made
+        self.silenced: set[str] = set()  # their replies, started: stopped unseen
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
         self.ga = False
@@ -369,15 +372,21 @@ class RealtimeSession(ServerEvents):
                 "the conversation already has an active response", code="conversation_already_has_active_response"
             )
         request = response_request(event.get("response"), self.ga, self.config, self.services, self.conv)
+        request.number = next(self._requests)
         self.requested = request  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
         if not self.active:
             raise EventError("there is no active response to cancel", code="response_cancel_not_active")
-        if self.reply is None or self.reply.done:
-            # Asked for but not started: its request may still be on its way through the stages
-            # before the LLM's, where an interrupt now would find nothing to cancel.
+        if self.requested is not None:
+            # Asked for but not started: it ends now for the client, and is stopped as it starts
+            # (its request may still be on its way through the stages before the LLM's).
+            asked, self.requested = self.requested, None
+            self.withdrawn[asked.number] = asked.created
+            await self._cancelled_unstarted(asked, "client_cancelled")
+            return
+        if self.reply is None or self.reply.done:  # a turn's own reply, still to start
             self.cancel_pending = True
             return
         await self.inbox.put(Interrupt("client_cancelled", self.reply.id))

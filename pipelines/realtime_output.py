@@ -67,7 +67,9 @@ class ServerEvents:
     vad_config: VADConfig
     requested: ResponseRequest | None  # a response.create, queued
     expected: str | None  # the turn (server VAD's) whose automatic reply is on its way
-    cancel_pending: bool  # ... and a response.cancel came before it started
+    cancel_pending: bool  # ... and a response.cancel came before that reply started
+    withdrawn: dict[int, float]  # client requests cancelled before they started (number: made at)
+    silenced: set[str]  # the replies of those that started anyway, being stopped
     appended_ms: float  # audio appended since the last turn boundary
     ga: bool  # the GA dialect (pipelines.realtime_ga), once a session.update says so
     _event_ids: itertools.count[int]
@@ -105,8 +107,7 @@ class ServerEvents:
         """Turn ``item_id`` gets no automatic reply (nothing heard, a failure, deleted); a
         response.cancel sent while it was expected has nothing left to cancel."""
         if item_id and item_id == self.expected:
-            self.expected = None
-            self.cancel_pending = self.cancel_pending and self.requested is not None
+            self.expected, self.cancel_pending = None, False
 
     async def _user_item_created(self, item_id: str) -> None:
         """The committed audio ``item_id`` joins the conversation at once, empty until it is heard
@@ -285,6 +286,11 @@ class ServerEvents:
         return {"response_id": r.id, "item_id": r.item_id, "output_index": 0, "content_index": 0}
 
     async def _started(self, frame: LLMStarted) -> None:
+        if self.withdrawn.pop(frame.request, None) is not None:  # cancelled before it started
+            self.silenced.add(frame.response_id)
+            self.conv.remove(frame.item_id)
+            await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
+            return
         self.requested, self.expected = None, None
         audio = spoken(frame.audio, self.tts_options, self.services)
         self.reply = r = Reply(
@@ -358,9 +364,9 @@ class ServerEvents:
         output = [r.message] if r.message is not None else []
         await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
 
-    async def _cancelled_unstarted(self, asked: ResponseRequest) -> None:
-        """The events of a response a barge-in cancelled before it started (as OpenAI's, which
-        starts at the request: created, then done, "cancelled" for "turn_detected")."""
+    async def _cancelled_unstarted(self, asked: ResponseRequest, reason: str = "turn_detected") -> None:
+        """The events of a response cancelled before it started (as OpenAI's, which starts at
+        the request: created, then done, "cancelled" for ``reason``)."""
         r = Reply(
             self.conv.new_id("resp"),
             "",
@@ -371,13 +377,18 @@ class ServerEvents:
         )
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.done = True
-        await self.send("response.done", response=response_event(r, "cancelled", [], "turn_detected"))
+        await self.send("response.done", response=response_event(r, "cancelled", [], reason))
 
     async def _interrupted(self, frame: Interrupt) -> None:
         """Cancel the active response, and after a barge-in the one asked for before it; the
         conversation keeps what the user heard of the latest reply in it (an out-of-band
         response may have come after that reply)."""
         r, talk = self.reply, self.in_band
+        if frame.response_id in self.silenced:  # the client was told it ended: its items leave too
+            self.silenced.discard(frame.response_id)
+            for item in [i for i in self.conv.items if i.response_id == frame.response_id]:
+                self.conv.remove(item.id)
+            return
         if frame.response_id is not None and (r is None or r.id != frame.response_id):
             return  # a client's cancel of a reply that ended meanwhile: the next one goes on
         if frame.takes_turn:  # (a client's cancel leaves the replies not started alone: frames.Interrupt)
@@ -386,7 +397,8 @@ class ServerEvents:
             if asked is not None and asked.created <= frame.created:  # asked for before the user spoke
                 self.requested = None
                 await self._cancelled_unstarted(asked)
-            self.cancel_pending = self.cancel_pending and self.requested is not None  # (one asked for since)
+            self.cancel_pending = False  # (it was for the turn's reply)
+            self.withdrawn = {n: t for n, t in self.withdrawn.items() if t > frame.created}  # (the rest are dropped)
         if r is not None and not r.done:
             if r is talk:
                 if r.audio and r.opened:

@@ -182,6 +182,7 @@ class LLM(Processor):
             req.sample_rate,
             req.audio_format,
             calls=names is not None,
+            request=req.number,
         )
         final, error, mapped = None, None, None
         ids: list[int] = []

@@ -924,7 +924,8 @@ def test_a_refused_reply_fails_and_the_next_turn_works(server: dict[str, Any]) -
 
 
 def test_a_response_cancelled_before_it_started_ends_cancelled(server: dict[str, Any]) -> None:
-    """response.cancel right behind response.create: the request is still on its way to the LLM."""
+    """response.cancel right behind response.create: the request is still on its way to the LLM;
+    it ends at once, and a response.create right behind the cancel is the session's next reply."""
 
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
@@ -933,13 +934,15 @@ def test_a_response_cancelled_before_it_started_ends_cancelled(server: dict[str,
             await c.send("conversation.item.create", item=user_item("Tell me a long story about a dragon."))
             await c.send("response.create")
             await c.send("response.cancel")
+            await c.send("response.create", response={"max_response_output_tokens": 4})  # (a short reply)
             done = await c.until("response.done")
             assert done["response"]["status"] == "cancelled", done
             assert done["response"]["status_details"]["reason"] == "client_cancelled"
+            assert done["response"]["output"] == []
+            second = await c.until("response.done")
+            assert second["response"]["status"] in ENDED and second["response"]["id"] != done["response"]["id"]
             assert "error" not in c.types()
-            # the session is not left with a response active (a short reply: only its end counts)
-            await c.send("response.create", response={"max_response_output_tokens": 4})
-            assert (await c.until("response.done"))["response"]["status"] in ENDED
+            assert len([e for e in c.events if e["type"] == "response.created"]) == 2  # (the first's start unseen)
 
     run(go())
 
@@ -1184,21 +1187,45 @@ def test_speech_resuming_after_a_pause_aborts_the_speculation(
     assert server["llm"].stats()["num_running"] == 0
 
 
-def test_a_cancel_pending_when_a_barge_in_drops_its_reply_does_not_cancel_the_next() -> None:
-    """Session state only (a stand-in socket): response.create, response.cancel before it started,
-    then a barge-in drops that reply's start; the user's next reply must not be cancelled."""
+def test_a_response_cancelled_before_it_started_ends_at_once() -> None:
+    """Session state only (a stand-in socket): response.create, then response.cancel before it
+    started: it ends for the client at once and the session is free for the next request;
+    when the cancelled one starts after all, it is stopped unseen and its item leaves the
+    conversation, and the next one is not cancelled. A barge-in that drops the cancelled one
+    leaves nothing to stop."""
     from pipelines.frames import Interrupt, LLMStarted
     from pipelines.services import Services
 
+    sent: list[dict[str, Any]] = []
+
     async def go() -> None:
-        s = _stand_in(Services(), [])
+        s = _stand_in(Services(), sent)
         await s._handle(json.dumps({"type": "response.create"}))
-        s.inbox.get_nowait()  # (the pipeline takes the request)
+        first = s.inbox.get_nowait()  # (the pipeline takes the request)
         await s._handle(json.dumps({"type": "response.cancel"}))
-        assert s.cancel_pending
+        assert [e["type"] for e in sent] == ["response.created", "response.done"] and not s.active
+        assert sent[-1]["response"]["status_details"]["reason"] == "client_cancelled"
+        await s._handle(json.dumps({"type": "response.create"}))  # (not refused)
+        second = s.inbox.get_nowait()
+        assert sent[-1]["type"] == "response.done" and s.active
+        s.conv.add("assistant", "", "item_9")  # the cancelled one's item, as the reply stage adds it
+        await s._on_frame(LLMStarted("resp_8", item_id="item_9", request=first.number))
+        stop = s.inbox.get_nowait()
+        assert isinstance(stop, Interrupt) and stop.response_id == "resp_8" and s.conv.get("item_9") is None
+        assert s.active and sent[-1]["type"] == "response.done"  # (told nothing more)
+        await s._on_frame(stop)
+        await s._on_frame(LLMStarted("resp_10", item_id="item_11", request=second.number))
+        assert [e["response"]["id"] for e in sent if e["type"] == "response.created"][-1] == "resp_10"
+        assert s.inbox.empty()  # no Interrupt for the next reply
+        # A barge-in drops a cancelled request that had not started: the next reply goes on.
+        s.reply.done = True  # (resp_10 ended)
+        await s._handle(json.dumps({"type": "response.create"}))
+        third = s.inbox.get_nowait()
+        await s._handle(json.dumps({"type": "response.cancel"}))
         await s._on_frame(Interrupt("speech_started"))
-        await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
-        assert s.inbox.empty()  # no Interrupt("client_cancelled") for the next reply
+        assert third.number not in s.withdrawn
+        await s._on_frame(LLMStarted("resp_12", item_id="item_13"))  # a turn's own reply
+        assert s.inbox.empty() and s.reply.id == "resp_12"
 
     run(go())
 
