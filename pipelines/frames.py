@@ -31,9 +31,10 @@ class Frame:
     created: float = field(default_factory=time.monotonic, kw_only=True)
 
     def interrupted(self, by: Interrupt) -> Frame | None:
-        """This frame as it stays queued after ``by`` (None: dropped): a reply's frames are
-        dropped; after a barge-in (``by.takes_turn``) so are requests for a reply, and speech
-        that already ended keeps its place but asks for no reply."""
+        """This frame as it stays queued after ``by`` (None: dropped): the frames of the replies
+        it cancels are dropped (every reply's, or ``by.response_id``'s); after a barge-in
+        (``by.takes_turn``) so are requests for a reply, and speech that already ended keeps its
+        place but asks for no reply."""
         return self
 
 
@@ -166,6 +167,9 @@ class ResponseRequest(Frame):
     # in its prompt, and its item goes before them (None: as the conversation is when it starts).
     asked: int | None = None
     number: int = 0  # the session's count of the client's requests (0: a turn's own reply)
+    # The client cancelled it before it started (the session sets it on the queued request;
+    # the reply stage skips it, and stops a reply it had already started: LLMStarted.request).
+    cancelled: bool = False
 
     def interrupted(self, by: Interrupt) -> ResponseRequest | None:
         return None if by.takes_turn else self
@@ -173,7 +177,8 @@ class ResponseRequest(Frame):
 
 @dataclass
 class ReplyFrame(Frame):
-    """A frame of one reply; an ``Interrupt`` drops queued reply frames (nobody will hear them)."""
+    """A frame of one reply; an ``Interrupt`` that cancels the reply drops its queued frames
+    (nobody will hear them)."""
 
     response_id: str
 

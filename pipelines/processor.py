@@ -9,9 +9,10 @@ queue per stage, the real-time mode), where:
 - system frames (``SystemFrame``) bypass the queues and reach the output at once;
 - an ``Interrupt`` emitted by stage *i* cancels the ``process`` call in flight of every
   interruptible stage after *i* (closing its async generators, so engine requests are aborted
-  right away; with ``response_id``, only work for that reply: ``reply_of``), turns every queued frame into what ``Frame.interrupted`` says (reply frames are
-  dropped; after a barge-in, requests for a reply too, wherever they wait, and those the source
-  made before it but passes on later), counts a barge-in in ``turns_taken`` of every stage
+  right away; with ``response_id``, only work for that reply: ``reply_of``), turns every
+  queued frame into what ``Frame.interrupted`` says (the cancelled replies' frames are dropped;
+  after a barge-in, requests for a reply too, wherever they wait, and those the source made
+  before it but passes on later), counts a barge-in in ``turns_taken`` of every stage
   after *i* at once, and calls ``on_interrupt(by)`` on each of them;
 - an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
 - ``End`` flows in order; each stage forwards it after its queued work, then stops;

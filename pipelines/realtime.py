@@ -383,6 +383,7 @@ class RealtimeSession(ServerEvents):
             # Asked for but not started: it ends now for the client, and is stopped as it starts
             # (its request may still be on its way through the stages before the LLM's).
             asked, self.requested = self.requested, None
+            asked.cancelled = True  # (the reply stage skips it; one it already started is stopped)
             self.withdrawn[asked.number] = asked.created
             await self._cancelled_unstarted(asked, "client_cancelled")
             return

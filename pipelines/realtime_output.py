@@ -288,10 +288,14 @@ class ServerEvents:
     async def _started(self, frame: LLMStarted) -> None:
         if self.withdrawn.pop(frame.request, None) is not None:  # cancelled before it started
             self.silenced.add(frame.response_id)
+            self._forget(frame.response_id)
             self.conv.remove(frame.item_id)
             await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
             return
-        self.requested, self.expected = None, None
+        if self.requested is not None and frame.request == self.requested.number:
+            self.requested = None
+        elif not frame.request:  # a turn's own reply
+            self.expected = None
         audio = spoken(frame.audio, self.tts_options, self.services)
         self.reply = r = Reply(
             frame.response_id,
@@ -379,15 +383,20 @@ class ServerEvents:
         r.done = True
         await self.send("response.done", response=response_event(r, "cancelled", [], reason))
 
+    def _forget(self, response_id: str) -> None:
+        """Remove the items (function calls) reply ``response_id`` made."""
+        for item in [i for i in self.conv.items if i.response_id == response_id]:
+            self.conv.remove(item.id)
+
     async def _interrupted(self, frame: Interrupt) -> None:
         """Cancel the active response, and after a barge-in the one asked for before it; the
         conversation keeps what the user heard of the latest reply in it (an out-of-band
-        response may have come after that reply)."""
+        response may have come after that reply). A reply stopped unseen (``silenced``) leaves
+        no items; a client's cancel of a reply no longer the current one does nothing."""
         r, talk = self.reply, self.in_band
         if frame.response_id in self.silenced:  # the client was told it ended: its items leave too
             self.silenced.discard(frame.response_id)
-            for item in [i for i in self.conv.items if i.response_id == frame.response_id]:
-                self.conv.remove(item.id)
+            self._forget(frame.response_id)
             return
         if frame.response_id is not None and (r is None or r.id != frame.response_id):
             return  # a client's cancel of a reply that ended meanwhile: the next one goes on

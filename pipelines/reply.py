@@ -97,9 +97,11 @@ class LLM(Processor):
                     yield out
             else:
                 self.close()
-        elif isinstance(frame, ResponseRequest):
+        elif isinstance(frame, ResponseRequest) and not frame.cancelled:
             async for out in self._reply(frame):
                 yield out
+        elif isinstance(frame, ResponseRequest):
+            return  # (cancelled on its way here)
         else:
             yield frame
 
@@ -185,6 +187,7 @@ class LLM(Processor):
             request=req.number,
         )
         final, error, mapped = None, None, None
+        whole = False  # it ran to its end
         ids: list[int] = []
         spec = None
         if not req.out_of_band:
@@ -218,12 +221,15 @@ class LLM(Processor):
             if calls is not None:
                 for frame in self._calls(response_id, item, calls, made, req.out_of_band):
                     yield frame
+            whole = True
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
             mapped = from_engine_error(exc) if isinstance(exc, EngineError) else None
         finally:
-            if spec is not None:
-                spec.outputs.cancel()  # a barge-in left the replay: stop the generation too
+            if spec is not None and whole:
+                spec.outputs.cancel()  # (its first sentence's synthesis is the TTS stage's to take)
+            elif spec is not None:
+                spec.cancel()  # cut or failed: stop the generation and that synthesis too
         self.active = None
         yield LLMDone(
             response_id,

@@ -339,6 +339,25 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:
     assert out[1].response_id == out[0].response_id and "maximum context length" in (out[1].error or "")
 
 
+def test_a_request_cancelled_on_its_way_gets_no_reply() -> None:
+    """The session marks a request the client cancelled before it started; the reply stage
+    skips it (no engine request, no frame)."""
+    from pipelines.conversation import Conversation
+    from pipelines.frames import ResponseRequest
+    from pipelines.reply import LLM
+    from pipelines.services import Services
+
+    class Engine:
+        async def generate(self, *_: object, **__: object) -> AsyncIterator[object]:
+            raise AssertionError("no reply was due")
+            yield  # an async generator, like AsyncEngine.generate
+
+    conv = Conversation("sys")
+    conv.add("user", "Hi.")
+    out = asyncio.run(Pipeline([LLM(Services(llm=Engine()), conv)]).run_all([ResponseRequest(cancelled=True)]))
+    assert out == [] and [i.text for i in conv.items] == ["Hi."]
+
+
 def test_speech_deleted_before_it_is_heard_gets_no_reply() -> None:
     """Its transcript stays out of the conversation, and no reply answers it."""
     from pipelines.conversation import Conversation
@@ -600,7 +619,7 @@ def test_a_clients_cancel_stops_its_reply_only() -> None:
     class Slow(Services):
         async def speak(self, text: str, *_: object, **__: object) -> AsyncIterator[np.ndarray]:
             for _ in range(4):
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.1)  # (0.8 s a reply: the cancel at 0.25 s comes mid-speech)
                 yield np.ones(10, np.float32)
 
     engine = _Replies(0.02)
@@ -612,7 +631,7 @@ def test_a_clients_cancel_stops_its_reply_only() -> None:
         yield Transcript("Next.", item_id="item_b")  # its reply is written while the first is spoken
         await asyncio.sleep(0.25)
         yield Interrupt("client_cancelled", "resp_000001")
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(2.0)
         yield End()
 
     async def run() -> list[Frame]:

@@ -1208,24 +1208,26 @@ def test_a_response_cancelled_before_it_started_ends_at_once() -> None:
         await s._handle(json.dumps({"type": "response.create"}))  # (not refused)
         second = s.inbox.get_nowait()
         assert sent[-1]["type"] == "response.done" and s.active
+        assert first.cancelled  # (the reply stage skips it; here it started before it could)
         s.conv.add("assistant", "", "item_9")  # the cancelled one's item, as the reply stage adds it
+        s.conv.add("assistant", "{}", "item_7", kind="function_call", call_id="c", name="f", response_id="resp_8")
         await s._on_frame(LLMStarted("resp_8", item_id="item_9", request=first.number))
         stop = s.inbox.get_nowait()
-        assert isinstance(stop, Interrupt) and stop.response_id == "resp_8" and s.conv.get("item_9") is None
+        assert isinstance(stop, Interrupt) and stop.response_id == "resp_8"
+        assert s.conv.get("item_9") is None and s.conv.get("item_7") is None
         assert s.active and sent[-1]["type"] == "response.done"  # (told nothing more)
         await s._on_frame(stop)
+        assert not s.silenced
         await s._on_frame(LLMStarted("resp_10", item_id="item_11", request=second.number))
         assert [e["response"]["id"] for e in sent if e["type"] == "response.created"][-1] == "resp_10"
         assert s.inbox.empty()  # no Interrupt for the next reply
-        # A barge-in drops a cancelled request that had not started: the next reply goes on.
+        # A barge-in drops a cancelled request that had not started: nothing is left to stop.
         s.reply.done = True  # (resp_10 ended)
         await s._handle(json.dumps({"type": "response.create"}))
         third = s.inbox.get_nowait()
         await s._handle(json.dumps({"type": "response.cancel"}))
         await s._on_frame(Interrupt("speech_started"))
         assert third.number not in s.withdrawn
-        await s._on_frame(LLMStarted("resp_12", item_id="item_13"))  # a turn's own reply
-        assert s.inbox.empty() and s.reply.id == "resp_12"
 
     run(go())
 
@@ -1252,6 +1254,32 @@ def test_a_clients_cancel_leaves_the_turn_still_to_be_answered() -> None:
         await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
         await s._on_frame(Interrupt("client_cancelled", "resp_1"))  # (a second cancel, late)
         assert s.reply is not None and s.reply.id == "resp_2" and not s.reply.done and s.active
+
+    run(go())
+
+
+def test_a_reply_that_starts_frees_only_what_it_answers() -> None:
+    """Stand-in: a client's request started while a turn's automatic reply was still to come
+    (the client asked as the user spoke): the session stays active until that turn's reply
+    starts too."""
+    from pipelines.frames import LLMStarted, SpeechStopped, TTSDone
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "response.create"}))
+        request = s.inbox.get_nowait()
+        await s._on_frame(SpeechStopped(900, item_id="item_in_1"))
+        await s._on_frame(LLMStarted("resp_1", item_id="item_1", request=request.number))
+        await s._on_frame(TTSDone("resp_1"))
+        assert s.reply is not None and s.reply.done and s.requested is None
+        assert s.active and s.expected == "item_in_1"  # the turn's reply is still to come
+        await s._handle(json.dumps({"type": "response.create"}))
+        assert sent[-1]["error"]["code"] == "conversation_already_has_active_response"
+        await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
+        assert s.expected is None and s.reply.id == "resp_2"
 
     run(go())
 
