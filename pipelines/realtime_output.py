@@ -311,7 +311,7 @@ class ServerEvents:
         await self.send("response.created", response=response_event(r, "in_progress", []))
         if not frame.calls:  # (with tools, a reply may be a call alone: no message)
             await self._open(r)
-        if self.cancel_pending:  # cancelled before it started
+        if self.cancel_pending and not frame.request:  # the turn's reply, cancelled before it started
             self.cancel_pending = False
             await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
 
