@@ -45,7 +45,6 @@ from pipelines.frames import (
     CommitFrame,
     End,
     Frame,
-    Interrupt,
     ResponseRequest,
 )
 from pipelines.realtime_audio import FORMATS
@@ -390,7 +389,7 @@ class RealtimeSession(ServerEvents):
         if self.reply is None or self.reply.done:  # a turn's own reply, still to start
             self.cancel_pending = True
             return
-        await self.inbox.put(Interrupt("client_cancelled", self.reply.id))
+        await self._cancel(self.reply.id)
 
     async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
         reply, end_ms = self.in_band, event.get("audio_end_ms")

@@ -313,7 +313,15 @@ class ServerEvents:
             await self._open(r)
         if self.cancel_pending and not frame.request:  # the turn's reply, cancelled before it started
             self.cancel_pending = False
-            await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
+            await self._cancel(frame.response_id)
+
+    async def _cancel(self, response_id: str) -> None:
+        """A client's cancel of reply ``response_id``: it ends for the client now (a
+        ``response.create`` right behind the cancel is not refused), and the pipeline stops its
+        work (the ``Interrupt``, when it comes out, finds it done)."""
+        stop = Interrupt("client_cancelled", response_id)
+        await self._interrupted(stop)
+        await self.inbox.put(stop)
 
     async def _open(self, r: Reply) -> None:
         """Announce the reply's message item (once)."""
@@ -398,8 +406,8 @@ class ServerEvents:
             self.silenced.discard(frame.response_id)
             self._forget(frame.response_id)
             return
-        if frame.response_id is not None and (r is None or r.id != frame.response_id):
-            return  # a client's cancel of a reply that ended meanwhile: the next one goes on
+        if frame.response_id is not None and (r is None or r.id != frame.response_id or r.done):
+            return  # a client's cancel of a reply that ended meanwhile (or already cancelled)
         if frame.takes_turn:  # (a client's cancel leaves the replies not started alone: frames.Interrupt)
             self.expected = None
             asked = self.requested

@@ -938,7 +938,7 @@ def test_a_response_cancelled_before_it_started_ends_cancelled(server: dict[str,
             done = await c.until("response.done")
             assert done["response"]["status"] == "cancelled", done
             assert done["response"]["status_details"]["reason"] == "client_cancelled"
-            assert done["response"]["output"] == []
+            assert all(o["status"] == "incomplete" for o in done["response"]["output"])  # (none if not started)
             second = await c.until("response.done")
             assert second["response"]["status"] in ENDED and second["response"]["id"] != done["response"]["id"]
             assert "error" not in c.types()
@@ -1254,6 +1254,14 @@ def test_a_clients_cancel_leaves_the_turn_still_to_be_answered() -> None:
         await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
         await s._on_frame(Interrupt("client_cancelled", "resp_1"))  # (a second cancel, late)
         assert s.reply is not None and s.reply.id == "resp_2" and not s.reply.done and s.active
+        # A cancel ends the reply for the client at once: a response.create right behind it is taken.
+        await s._handle(json.dumps({"type": "response.cancel"}))
+        assert sent[-1]["type"] == "response.done" and s.reply.done and not s.active
+        await s._handle(json.dumps({"type": "response.create"}))
+        assert sent[-1]["type"] == "response.done" and s.requested is not None
+        stop = s.inbox.get_nowait()
+        await s._on_frame(stop)  # (the pipeline's, coming out: the reply is already done)
+        assert sent[-1]["type"] == "response.done" and s.requested is not None
 
     run(go())
 
