@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,13 +100,13 @@ class Conversation:
         item.text, item.pending = text, False
         return item
 
-    def add_reply(self, asked: int | None = None) -> Item:
-        """A reply's item: last, but before the speech still to be heard there and the client's
-        items added after ``asked`` (the ``clock`` when the reply was asked for; None: none are).
-        (Speech is heard in the order it was committed, and a reply asked for after it is made
-        after its transcript: speech still pending was committed after this reply was asked for.)"""
-        at, late = len(self.items), {id(i) for i in self.later(asked)}
-        while at and (self.items[at - 1].pending or id(self.items[at - 1]) in late):
+    def add_reply(self, late: Collection[Item] = ()) -> Item:
+        """A reply's item: last, but before the speech still to be heard there and the items
+        ``late`` for it (``later``). (Speech is heard in the order it was committed, and a reply
+        asked for after it is made after its transcript: speech still pending was committed after
+        this reply was asked for.)"""
+        at, after = len(self.items), {id(i) for i in late}
+        while at and (self.items[at - 1].pending or id(self.items[at - 1]) in after):
             at -= 1
         item = Item(self.new_id(), "assistant")
         self.items.insert(at, item)
@@ -120,11 +120,11 @@ class Conversation:
         calls = {i.call_id for i in self.items if i.kind == "function_call" and i.made <= asked}
         return [i for i in self.items if i.client and i.made > asked and i.call_id not in calls]
 
-    def as_asked(self, asked: int | None) -> Conversation:
-        """What a reply asked for at ``clock`` ``asked`` renders: this conversation without the
-        client's items added since (itself if there are none; a copy shares the items, so
-        ``keep_from`` of a render of it holds for this one)."""
-        late = {id(i) for i in self.later(asked)}
+    def without(self, left: Collection[Item]) -> Conversation:
+        """This conversation without the items ``left`` (a reply's ``later`` ones): itself if
+        there are none; a copy shares the items, so ``keep_from`` of a render of it holds for
+        this one."""
+        late = {id(i) for i in left}
         if not late:
             return self
         first = sum(id(i) not in late for i in self.items[: self._first])

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class UserAudio(Frame):
     turn_key: int = -1
 
     def interrupted(self, by: Interrupt) -> UserAudio:
-        return dataclasses.replace(self, respond=False) if by.takes_turn else self
+        return _unanswered(self, by)
 
 
 # -- text ----------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class Transcript(Frame):
     turn_key: int = -1  # tentative: its pause's (``UserAudio.turn_key``)
 
     def interrupted(self, by: Interrupt) -> Transcript:
-        return dataclasses.replace(self, respond=False) if by.takes_turn else self
+        return _unanswered(self, by)
 
 
 @dataclass
@@ -183,7 +183,7 @@ class ReplyFrame(Frame):
     response_id: str
 
     def interrupted(self, by: Interrupt) -> ReplyFrame | None:
-        return None if by.response_id in (None, self.response_id) else self
+        return None if by.cancels(self.response_id) else self
 
 
 @dataclass
@@ -298,6 +298,10 @@ class Interrupt(SystemFrame):
     def takes_turn(self) -> bool:
         return self.reason == "speech_started"
 
+    def cancels(self, response_id: str | None) -> bool:
+        """Whether it cancels reply ``response_id`` (None: work for no known reply)."""
+        return self.response_id is None or self.response_id == response_id
+
 
 @dataclass
 class ErrorFrame(SystemFrame):
@@ -314,3 +318,11 @@ class ErrorFrame(SystemFrame):
 @dataclass
 class End(Frame):
     """No more input: processors flush, then the pipeline stops (in order, after the data)."""
+
+
+_Speech = TypeVar("_Speech", UserAudio, Transcript)
+
+
+def _unanswered(frame: _Speech, by: Interrupt) -> _Speech:
+    """Speech that ended before a barge-in keeps its place but asks for no reply."""
+    return dataclasses.replace(frame, respond=False) if by.takes_turn else frame

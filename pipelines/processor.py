@@ -150,9 +150,7 @@ class _Concurrent:
             if k <= i:
                 continue
             stage.proc.turns_taken += by.takes_turn
-            ours = by.response_id is None or (
-                stage.frame is not None and stage.proc.reply_of(stage.frame) == by.response_id
-            )
+            ours = stage.frame is not None and by.cancels(stage.proc.reply_of(stage.frame))
             if stage.proc.interruptible and stage.current is not None and ours:
                 stage.current.cancel()
             task = asyncio.get_running_loop().create_task(stage.proc.on_interrupt(by))

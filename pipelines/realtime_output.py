@@ -15,6 +15,7 @@ import base64
 import itertools
 import json
 import time
+from collections.abc import Collection
 from typing import Any
 
 from fastapi import WebSocket
@@ -370,9 +371,7 @@ class ServerEvents:
         if r.writing is not None:
             await self._call_done(r, None)
         if status != "completed":  # calls the client was never told of leave the conversation too
-            told = {c["id"] for c in r.calls}
-            for item in [i for i in self.conv.items if i.response_id == r.id and i.id not in told]:
-                self.conv.remove(item.id)
+            self._forget(r.id, keep={c["id"] for c in r.calls})
         output = [r.message] if r.message is not None else []
         await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
 
@@ -391,9 +390,9 @@ class ServerEvents:
         r.done = True
         await self.send("response.done", response=response_event(r, "cancelled", [], reason))
 
-    def _forget(self, response_id: str) -> None:
-        """Remove the items (function calls) reply ``response_id`` made."""
-        for item in [i for i in self.conv.items if i.response_id == response_id]:
+    def _forget(self, response_id: str, keep: Collection[str] = ()) -> None:
+        """Remove the items (function calls) reply ``response_id`` made, but for those in ``keep``."""
+        for item in [i for i in self.conv.items if i.response_id == response_id and i.id not in keep]:
             self.conv.remove(item.id)
 
     async def _interrupted(self, frame: Interrupt) -> None:

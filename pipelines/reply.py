@@ -97,11 +97,10 @@ class LLM(Processor):
                     yield out
             else:
                 self.close()
-        elif isinstance(frame, ResponseRequest) and not frame.cancelled:
-            async for out in self._reply(frame):
-                yield out
         elif isinstance(frame, ResponseRequest):
-            return  # (cancelled on its way here)
+            if not frame.cancelled:  # (a request the client cancelled on its way here: none)
+                async for out in self._reply(frame):
+                    yield out
         else:
             yield frame
 
@@ -167,8 +166,9 @@ class LLM(Processor):
         alone."""
         conv = self.conversation
         response_id = conv.new_id("resp")
-        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply(req.asked)
-        prompt = conv.as_asked(req.asked)  # (the client's items added since wait for the next reply)
+        late = conv.later(req.asked)  # (the client's items added since: they wait for the next reply)
+        item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply(late)
+        prompt = conv.without(late)
         own = req.out_of_band or req.input is not None or req.instructions or req.tools is not None
         if own:
             prompt = prompt.context(req.input, item, req.instructions, req.tools)
@@ -282,7 +282,7 @@ class LLM(Processor):
         return self.active  # (the reply being written, whatever frame asked for it)
 
     async def on_interrupt(self, by: Interrupt) -> None:
-        if by.response_id not in (None, self.active):
+        if not by.cancels(self.active):
             return  # a client's cancel of a reply written before: the one being written goes on
         self.active = None
         self.close(judging=False)  # (a client's response.cancel: the user's turn is still judged)

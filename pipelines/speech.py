@@ -236,7 +236,7 @@ class Sentences(Processor):
             yield frame
 
     async def on_interrupt(self, by: Interrupt) -> None:
-        if by.response_id in (None, self.reply):
+        if by.cancels(self.reply):
             self.splitter = SentenceSplitter()
 
 
