@@ -14,7 +14,8 @@ queue per stage, the real-time mode), where:
   after a barge-in, requests for a reply too, wherever they wait, and those the source made
   before it but passes on later), counts a barge-in in ``turns_taken`` of every stage
   after *i* at once, and calls ``on_interrupt(by)`` on each of them;
-- an exception in ``process`` becomes an ``ErrorFrame`` and the stage keeps going;
+- an exception in ``process`` becomes an ``ErrorFrame`` (naming the reply the work was for:
+  ``reply_of``) and the stage keeps going;
 - ``End`` flows in order; each stage forwards it after its queued work, then stops;
 - a stage may pass a frame on from outside ``process`` (a background task's result) with its
   ``emit``, which a concurrent run sets; when the run ends, every stage's ``close()`` is called.
@@ -69,6 +70,7 @@ class Pipeline(Processor):
 
     def __init__(self, stages: Sequence[Processor]) -> None:
         self.stages = list(stages)
+        self._turns = 0
 
     @property
     def interruptible(self) -> bool:  # type: ignore[override]
@@ -94,9 +96,24 @@ class Pipeline(Processor):
                 async for final in self._through(i + 1, out):
                     yield final
 
+    @property
+    def turns_taken(self) -> int:  # type: ignore[override]
+        return self._turns
+
+    @turns_taken.setter
+    def turns_taken(self, count: int) -> None:
+        """Counted for this pipeline, counted for each of its stages (at once, as for any stage)."""
+        for stage in self.stages:
+            stage.turns_taken += count - self._turns
+        self._turns = count
+
     async def on_interrupt(self, by: Interrupt) -> None:
         for stage in self.stages:
             await stage.on_interrupt(by)
+
+    def reply_of(self, frame: Frame) -> str | None:
+        """The reply of the first stage that knows one."""
+        return next((reply for s in self.stages if (reply := s.reply_of(frame)) is not None), None)
 
     def close(self) -> None:
         for stage in self.stages:
@@ -181,7 +198,8 @@ class _Concurrent:
             if code is None:
                 logger.exception("%s failed on %s", proc.name, type(frame).__name__)
             item = getattr(frame, "item_id", "")
-            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", proc.name, code, item))
+            reply = proc.reply_of(frame)
+            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", proc.name, code, item, response_id=reply))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

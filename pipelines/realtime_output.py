@@ -169,6 +169,8 @@ class ServerEvents:
                 )
         elif isinstance(frame, Interrupt):
             await self._interrupted(frame)
+        elif isinstance(frame, ErrorFrame) and frame.response_id and (r is None or r.id != frame.response_id or r.done):
+            return  # work for a reply cancelled or stopped unseen: the client was told it ended
         elif isinstance(frame, ErrorFrame):
             kind = "invalid_request_error" if frame.code else "server_error"
             error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}

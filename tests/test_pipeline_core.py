@@ -132,6 +132,49 @@ def test_errors_become_error_frames_and_the_stage_keeps_going() -> None:
     assert [f.text for f in out if isinstance(f, Transcript)] == ["OK"]
 
 
+def test_an_error_names_the_reply_its_work_was_for() -> None:
+    """A stage failing on a reply's frame: the ErrorFrame names that reply (a realtime session
+    drops the errors of replies it already ended)."""
+
+    class Fails(Processor):
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            if not isinstance(frame, End):
+                raise ValueError("no voice")
+            yield frame
+
+    async def run() -> list[Frame]:
+        return [f async for f in Pipeline([Fails()]).stream(_source([TextDelta("resp_3", "Hi."), Transcript("x")]))]
+
+    out = asyncio.run(run())
+    assert [f.response_id for f in out if isinstance(f, ErrorFrame)] == ["resp_3", None]
+
+
+def test_a_nested_pipeline_passes_interrupts_to_its_stages() -> None:
+    """A pipeline as a stage of a concurrent run: a client's cancel of a reply cancels its
+    stage writing that reply (``reply_of`` through the nesting), and a barge-in is counted in
+    its stages' ``turns_taken`` at once."""
+
+    class Writes(Split):
+        def reply_of(self, frame: Frame) -> str | None:
+            return "r1"
+
+    async def run(stop: Interrupt) -> Writes:
+        writes = Writes(delay=0.05)
+
+        async def source() -> AsyncIterator[Frame]:
+            yield Transcript("w1 w2 w3 w4 w5 w6")
+            await asyncio.sleep(0.12)
+            yield stop
+
+        [f async for f in Pipeline([Upper(), Pipeline([Upper(), writes])]).stream(source())]
+        return writes
+
+    cancelled = asyncio.run(run(Interrupt("client_cancelled", "r1")))
+    assert cancelled.cancelled == 1 and cancelled.turns_taken == 0
+    assert asyncio.run(run(Interrupt("client_cancelled", "r2"))).cancelled == 0  # another reply's cancel
+    assert asyncio.run(run(Interrupt())).turns_taken == 1
+
+
 def test_an_error_naming_a_request_field_is_the_inputs() -> None:
     from modalities.tts.protocol import TTSInputError
 

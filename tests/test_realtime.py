@@ -1232,6 +1232,36 @@ def test_a_response_cancelled_before_it_started_ends_at_once() -> None:
     run(go())
 
 
+def test_errors_of_a_reply_already_ended_do_not_reach_the_client() -> None:
+    """Stand-in: the TTS failing on a reply the client was told ended (cancelled before it
+    started, so stopped unseen; or cancelled while it played) sends no ``error``; failing on
+    the reply in progress does."""
+    from pipelines.frames import ErrorFrame, LLMStarted
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "response.create"}))
+        first = s.inbox.get_nowait()
+        await s._handle(json.dumps({"type": "response.cancel"}))
+        await s._on_frame(LLMStarted("resp_8", item_id="item_9", request=first.number))  # (stopped unseen)
+        await s._on_frame(ErrorFrame("TTS failed", "TTS", response_id="resp_8"))
+        assert not [e for e in sent if e["type"] == "error"]
+        s.inbox.get_nowait()  # (the Interrupt stopping it)
+        await s._handle(json.dumps({"type": "response.create"}))
+        second = s.inbox.get_nowait()
+        await s._on_frame(LLMStarted("resp_10", item_id="item_11", request=second.number))
+        await s._on_frame(ErrorFrame("TTS failed", "TTS", response_id="resp_10"))
+        assert [e["error"]["message"] for e in sent if e["type"] == "error"] == ["TTS failed"]
+        await s._handle(json.dumps({"type": "response.cancel"}))
+        await s._on_frame(ErrorFrame("TTS failed again", "TTS", response_id="resp_10"))
+        assert len([e for e in sent if e["type"] == "error"]) == 1
+
+    run(go())
+
+
 def test_a_clients_cancel_leaves_the_turn_still_to_be_answered() -> None:
     """Stand-in: a response.cancel names the reply it cancels; a turn that ended meanwhile
     (interrupt_response off) still expects its reply, and a cancel that comes after its reply
