@@ -232,7 +232,7 @@ class LLMEngine:
                 state.scheduled_time = now
         try:
             progressed, failed, exc = self._run(sched)
-        except Exception as update_exc:  # taking the tokens failed: the step's requests are in doubt
+        except Exception as update_exc:  # updating the scheduler failed: the step's requests are in doubt
             progressed, failed, exc = {}, sched.scheduled, update_exc
         if exc is not None:
             self.num_failed_steps += 1
@@ -292,16 +292,28 @@ class LLMEngine:
                 progressed.update(got)
                 failed += lost
             return progressed, failed, exc
-        return self._take(sched, sampled), [], None
+        return self._take(sched, sampled)
 
-    def _take(self, sched: SchedulerOutput, sampled: dict[int, SampledToken]) -> dict[str, RequestState]:
-        """Take ``sched``'s sampled tokens; the requests that got one."""
+    def _take(
+        self, sched: SchedulerOutput, sampled: dict[int, SampledToken]
+    ) -> tuple[dict[str, RequestState], list[ScheduledSeq], Exception | None]:
+        """Take ``sched``'s sampled tokens: as ``_run`` returns. A request whose token cannot be
+        taken (its detokenizing or stop check raises) fails alone; the others go on."""
         touched = self.scheduler.update(sched, sampled)
         progressed: dict[str, RequestState] = {}
+        broken: dict[str, Exception] = {}
         for seq in touched:
+            if seq.request_id in broken:
+                continue
             state = self.requests[seq.request_id]
             self.num_generation_tokens += 1
-            stop_str = state.add_token(seq, sampled[seq.seq_id].logprob)
+            try:
+                stop_str = state.add_token(seq, sampled[seq.seq_id].logprob)
+            except Exception as exc:  # noqa: BLE001 - this request's own fault
+                logger.warning("taking a token of request %s failed (%r)", seq.request_id, exc)
+                broken[seq.request_id] = exc
+                progressed.pop(seq.request_id, None)  # (a sibling's token was taken: all fail)
+                continue
             if seq.guide is not None and seq.guide.error is not None:
                 # Its grammar could not go on (and forced the end): the output is cut short.
                 seq.finish_reason, seq.stop_reason = FinishReason.LENGTH, f"grammar: {seq.guide.error}"
@@ -311,7 +323,8 @@ class LLMEngine:
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP, stop_str)
             progressed[seq.request_id] = state
-        return progressed
+        failed = [item for item in sched.scheduled if item.seq.request_id in broken]
+        return progressed, failed, next(iter(broken.values()), None)
 
     def _fail(self, items: list[ScheduledSeq], exc: Exception) -> list[RequestOutput]:
         """Drop the requests of failed ``items`` (their blocks are freed; the prefix cache

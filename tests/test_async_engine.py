@@ -478,6 +478,35 @@ async def test_a_failed_step_drops_only_the_request_that_fails_alone(loaded) -> 
         await _idle(engine)
 
 
+async def test_a_token_that_cannot_be_taken_fails_its_request_alone(loaded, monkeypatch) -> None:
+    """Taking one request's token raises (its detokenizing, say): that request fails, the others
+    of the step run on exactly."""
+    from engine.output_processor import RequestState
+
+    culprit = PROMPTS[2]
+    prompts = [PROMPTS[1], PROMPTS[4], culprit]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = _llm(loaded).generate(prompts, params)
+    async with _async_engine(loaded) as engine:
+        bad = engine.engine.tokenizer(culprit).input_ids
+        real = RequestState.add_token
+
+        def add_token(self, seq, logprob):
+            if seq.token_ids[: len(bad)] == bad and seq.num_output_tokens >= 2:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+            return real(self, seq, logprob)
+
+        monkeypatch.setattr(RequestState, "add_token", add_token)
+        tasks = [asyncio.ensure_future(_collect(engine, p, params)) for p in prompts]  # one step holds all
+        with pytest.raises(RequestFailedError, match="UnicodeDecodeError"):
+            await tasks[2]
+        for task, ref in zip(tasks[:2], expected, strict=False):
+            outs, text = await task
+            assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
+        assert engine.dead is None
+        await _idle(engine)  # the culprit's blocks were freed
+
+
 async def test_a_step_that_fails_once_loses_none_of_its_requests(loaded) -> None:
     """A transient failure (the run fails after sampling, its halves do not): every request runs
     on exactly as without it, seeded sampled ones too (their generators are put back), n=2 too."""
