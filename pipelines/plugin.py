@@ -16,9 +16,10 @@ router = APIRouter()
 
 
 @router.websocket("/v1/realtime")
-async def realtime(ws: WebSocket, model: str | None = None) -> None:
+async def realtime(ws: WebSocket, model: str | None = None, intent: str | None = None) -> None:
     """An OpenAI Realtime session. ``model`` picks a served LLM (unknown names, e.g. OpenAI's,
-    get the default one); ASR and TTS are the served speech engines."""
+    get the default one); ASR and TTS are the served speech engines. ``intent=transcription``:
+    a transcription session (``pipelines.realtime_transcription``), which needs only an ASR."""
     from pipelines.realtime import RealtimeSession
     from pipelines.services import ServiceMissing, Services
 
@@ -28,14 +29,22 @@ async def realtime(ws: WebSocket, model: str | None = None) -> None:
     await ws.accept(subprotocol=subprotocol)
     try:
         name = model if model is not None and (aliases.get(model, model) in engines) else None
-        services = Services.from_engines(engines, llm=name, aliases=aliases, need=("llm",))
-    except ServiceMissing as exc:
-        err = {"type": "invalid_request_error", "code": "model_not_found", "message": str(exc), "param": "model"}
+        transcription = intent == "transcription"
+        if intent not in (None, "transcription"):
+            raise ValueError(f"intent must be 'transcription' or absent, got {intent!r}")
+        need = ("asr",) if transcription else ("llm",)
+        named = {"asr" if transcription else "llm": name}  # (a transcription session's model: an ASR's)
+        services = Services.from_engines(engines, aliases=aliases, need=need, **named)
+    except (ServiceMissing, ValueError) as exc:
+        param = "intent" if isinstance(exc, ValueError) else "model"
+        code = "invalid_value" if isinstance(exc, ValueError) else "model_not_found"
+        err = {"type": "invalid_request_error", "code": code, "message": str(exc), "param": param}
         await ws.send_json({"event_id": "event_000000", "type": "error", "error": err})
         await ws.close(code=1008)
         return
-    served = next(n for n, e in engines.items() if e is services.llm)
-    await RealtimeSession(ws, services, served).run()
+    main = services.asr if transcription else services.llm
+    served = next(n for n, e in engines.items() if e is main)
+    await RealtimeSession(ws, services, served, transcription).run()
 
 
 async def warm_up(engines: dict[str, Any]) -> None:

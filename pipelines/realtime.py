@@ -19,6 +19,9 @@ up to the eagerness's longest silence.
 Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` has
 ``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge). A client that
 says it speaks beta (``_says_beta``) also gets ``conversation.created``.
+
+A transcription session (``?intent=transcription``, ``pipelines.realtime_transcription``) runs
+the pipeline up to the ASR: the user's turns are transcribed, and nothing replies.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from engine.foreground import INTERACTIVE
 from modalities.audio import ASR_RATE
 from modalities.llm.tools import declared
 from pipelines import realtime_ga
+from pipelines import realtime_transcription as transcribing
 from pipelines.conversation import Conversation
 from pipelines.frames import (
     AudioFrame,
@@ -67,7 +71,7 @@ from pipelines.services import Services
 from pipelines.speech import ASROptions, TTSOptions
 from pipelines.turns import EAGERNESS
 from pipelines.vad import MAX_BUFFER_SAMPLES, VADConfig
-from pipelines.voice import voice_pipeline
+from pipelines.voice import transcription_pipeline, voice_pipeline
 
 if TYPE_CHECKING:
     from gateway.ratelimit import Charge
@@ -88,6 +92,7 @@ CLIENT_EVENTS = frozenset(
         "conversation.item.truncate",
         "response.create",
         "response.cancel",
+        "transcription_session.update",
     )
 )
 SERVER_ID = re.compile(r"(item|item_in|item_cm|resp)_\d{6}")  # the ids the server makes
@@ -105,8 +110,9 @@ class RealtimeSession(ServerEvents):
     """One session: its client events become frames for the voice pipeline (``ServerEvents``
     turns the pipeline's output back into events)."""
 
-    def __init__(self, ws: WebSocket, services: Services, model: str) -> None:
+    def __init__(self, ws: WebSocket, services: Services, model: str, transcription: bool = False) -> None:
         self.ws, self.services = ws, services
+        self.transcription = transcription  # a transcription session (no replies): realtime_transcription
         number = next(_sessions)
         self.id, self.conversation_id = f"sess_{number:06d}", f"conv_{number:06d}"
         self.config = SessionConfig(model, modalities=["text", "audio"] if services.tts is not None else ["text"])
@@ -118,10 +124,16 @@ class RealtimeSession(ServerEvents):
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
         # empty (server VAD trims and takes the buffer unseen from here).
         self.fill_known, self.appended_ms = True, 0.0
+        if transcription:
+            self.config.modalities = ["text"]
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
-        self.pipeline = voice_pipeline(
-            services, self.conv, self.vad_config, self.llm_options, self.tts_options, self.asr_options
+        self.pipeline = (
+            transcription_pipeline(self.vad_config, self.asr_options, services)
+            if transcription
+            else voice_pipeline(
+                services, self.conv, self.vad_config, self.llm_options, self.tts_options, self.asr_options
+            )
         )
         self.reply = None
         self.in_band = None
@@ -153,8 +165,9 @@ class RealtimeSession(ServerEvents):
             self.vad_config.prefix_padding_ms = int(td.get("prefix_padding_ms", VADConfig.prefix_padding_ms))
             wait = eagerness.wait_ms if eagerness is not None else int(td["silence_duration_ms"])
             self.vad_config.silence_duration_ms = wait
-            self.vad_config.create_response = bool(td.get("create_response", True))
-            self.vad_config.interrupt_response = bool(td.get("interrupt_response", True))
+            replies = not self.transcription
+            self.vad_config.create_response = replies and bool(td.get("create_response", True))
+            self.vad_config.interrupt_response = replies and bool(td.get("interrupt_response", True))
             self.vad_config.eager_ms = int(td.get("speculative_silence_ms", VADConfig.eager_ms))
             self.vad_config.floor_dbfs = float(td.get("silence_floor_dbfs", VADConfig.floor_dbfs))
         self.llm_options.temperature = c.temperature
@@ -179,8 +192,13 @@ class RealtimeSession(ServerEvents):
     async def run(self) -> None:
         if self.metrics is not None:
             self.metrics.inc("realtime_sessions_total", help="/v1/realtime sessions opened", model=self.config.model)
-        await self.send("session.created", session=self.config.to_dict(self.id))
-        if _says_beta(self.ws):  # (GA has no such event)
+        if self.transcription and _says_beta(self.ws):
+            await self.send("transcription_session.created", session=transcribing.beta_object(self.config, self.id))
+        elif self.transcription:  # (the GA shape: a beta session.created has no transcription session)
+            await self.send("session.created", session=transcribing.ga_object(self.config, self.id))
+        else:
+            await self.send("session.created", session=self.config.to_dict(self.id))
+        if _says_beta(self.ws) and not self.transcription:  # (GA has no such event)
             conversation = {"id": self.conversation_id, "object": "realtime.conversation"}
             await self.send("conversation.created", conversation=conversation)
         writer = asyncio.create_task(self._write())
@@ -227,6 +245,8 @@ class RealtimeSession(ServerEvents):
         try:
             event = parse_event(raw, CLIENT_EVENTS)
             event_id = event.get("event_id")
+            if self.transcription and event["type"] in transcribing.REFUSED:
+                raise EventError(f"a transcription session takes no {event['type']}", "unsupported", "type")
             await getattr(self, "_ev_" + event["type"].replace(".", "_"))(event)
         except EventError as exc:
             await self.send_error(str(exc), exc.code, exc.param, event_id=event_id or exc.event_id)
@@ -239,6 +259,17 @@ class RealtimeSession(ServerEvents):
 
     async def _ev_session_update(self, event: dict[str, Any]) -> None:
         patch = event.get("session", {})
+        kind = patch.get("type") if isinstance(patch, dict) else None
+        if self.transcription or kind == "transcription":
+            if kind != "transcription" or not self.transcription:
+                raise EventError(
+                    "a transcription session is opened with /v1/realtime?intent=transcription and updated with "
+                    "session.type 'transcription' (or a beta transcription_session.update)",
+                    param="session.type",
+                )
+            self.ga = True  # (only GA has this shape)
+            await self._update_transcription(patch, "session.updated", ga=True)
+            return
         self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
         try:
             patch = realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch
@@ -257,6 +288,26 @@ class RealtimeSession(ServerEvents):
             self.config.modalities = ["text"]
         self._apply_config()
         await self.send("session.updated", session=self.config.to_dict(self.id))
+
+    async def _ev_transcription_session_update(self, event: dict[str, Any]) -> None:
+        if not self.transcription:
+            raise EventError("this is a conversation session; send session.update", "unsupported", "type")
+        await self._update_transcription(event.get("session", {}), "transcription_session.updated", ga=False)
+
+    async def _update_transcription(self, session: Any, reply: str, ga: bool) -> None:
+        """A transcription session's settings (``realtime_transcription``), then ``reply``."""
+        try:
+            patch = transcribing.ga_patch(session) if ga else transcribing.beta_patch(session)
+            staged = dataclasses.replace(self.config)
+            staged.update(patch)
+            if "input_audio_transcription" in patch:
+                check_language(self.services.asr, staged.input_audio_transcription)
+        except EventError as exc:
+            raise realtime_ga.ga_error(exc) if ga else exc from None
+        self.config = staged
+        self._apply_config()
+        shape = transcribing.ga_object if ga else transcribing.beta_object
+        await self.send(reply, session=shape(self.config, self.id))
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         fmt = FORMATS[self.config.input_audio_format]

@@ -37,8 +37,6 @@ PART_TYPES = {"text": "output_text", "audio": "output_audio"}
 def is_ga(session: Any) -> bool:
     """Whether a ``session.update``'s session object is in the GA shape."""
     kind = session.get("type") if isinstance(session, dict) else None
-    if kind == "transcription":
-        raise EventError("transcription sessions are not supported; use type 'realtime'", param="session.type")
     if kind not in (None, "realtime"):
         raise EventError(f"session.type must be 'realtime', got {kind!r}", param="session.type")
     return kind == "realtime"
@@ -143,7 +141,7 @@ def translate(event: dict[str, Any], in_conversation: bool = True) -> list[dict[
     ``in_conversation`` False: the event's item is not in the conversation (an out-of-band
     reply's), so no ``conversation.item.done`` follows it."""
     out = {**event, "type": RENAMED.get(event["type"], event["type"])}
-    if "session" in out:
+    if "session" in out and out["session"]["object"] == "realtime.session":  # (a transcription one is GA already)
         out["session"] = session_object(out["session"])
     if "item" in out:
         out["item"] = _item(out["item"])

@@ -73,6 +73,7 @@ class ServerEvents:
     silenced: set[str]  # the replies of those that started anyway, being stopped
     appended_ms: float  # audio appended since the last turn boundary
     ga: bool  # the GA dialect (pipelines.realtime_ga), once a session.update says so
+    transcription: bool  # a transcription session (pipelines.realtime_transcription): no replies
     _event_ids: itertools.count[int]
     _send_lock: asyncio.Lock
 
@@ -159,7 +160,12 @@ class ServerEvents:
                 self._no_reply(frame.item_id)
             unheard = frame.item_id in self.unheard  # (else the client deleted it)
             self.unheard.discard(frame.item_id)
+            if self.transcription:  # (no reply stage hears it)
+                self.conv.hear(frame.item_id, frame.text)
             if unheard and self.config.input_audio_transcription is not None:  # null: the client asked for none
+                if self.transcription:  # (whole, as OpenAI's whisper-1 sends it)
+                    delta = {"item_id": frame.item_id, "content_index": 0, "delta": frame.text}
+                    await self.send("conversation.item.input_audio_transcription.delta", **delta)
                 await self.send(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=frame.item_id,

@@ -63,6 +63,11 @@ def voice_pipeline(
     )
 
 
+def transcription_pipeline(vad: VADConfig, asr: ASROptions, services: Services) -> Pipeline:
+    """The stages of a transcription session (no replies): resample to 16 kHz, VAD, ASR."""
+    return Pipeline([Resample(ASR_RATE), VAD(vad), ASR(services, asr)])
+
+
 async def warm_up(engines: dict[str, Any]) -> bool:
     """One spoken turn through ``voice_pipeline`` with the default session settings, if an LLM,
     an ASR and a TTS engine are served (else nothing: False). Raises if the turn fails, hears

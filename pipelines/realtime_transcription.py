@@ -1,0 +1,105 @@
+"""Transcription sessions (``/v1/realtime?intent=transcription``): the user's speech becomes
+text as it comes, and nothing replies (live captions, dictation). Only an ASR model is needed.
+
+The session runs the voice pipeline up to the ASR (``pipelines.voice.transcription_pipeline``)
+and sends, per turn, the events a conversation session sends for the user's speech, with the
+transcript as a ``conversation.item.input_audio_transcription.delta`` (whole, as OpenAI's
+``whisper-1`` sends it) before ``.completed``. Its settings are the input side of a session:
+beta clients send ``transcription_session.update`` (answered by ``transcription_session.updated``),
+GA ones ``session.update`` with ``session.type == "transcription"``. Requests for replies and
+text items are refused with an ``error`` event.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipelines.realtime_audio import FORMATS
+from pipelines.realtime_events import EventError, SessionConfig
+
+# The beta session fields a transcription session has (``transcription_session.update``).
+FIELDS = frozenset(
+    ("input_audio_format", "input_audio_transcription", "turn_detection", "input_audio_noise_reduction", "include")
+)
+# Client events of conversation sessions only.
+REFUSED = frozenset(("response.create", "response.cancel", "conversation.item.create", "conversation.item.truncate"))
+LOGPROBS = "item.input_audio_transcription.logprobs"
+
+
+def beta_patch(session: Any) -> dict[str, Any]:
+    """The ``SessionConfig`` patch of a ``transcription_session.update``'s ``session``. Noise
+    reduction is accepted and not applied (the session object says ``null``); transcript
+    logprobs are not served."""
+    if not isinstance(session, dict):
+        raise EventError("session must be an object", param="session")
+    unknown = sorted(set(session) - FIELDS - {"modalities"})
+    if unknown:
+        raise EventError(f"a transcription session has no field {unknown[0]!r}", param=f"session.{unknown[0]}")
+    include = session.get("include")
+    if include not in (None, []) and include != [LOGPROBS]:
+        raise EventError(f"include may only hold {LOGPROBS!r}", param="session.include")
+    if include:
+        raise EventError("transcript logprobs are not served", code="unsupported", param="session.include")
+    td = session.get("turn_detection")
+    for key in ("create_response", "interrupt_response"):
+        if isinstance(td, dict) and td.get(key):
+            raise EventError("a transcription session makes no responses", param=f"session.turn_detection.{key}")
+    return {k: v for k, v in session.items() if k in FIELDS - {"input_audio_noise_reduction", "include"}}
+
+
+def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
+    """The beta patch of a GA ``session.update`` of ``type`` "transcription" (its
+    ``audio.input``: format, transcription, turn_detection, noise_reduction; and ``include``)."""
+    audio = session.get("audio") or {}
+    side = audio.get("input") if isinstance(audio, dict) else None
+    if not isinstance(audio, dict) or not isinstance(side or {}, dict):
+        raise EventError("audio.input must be an object", param="session.audio.input")
+    renamed = {"format": "input_audio_format", "transcription": "input_audio_transcription"}
+    beta = {renamed.get(k, k): v for k, v in (side or {}).items() if k != "noise_reduction"}
+    unknown = sorted(set(beta) - FIELDS)
+    if unknown:
+        raise EventError(f"audio.input has no field {unknown[0]!r}", param=f"session.audio.input.{unknown[0]}")
+    if "input_audio_format" in beta:
+        from pipelines.realtime_events import ga_wire_format
+
+        beta["input_audio_format"] = ga_wire_format(beta["input_audio_format"], "session.audio.input.format")
+    if "include" in session:
+        beta["include"] = session["include"]
+    return beta_patch(beta)
+
+
+def beta_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
+    """The beta ``transcription_session`` object."""
+    return {
+        "id": session_id,
+        "object": "realtime.transcription_session",
+        "modalities": ["text"],
+        "input_audio_format": config.input_audio_format,
+        "input_audio_transcription": config.input_audio_transcription,
+        "turn_detection": _shown(config.turn_detection),
+        "input_audio_noise_reduction": None,
+        "include": None,
+    }
+
+
+def ga_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
+    """The GA session object of ``type`` "transcription"."""
+    return {
+        "type": "transcription",
+        "object": "realtime.transcription_session",
+        "id": session_id,
+        "audio": {
+            "input": {
+                "format": dict(FORMATS[config.input_audio_format].ga),
+                "transcription": config.input_audio_transcription,
+                "turn_detection": _shown(config.turn_detection),
+                "noise_reduction": None,
+            }
+        },
+        "include": None,
+    }
+
+
+def _shown(td: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Turn detection as a transcription session has it (it makes no responses)."""
+    return None if td is None else {k: v for k, v in td.items() if k not in ("create_response", "interrupt_response")}

@@ -1,0 +1,127 @@
+"""Transcription sessions (``/v1/realtime?intent=transcription``) end to end: a real uvicorn
+server that serves Whisper tiny.en only, a real ``websockets`` client streaming speech
+synthesised by Piper; the beta and the GA dialect."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.helpers import serve_app
+from tests.test_realtime import QUESTION, RATE, Client, speech
+
+websockets = pytest.importorskip("websockets")
+
+BETA = {"OpenAI-Beta": "realtime=v1"}
+
+
+@pytest.fixture(scope="module")
+def asr_server() -> Iterator[dict[str, Any]]:
+    from gateway.app import create_app
+    from modalities.asr.engine import AsrConfig, AsrEngine
+    from pipelines.plugin import router
+
+    asr = AsrEngine.from_config(AsrConfig(max_num_seqs=2))
+    with serve_app(create_app({asr.model_name: asr}, routers=[router])) as url:
+        yield {"url": url.replace("http://", "ws://") + "/v1/realtime", "question": speech(QUESTION)}
+
+
+def _heard(transcript: str) -> bool:
+    return "capital" in transcript.lower() and "france" in transcript.lower()
+
+
+def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_server: dict[str, Any]) -> None:
+    async def go() -> Client:
+        url = asr_server["url"] + "?intent=transcription"
+        async with websockets.connect(url, additional_headers=BETA, max_size=None) as ws:
+            c = Client(ws)
+            created = await c.until("transcription_session.created")
+            assert created["session"]["object"] == "realtime.transcription_session"
+            assert "create_response" not in created["session"]["turn_detection"]
+            update = {"input_audio_transcription": {"model": "whisper-1", "language": "en"}}
+            await c.send("transcription_session.update", session=update)
+            updated = await c.until("transcription_session.updated")
+            assert updated["session"]["input_audio_transcription"]["language"] == "en"
+            for refused in ({"turn_detection": {"create_response": True}}, {"instructions": "hi"}):
+                await c.send("transcription_session.update", session=refused)
+                assert (await c.until("error"))["error"]["param"].startswith("session.")
+            await c.send("response.create")
+            assert (await c.until("error"))["error"]["code"] == "unsupported"
+            await c.send("session.update", session={"instructions": "hi"})  # (a conversation session's)
+            assert (await c.until("error"))["error"]["param"] == "session.type"
+            await c.stream(asr_server["question"])
+            done = await c.until("conversation.item.input_audio_transcription.completed")
+            assert _heard(done["transcript"])
+            await c.send("conversation.item.retrieve", item_id=done["item_id"])
+            item = (await c.until("conversation.item.retrieved"))["item"]
+            assert item["content"][0]["transcript"] == done["transcript"]
+            await asyncio.sleep(0.3)  # (a reply would have started by now)
+            return c
+
+    c = asyncio.run(go())
+    turn = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.created",
+        "conversation.item.input_audio_transcription.delta",
+        "conversation.item.input_audio_transcription.completed",
+    ]
+    positions = [c.index(t) for t in turn]
+    assert positions == sorted(positions), c.types()
+    delta = c.events[c.index("conversation.item.input_audio_transcription.delta")]
+    assert delta["delta"] == c.events[c.index("conversation.item.input_audio_transcription.completed")]["transcript"]
+    assert not [t for t in c.types() if t.startswith("response.")]
+
+
+def test_a_ga_transcription_session_in_g711(asr_server: dict[str, Any]) -> None:
+    """GA: ``session.created`` of type "transcription", a ``session.update`` of that type (the
+    input in G.711 mu-law), GA item events; a session of another type is refused."""
+    from modalities.audio import resample
+    from pipelines.realtime_audio import FORMATS
+
+    pcmu = FORMATS["g711_ulaw"]
+    samples = np.frombuffer(asr_server["question"], np.int16).astype(np.float32) / 32768
+    audio = pcmu.encode(resample(samples, RATE, pcmu.rate))
+
+    async def go() -> Client:
+        async with websockets.connect(asr_server["url"] + "?intent=transcription", max_size=None) as ws:
+            c = Client(ws)
+            created = await c.until("session.created")
+            assert created["session"]["type"] == "transcription"
+            await c.send("session.update", session={"type": "realtime", "instructions": "hi"})
+            assert (await c.until("error"))["error"]["param"] == "session.type"
+            audio_in = {"format": {"type": "audio/pcmu"}, "transcription": {"model": "whisper-1", "language": "xx"}}
+            await c.send("session.update", session={"type": "transcription", "audio": {"input": audio_in}})
+            bad = (await c.until("error"))["error"]
+            assert bad["param"].startswith("session.audio.input.transcription"), bad
+            audio_in["transcription"]["language"] = "en"
+            await c.send("session.update", session={"type": "transcription", "audio": {"input": audio_in}})
+            updated = (await c.until("session.updated"))["session"]
+            assert updated["type"] == "transcription" and updated["audio"]["input"]["format"]["type"] == "audio/pcmu"
+            step = pcmu.rate // 10  # 100 ms
+            for i in range(0, len(audio), step):
+                await c.send("input_audio_buffer.append", audio=base64.b64encode(audio[i : i + step]).decode())
+                await asyncio.sleep(0.025)
+            done = await c.until("conversation.item.input_audio_transcription.completed")
+            assert _heard(done["transcript"])
+            return c
+
+    c = asyncio.run(go())
+    assert "conversation.item.added" in c.types() and "conversation.item.created" not in c.types()
+
+
+def test_a_session_with_no_llm_served_needs_the_transcription_intent(asr_server: dict[str, Any]) -> None:
+    async def go(query: str) -> dict[str, Any]:
+        async with websockets.connect(asr_server["url"] + query) as ws:
+            return json.loads(await ws.recv())
+
+    for query, param in (("", "model"), ("?intent=translation", "intent")):
+        first = asyncio.run(go(query))
+        assert first["type"] == "error" and first["error"]["param"] == param, first
