@@ -1,6 +1,6 @@
 """Transcription sessions (``/v1/realtime?intent=transcription``) end to end: a real uvicorn
 server that serves Whisper tiny.en only, a real ``websockets`` client streaming speech
-synthesised by Piper; the beta and the GA dialect."""
+synthesised by Piper; the beta dialect, and the GA one through the official `openai` client."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def asr_server() -> Iterator[dict[str, Any]]:
 
     asr = AsrEngine.from_config(AsrConfig(max_num_seqs=2))
     with serve_app(create_app({asr.model_name: asr}, routers=[router])) as url:
-        yield {"url": url.replace("http://", "ws://") + "/v1/realtime", "question": speech(QUESTION)}
+        yield {"url": url.replace("http://", "ws://") + "/v1/realtime", "http": url, "question": speech(QUESTION)}
 
 
 def _heard(transcript: str) -> bool:
@@ -80,9 +80,12 @@ def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_s
     assert not [t for t in c.types() if t.startswith("response.")]
 
 
-def test_a_ga_transcription_session_in_g711(asr_server: dict[str, Any]) -> None:
-    """GA: ``session.created`` of type "transcription", a ``session.update`` of that type (the
-    input in G.711 mu-law), GA item events; a session of another type is refused."""
+def test_the_official_client_runs_a_ga_transcription_session_in_g711(asr_server: dict[str, Any]) -> None:
+    """``openai``'s ``client.realtime.connect`` with ``intent=transcription`` (GA): a
+    ``session.created`` of type "transcription", a ``session.update`` of that type (the input in
+    G.711 mu-law; a bad language refused, naming the GA field), GA item events; a session of
+    another type is refused."""
+    openai = pytest.importorskip("openai")
     from modalities.audio import resample
     from pipelines.realtime_audio import FORMATS
 
@@ -90,31 +93,45 @@ def test_a_ga_transcription_session_in_g711(asr_server: dict[str, Any]) -> None:
     samples = np.frombuffer(asr_server["question"], np.int16).astype(np.float32) / 32768
     audio = pcmu.encode(resample(samples, RATE, pcmu.rate))
 
-    async def go() -> Client:
-        async with websockets.connect(asr_server["url"] + "?intent=transcription", max_size=None) as ws:
-            c = Client(ws)
-            created = await c.until("session.created")
-            assert created["session"]["type"] == "transcription"
-            await c.send("session.update", session={"type": "realtime", "instructions": "hi"})
-            assert (await c.until("error"))["error"]["param"] == "session.type"
-            audio_in = {"format": {"type": "audio/pcmu"}, "transcription": {"model": "whisper-1", "language": "xx"}}
-            await c.send("session.update", session={"type": "transcription", "audio": {"input": audio_in}})
-            bad = (await c.until("error"))["error"]
-            assert bad["param"].startswith("session.audio.input.transcription"), bad
-            audio_in["transcription"]["language"] = "en"
-            await c.send("session.update", session={"type": "transcription", "audio": {"input": audio_in}})
-            updated = (await c.until("session.updated"))["session"]
-            assert updated["type"] == "transcription" and updated["audio"]["input"]["format"]["type"] == "audio/pcmu"
+    async def go() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=asr_server["http"] + "/v1", api_key="unused")
+        query = {"intent": "transcription"}
+        async with client.realtime.connect(model="whisper-1", extra_query=query) as conn:
+            events: list[Any] = []
+
+            async def until(type_: str) -> Any:
+                async def wait() -> Any:
+                    async for ev in conn:
+                        events.append(ev)
+                        if ev.type in (type_, "error"):
+                            return ev
+                    raise AssertionError("connection closed")
+
+                return await asyncio.wait_for(wait(), 60)
+
+            created = await until("session.created")
+            assert created.type == "session.created" and created.session.type == "transcription"
+            await conn.session.update(session={"type": "realtime", "instructions": "hi"})
+            assert (await until("error")).error.param == "session.type"
+            audio_in: dict[str, Any] = {"format": {"type": "audio/pcmu"}, "transcription": {"language": "xx"}}
+            await conn.session.update(session={"type": "transcription", "audio": {"input": audio_in}})
+            bad = await until("error")
+            assert bad.error.param.startswith("session.audio.input.transcription"), bad
+            audio_in["transcription"] = {"model": "whisper-1", "language": "en"}
+            await conn.session.update(session={"type": "transcription", "audio": {"input": audio_in}})
+            updated = (await until("session.updated")).session
+            assert updated.type == "transcription" and updated.audio.input.format.type == "audio/pcmu"
             step = pcmu.rate // 10  # 100 ms
             for i in range(0, len(audio), step):
-                await c.send("input_audio_buffer.append", audio=base64.b64encode(audio[i : i + step]).decode())
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i : i + step]).decode())
                 await asyncio.sleep(0.025)
-            done = await c.until("conversation.item.input_audio_transcription.completed")
-            assert _heard(done["transcript"])
-            return c
+            done = await until("conversation.item.input_audio_transcription.completed")
+            assert done.type.endswith(".completed") and _heard(done.transcript), done
+            return events
 
-    c = asyncio.run(go())
-    assert "conversation.item.added" in c.types() and "conversation.item.created" not in c.types()
+    types = [e.type for e in asyncio.run(go())]
+    assert "conversation.item.added" in types and "conversation.item.created" not in types
+    assert "conversation.item.input_audio_transcription.delta" in types
 
 
 def test_a_session_with_no_llm_served_needs_the_transcription_intent(asr_server: dict[str, Any]) -> None:
