@@ -12,12 +12,14 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.token_bound import check_length, min_tokens
 from modalities.llm.chat import render_chat, render_chat_text
 from modalities.llm.tools import ToolCall
 
+# Deletes remembered for the replies asked for before them (a few are ever waiting).
+MAX_DELETED = 64
 DEFAULT_INSTRUCTIONS = "You are a helpful voice assistant. Answer in one or two short sentences."
 
 
@@ -54,6 +56,16 @@ class Item:
         return {"role": self.role, "content": self.text} if self.text.strip() else None
 
 
+class _Deleted(NamedTuple):
+    """An item the client deleted: the ``clock`` then, the item, the item before it then (None:
+    it was first), and whether it was left out of the prompt (``Conversation._first``)."""
+
+    made: int
+    item: Item
+    before: Item | None
+    left_out: bool
+
+
 @dataclass
 class Conversation:
     instructions: str = DEFAULT_INSTRUCTIONS
@@ -62,7 +74,8 @@ class Conversation:
     _ids: Any = field(default_factory=lambda: itertools.count(1), repr=False)
     _first: int = field(default=0, repr=False)  # items before this one no longer fit the prompt
     _removed: set[str] = field(default_factory=set, repr=False)  # ids deleted (a late transcript stays out)
-    clock: int = field(default=0, repr=False)  # items added so far (``Item.made``)
+    clock: int = field(default=0, repr=False)  # items added and deleted by the client so far (``Item.made``)
+    _deleted: list[_Deleted] = field(default_factory=list, repr=False)  # the client's latest deletes
 
     def new_id(self, kind: str = "item") -> str:
         return f"{kind}_{next(self._ids):06d}"
@@ -120,15 +133,23 @@ class Conversation:
         calls = {i.call_id for i in self.items if i.kind == "function_call" and i.made <= asked}
         return [i for i in self.items if i.client and i.made > asked and i.call_id not in calls]
 
-    def without(self, left: Collection[Item]) -> Conversation:
-        """This conversation without the items ``left`` (a reply's ``later`` ones): itself if
-        there are none; a copy shares the items, so ``keep_from`` of a render of it holds for
-        this one."""
-        late = {id(i) for i in left}
-        if not late:
+    def as_asked(self, asked: int | None, late: Collection[Item]) -> Conversation:
+        """This conversation as it was when ``clock`` was ``asked`` (None: as it is): without
+        the items ``late`` (``later``'s), with the items the client deleted since back where
+        they were. Itself if nothing differs; a copy shares the items, so ``keep_from`` of a
+        render of it holds for this one."""
+        left = {id(i) for i in late}
+        back = [d for d in self._deleted if asked is not None and d.made > asked]
+        if not left and not back:
             return self
-        first = sum(id(i) not in late for i in self.items[: self._first])
-        return dataclasses.replace(self, items=[i for i in self.items if id(i) not in late], _first=first)
+        items = [i for i in self.items if id(i) not in left]
+        first = sum(id(i) not in left for i in self.items[: self._first])
+        for d in reversed(back):  # (the latest first: an item's neighbour then is back already)
+            at = 0 if d.before is None else next((k + 1 for k, i in enumerate(items) if i is d.before), None)
+            if at is not None:  # (else its neighbour left otherwise: a cancelled reply's, say)
+                items.insert(at, d.item)
+                first += at < first or (d.left_out and at == first)
+        return dataclasses.replace(self, items=items, _first=first)
 
     def removed(self, item_id: str) -> bool:
         """Whether item ``item_id`` was deleted."""
@@ -137,12 +158,17 @@ class Conversation:
     def get(self, item_id: str) -> Item | None:
         return next((i for i in self.items if i.id == item_id), None)
 
-    def remove(self, item_id: str) -> bool:
-        """Delete item ``item_id`` (False if there is none): later prompts leave it out."""
+    def remove(self, item_id: str, client: bool = False) -> bool:
+        """Delete item ``item_id`` (False if there is none): later prompts leave it out; a reply
+        asked for before the ``client`` deleted it still has it (``as_asked``)."""
         for k, item in enumerate(self.items):
             if item.id == item_id:
                 self._removed.add(item_id)
                 del self.items[k]
+                if client:
+                    self.clock += 1
+                    gone = _Deleted(self.clock, item, self.items[k - 1] if k else None, k < self._first)
+                    self._deleted = [*self._deleted[1 - MAX_DELETED :], gone]
                 self._first -= k < self._first  # the items left out stay the same ones
                 return True
         return False

@@ -409,7 +409,7 @@ class RealtimeSession(ServerEvents):
         item_id = event.get("item_id")
         if self.active and self.reply is not None and item_id == self.reply.item_id:
             raise EventError("the active response's item cannot be deleted; cancel it first", param="item_id")
-        if not isinstance(item_id, str) or not self.conv.remove(item_id):
+        if not isinstance(item_id, str) or not self.conv.remove(item_id, client=True):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         self.failed.discard(item_id)
         self.unheard.discard(item_id)  # (its transcript, if it comes, is for no item)

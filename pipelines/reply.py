@@ -168,7 +168,7 @@ class LLM(Processor):
         response_id = conv.new_id("resp")
         late = conv.later(req.asked)  # (the client's items added since: they wait for the next reply)
         item = Item(conv.new_id(), "assistant") if req.out_of_band else conv.add_reply(late)
-        prompt = conv.without(late)
+        prompt = conv.as_asked(req.asked, late)
         own = req.out_of_band or req.input is not None or req.instructions or req.tools is not None
         if own:
             prompt = prompt.context(req.input, item, req.instructions, req.tools)

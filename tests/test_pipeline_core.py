@@ -726,6 +726,42 @@ def test_a_reply_answers_the_conversation_as_it_was_when_asked_for() -> None:
     assert [i.text for i in conv.later(asked_at)] == ["And?"]
 
 
+def test_a_reply_keeps_the_items_the_client_deleted_after_asking_for_it() -> None:
+    """A delete that comes after a reply was asked for, before it starts, leaves that reply's
+    prompt as it was (the item where it was, among those left out if it was); the next reply
+    has it no more, nor has a reply asked for after a delete; the session's own removals (a
+    cancelled reply's items) are not put back."""
+    from pipelines.conversation import Conversation
+    from pipelines.frames import ResponseRequest
+    from pipelines.reply import LLM
+    from pipelines.services import Services
+
+    engine = _Replies(0.0)
+    conv = Conversation("sys")
+    llm = LLM(Services(llm=engine), conv)
+    for k, text in enumerate(("One.", "Two.", "Three.")):
+        conv.add("user", text, f"u{k}", client=True)
+    conv.remove("u0", client=True)  # (before the request: gone for it)
+    asked = ResponseRequest(asked=conv.clock)
+    conv.add("user", "Gone.", "mine")  # the session's own item ...
+    conv.remove("mine")  # ... removed (not a delete of the client's)
+    conv.remove("u2", client=True)
+    conv.remove("u1", client=True)  # (u2's neighbour when u2 went: both come back, in order)
+    asyncio.run(Pipeline([llm]).run_all([asked]))
+    assert engine.requests[-1][1] == str(["sys", "Two.", "Three."])
+    assert [i.text for i in conv.items] == ["You said Three.. Fine."]  # (live: deleted)
+    asyncio.run(Pipeline([llm]).run_all([ResponseRequest(asked=conv.clock)]))
+    assert engine.requests[-1][1] == str(["sys", "You said Three.. Fine."])
+    # An item among those left out to fit comes back left out.
+    conv.add("user", "Four.", "u4", client=True)
+    conv._first = 2  # (the two replies no longer fit)
+    asked_at = conv.clock
+    conv.remove(conv.items[1].id, client=True)
+    assert conv._first == 1
+    view = conv.as_asked(asked_at, [])
+    assert view._first == 2 and [i.text for i in view.items[view._first :]] == ["Four."]
+
+
 def test_chain_stages_skip_done_and_cancelled_work() -> None:
     from pipelines.chain import ChainOptions, StageStore, run_local, run_stage
     from pipelines.services import Services
