@@ -13,6 +13,8 @@ last speech sample was sent):
   for audio: 0 when every chunk came before the audio ahead of it had played.
 
 P50/P99 over all turns for each concurrency in ``--sessions`` (default 1 and 4 sessions at once).
+``--transcription``: transcription sessions (``?intent=transcription``, no replies): the end of
+speech to the transcript, and the transcripts' word error rate against the questions.
 The server is launched (``mmserve serve --only llm,asr,tts``) unless ``--url`` names one.
 Times are from the end of the speech in the clip, not from the server's commit, so the silence
 wait and any work done speculatively during it are all counted.
@@ -82,6 +84,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--max-tokens", type=int, default=48, help="max_response_output_tokens")
     ap.add_argument(
+        "--transcription", action="store_true", help="transcription sessions (?intent=transcription): no replies"
+    )
+    ap.add_argument(
         "--uploads",
         type=int,
         default=0,
@@ -133,6 +138,8 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
     import websockets
 
     results: list[dict[str, Any]] = []
+    if args.transcription:
+        url += "?intent=transcription"
     async with websockets.connect(url, max_size=None) as ws:
         td: dict[str, Any] = {"type": "server_vad", "silence_duration_ms": args.silence_ms}
         if args.semantic:
@@ -142,11 +149,15 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
         session = {"temperature": 0, "max_response_output_tokens": args.max_tokens, "turn_detection": td}
         fmt = FORMATS[args.audio_format]
         session |= {"input_audio_format": fmt.name, "output_audio_format": fmt.name}
-        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        if args.transcription:
+            session = {"input_audio_format": fmt.name, "turn_detection": td}
+        kind = "transcription_session.update" if args.transcription else "session.update"
+        await ws.send(json.dumps({"type": kind, "session": session}))
         for turn in range(turns):
             pcm, end_s = clips[turn % len(clips)]
             marks: dict[str, float] = {}
             reply: list[str] = []
+            heard = ""
             player = Playback(args.pace)
             done = asyncio.Event()
 
@@ -158,6 +169,9 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                     now, kind = time.monotonic(), ev["type"]
                     if kind == "conversation.item.input_audio_transcription.completed":
                         marks.setdefault("transcript", now)
+                        heard = ev["transcript"]
+                        if args.transcription:
+                            break
                     elif kind in ("response.audio_transcript.delta", "response.text.delta"):
                         marks.setdefault("first_token", now)
                         reply.append(ev.get("delta", ""))
@@ -177,13 +191,18 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                 await sender
             end = marks.get("end", math.nan)
             times = {k: marks[k] - end for k in ("transcript", "first_token", "first_audio", "done") if k in marks}
-            results.append({**times, "stall": player.stall, "reply": "".join(reply)})
+            results.append(
+                {**times, "stall": player.stall, "reply": "".join(reply), "heard": heard, "said": turn % len(clips)}
+            )
     return results
 
 
 async def _level(url: str, clips: list[tuple[bytes, float]], sessions: int, args: argparse.Namespace) -> list[dict]:
     per = math.ceil(args.turns / sessions)
     outs = await asyncio.gather(*(_session(url, clips[i:] + clips[:i], per, args) for i in range(sessions)))
+    for i, out in enumerate(outs):  # (session i's clips start at question i)
+        for t in out:
+            t["said"] = QUESTIONS[(i + t["said"]) % len(QUESTIONS)]
     return [t for o in outs for t in o]
 
 
@@ -241,7 +260,8 @@ def _launch(args: argparse.Namespace) -> Any:
     from bench.servers import free_port, launch
 
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--only", "llm,asr,tts", "--port", str(port)]
+    only = "asr" if args.transcription else "llm,asr,tts"
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--only", only, "--port", str(port)]
     cmd += ["--host", "127.0.0.1", "--log-level", "warning"]
     if args.llm:
         cmd += ["--llm", args.llm]
@@ -253,6 +273,7 @@ def _launch(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.report import percentiles, print_table, save_result, versions_of
+    from modalities.asr.speech_corpus import word_error_rate
     from modalities.audio import from_pcm16, resample
 
     clips = synthesise(QUESTIONS)
@@ -274,8 +295,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{n} session(s): {uploads['uploads']} uploads done, {uploads['audio_s_per_s']:.1f} audio-s/s")
             else:
                 turns = asyncio.run(_level(url, clips, n, args))
-            stats = {k: percentiles([t[k] for t in turns if k in t], (50, 99)) for k in LABELS}
-            levels[str(n)] = {"turns": turns, "stats": stats, "uploads": uploads}
+            labels = ["transcript"] if args.transcription else LABELS
+            stats = {k: percentiles([t[k] for t in turns if k in t], (50, 99)) for k in labels}
+            wer = word_error_rate([t["said"] for t in turns], [t["heard"] for t in turns])
+            print(f"{n} session(s): word error rate of the transcripts {wer:.1%}")
+            levels[str(n)] = {"turns": turns, "stats": stats, "uploads": uploads, "wer": wer}
             for k, s in stats.items():
                 rows.append(
                     {
