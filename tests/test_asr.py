@@ -23,8 +23,10 @@ import contextlib
 import difflib
 import functools
 import gc
+import itertools
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -136,6 +138,28 @@ async def test_long_span_is_split_with_overlap_and_stitched(engine: AsrEngine) -
     # slips, "sea shells" -> "seashells", change the count by one word at a time).
     edits = difflib.SequenceMatcher(a=ref, b=hyp, autojunk=False).get_opcodes()
     assert max(abs((i2 - i1) - (j2 - j1)) for _, i1, i2, j1, j2 in edits) <= 1, edits
+
+
+async def test_a_window_whose_text_stops_early_is_decoded_on(engine: AsrEngine) -> None:
+    """Speech cut mid-sentence at both ends (tests/data/stops_early.flac, Piper, 7.5 s) on which
+    tiny.en's decode ends at 3.8 s ("... envelopes local") and says nothing of the last 3.5 s: the
+    rest of the window, from its last word on, is decoded too and joined, its words timed."""
+    import soundfile as sf
+
+    audio, rate = sf.read(Path(__file__).parent / "data" / "stops_early.flac", dtype="float32")
+    assert rate == RATE
+    first = await engine.decode_tokens(audio, engine.prompt_ids())  # the decode alone (generate()'s)
+    assert engine.whisper.tokenizer.decode(first).split()[-1].lower() == "local"
+    before = engine.num_rest_decodes
+    t = await engine.run(TranscriptionRequest(audio, word_timestamps=True))
+    assert engine.num_rest_decodes > before
+    words = normalize_text(t.text).split()
+    assert words[:4] == ["trade", "tomato", "and", "bean"] and "homework" in words, t.text
+    assert words.count("local") == 1 and words[-3:-1] == ["and", "many"], t.text  # (the last one is cut)
+    assert t.words is not None and [w.word for w in t.words] == t.text.split()
+    assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(t.words)) and t.words[-1].end <= 7.5
+    homework = next(w for w in t.words if "homework" in w.word)
+    assert 6.0 < homework.start < 6.8  # (said at 6.38 s)
 
 
 async def test_stream_deltas_build_the_final_text(engine: AsrEngine) -> None:

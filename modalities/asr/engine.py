@@ -15,6 +15,7 @@ when asked for, come from one extra decoder pass per window over its kept tokens
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ import numpy as np
 
 from engine import openmp
 from engine.foreground import default_wait_s
-from modalities.asr.alignment import WordAligner, transcript_words
+from modalities.asr.alignment import WordAligner, transcript_words, word_token_spans
 from modalities.asr.encoder import RATE, EncoderBatcher
 from modalities.asr.longform import Window, meet_at_words, plan_windows, stable_text, window_segments
 from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
@@ -44,6 +45,10 @@ from modalities.audio import MAX_AUDIO_S
 logger = logging.getLogger("mmserve.asr")
 
 WINDOW_S = 30.0
+# A window's decode with fewer words than this a second may have stopped early: its words are
+# aligned, and if more than UNHEARD_S of the window follows its last one, the rest is decoded too.
+MIN_WORDS_PER_S = 2.0
+UNHEARD_S = 1.5
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
@@ -148,6 +153,7 @@ class AsrEngine:
         self.audio_seconds = 0.0
         self.num_windows = 0
         self.num_fallback_decodes = 0
+        self.num_rest_decodes = 0  # windows whose text stopped early, decoded on (``_with_rest``)
 
     @property
     def multilingual(self) -> bool:
@@ -174,6 +180,7 @@ class AsrEngine:
             windows_total=self.num_windows,
             encoder_batches_total=self.encoder.num_batches,
             fallback_decodes_total=self.num_fallback_decodes,
+            rest_decodes_total=self.num_rest_decodes,
             encoder_batches_abandoned_total=self.encoder.num_abandoned,
             cross_kv_cached=self.adapter.num_cached_cross,
         )
@@ -303,9 +310,45 @@ class AsrEngine:
                 break
             self.num_fallback_decodes += 1
         res = kept(attempts, self.config.fallback_keep)
-        if words and not res.silent:
+        duration = len(audio) / RATE
+        may_stop_short = len(res.text.split()) < MIN_WORDS_PER_S * duration  # (a cheap check first)
+        if not res.silent and (words or may_stop_short):
             res.words = await openmp.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
+            rest_from = res.words[-1].start if res.words and duration - res.words[-1].end > UNHEARD_S else 0.0
+            if rest_from >= UNHEARD_S:  # (words were heard before it: the rest is a shorter window)
+                rest = audio[int(rest_from * RATE) :]
+                res = await self._with_rest(res, rest, rest_from, prompt_ids, temperature, seed + 500, priority, heard)
         yield ("" if res.silent else res.text), res
+
+    async def _with_rest(
+        self,
+        res: WindowResult,
+        rest: np.ndarray,
+        offset: float,
+        prompt_ids: list[int],
+        temperature: float,
+        seed: int,
+        priority: int,
+        heard: Heard | None,
+    ) -> WindowResult:
+        """``res`` (aligned), whose text ended long before its window did (Whisper may end a
+        window's text early, e.g. at audio cut mid-sentence, and so lose its last words), joined
+        with the decode of ``rest``, the window's audio from ``offset`` s (its last word, which
+        may be cut: heard again) on. Its figures stay ``res``'s."""
+        decodes = self.decode_window(rest, prompt_ids, temperature, seed, True, priority, heard)
+        tail = [r async for _, r in decodes if r is not None][-1]
+        if tail.silent or not tail.text or tail.words is None or res.words is None:
+            return res
+        assert self._aligner is not None  # (``res`` was aligned)
+        spans = word_token_spans(self.whisper.tokenizer, res.tokens, self._aligner.first_special)
+        self.num_rest_decodes += 1
+        moved = [Word(w.word, w.start + offset, w.end + offset) for w in tail.words]
+        return dataclasses.replace(
+            res,
+            text=" ".join([*res.text.split()[:-1], tail.text]),
+            tokens=[*res.tokens[: spans[-1][1]], *tail.tokens],
+            words=[*res.words[:-1], *moved],
+        )
 
     def _align(self, enc: Any, prompt_ids: list[int], tokens: list[int], num_samples: int) -> list[Word]:
         if self._aligner is None:
