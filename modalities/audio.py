@@ -87,7 +87,12 @@ def _decode_soundfile(data: bytes, max_seconds: float | None) -> Audio | None:
             raise
         except Exception:  # noqa: BLE001 - a body libsndfile can't read after all: let PyAV try
             return None
+        if 0 < f.frames < UNKNOWN_FRAMES and total < f.frames * 0.99:
+            return None  # libsndfile stopped at damage (an MP3's bad frame): PyAV skips it
     return Audio(np.concatenate(blocks) if blocks else np.zeros(0, np.float32), rate)
+
+
+KNOWN = "wav, flac, mp3, ogg, opus, m4a, aac, webm, ..."
 
 
 def _decode_av(data: bytes, max_seconds: float | None) -> Audio:
@@ -102,16 +107,28 @@ def _decode_av(data: bytes, max_seconds: float | None) -> Audio:
             rate = stream.codec_context.sample_rate or stream.rate
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
             chunks: list[np.ndarray] = []
-            total = 0
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))
-                    total += chunks[-1].size
-                _check_length(total, rate or 0, max_seconds)
+            total, damaged = 0, 0
+            for packet in container.demux(stream):
+                try:
+                    frames = packet.decode()
+                except av.error.InvalidDataError:  # a damaged packet: skipped, as ffmpeg's tools do
+                    damaged += 1
+                    continue
+                for frame in frames:
+                    for out in resampler.resample(frame):
+                        chunks.append(out.to_ndarray().reshape(-1))
+                        total += chunks[-1].size
+                    _check_length(total, rate or 0, max_seconds)
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
+            if damaged and not total:
+                raise AudioDecodeError("could not decode audio: its data is damaged or in no known format")
     except AudioDecodeError:
         raise
+    except av.error.InvalidDataError as exc:
+        raise AudioDecodeError(f"could not decode audio: it is in no format this server reads ({KNOWN})") from exc
+    except av.error.FFmpegError as exc:  # (its text names ffmpeg's calls: the reason alone)
+        raise AudioDecodeError(f"could not decode audio: {exc.strerror or type(exc).__name__}") from exc
     except Exception as exc:  # noqa: BLE001 - any ffmpeg failure means unreadable input
         raise AudioDecodeError(f"could not decode audio: {exc}") from exc
     if not rate:

@@ -55,6 +55,22 @@ def test_garbage_is_decode_error(data: bytes) -> None:
         decode_audio(data)
 
 
+def test_a_damaged_mp3_decodes_past_the_damage() -> None:
+    """Random bytes over a stretch of an MP3 (a bad upload): the frames after the damage are
+    decoded too, as ffmpeg's tools do (libsndfile stopped there: a third of the audio)."""
+    mp3 = bytearray(encode_audio(_tone(22050, 4.5), 22050, "mp3"))
+    at = len(mp3) // 3
+    mp3[at : at + 3000] = np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    audio = decode_audio(bytes(mp3))
+    assert audio.duration > 3.0, audio.duration
+
+
+def test_an_unreadable_file_is_named_so_without_ffmpegs_internals() -> None:
+    with pytest.raises(AudioDecodeError) as err:
+        decode_audio(b"not audio at all" * 64)
+    assert "no format this server reads" in str(err.value) and "Errno" not in str(err.value)
+
+
 def test_too_long_audio_is_refused_before_it_is_all_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small compressed file can hold hours: the header's length is checked before any sample is
     decoded (flac), and a stream without one stops as soon as it passes the limit (aac, PyAV)."""
