@@ -121,6 +121,37 @@ async def test_wer_and_segment_timestamps_on_long_recording(engine: AsrEngine, v
         assert abs(s.start - inside[0][0]) < 0.35 and abs(s.end - inside[-1][1]) < 0.35
 
 
+async def test_sentence_segments_are_cues_at_the_sentences_times(engine: AsrEngine) -> None:
+    """``sentence_segments`` (srt, vtt, verbose_json): a segment per sentence, at its words'
+    times, each with its window's figures and its own tokens."""
+    audio, bounds = long_recording("piper", gap_s=1.0)
+    t = await engine.run(TranscriptionRequest(audio, sentence_segments=True))
+    assert t.words is None  # (not asked for)
+    assert len(t.segments) == len(SENTENCES), [s.text for s in t.segments]
+    for seg, (start, end) in zip(t.segments, bounds, strict=True):
+        assert abs(seg.start - start) < 0.5 and abs(seg.end - end) < 0.5, (seg, start, end)
+        assert engine.whisper.tokenizer.decode(seg.tokens).strip() == seg.text and seg.avg_logprob < 0
+    assert [s.id for s in t.segments] == list(range(len(SENTENCES)))
+    assert " ".join(s.text for s in t.segments) == t.text
+
+
+def test_sentence_segments_cut_at_sentence_ends_and_pauses() -> None:
+    from modalities.asr.longform import sentence_segments
+    from modalities.asr.types import Segment, Word
+
+    seg = Segment(0, 0.5, 9.0, "Hi there. So, well it is late", [1, 2], -0.2, 0.0, 1.1, 0.01)
+    times = [(0.6, 0.8), (0.8, 1.2), (1.5, 1.7), (1.7, 2.0), (4.0, 4.3), (4.3, 4.5), (4.5, 8.9)]
+    words = [Word(w, a, b) for w, (a, b) in zip(seg.text.split(), times, strict=True)]
+    out = sentence_segments([seg], words, lambda text: [len(text)])
+    assert [(s.id, s.start, s.end, s.text, s.tokens) for s in out] == [
+        (0, 0.5, 1.2, "Hi there.", [9]),
+        (1, 1.5, 2.0, "So, well", [8]),  # (a pause of 2 s next)
+        (2, 4.0, 9.0, "it is late", [10]),
+    ]
+    assert all(s.avg_logprob == -0.2 and s.compression_ratio == 1.1 for s in out)
+    assert sentence_segments([seg], words[:-1], len) == [seg]  # (words that do not match: as they are)
+
+
 async def test_long_span_is_split_with_overlap_and_stitched(engine: AsrEngine) -> None:
     # 0.25 s gaps and no VAD: one 55 s span, cut into overlapping windows at quiet points.
     audio, _ = long_recording("piper", gap_s=0.25)

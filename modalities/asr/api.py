@@ -35,7 +35,7 @@ from gateway.metrics import engine_modality
 from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
-from modalities.asr.formats import RESPONSE_FORMATS, granularity_error, to_srt, to_verbose, to_vtt
+from modalities.asr.formats import RESPONSE_FORMATS, granularity_error, shows_segments, to_srt, to_verbose, to_vtt
 from modalities.audio import ASR_RATE, MAX_AUDIO_S, AudioDecodeError, AudioTooLong, decode_audio
 
 router = APIRouter(tags=["audio"])
@@ -137,7 +137,13 @@ async def create_transcription(
     served, engine = resolve_asr_engine(request, model)
     audio = await _read_audio(file, engine)
     req = TranscriptionRequest(
-        audio.samples, language or None, prompt or None, temperature, seed=seed, word_timestamps=words
+        audio.samples,
+        language or None,
+        prompt or None,
+        temperature,
+        seed=seed,
+        word_timestamps=words,
+        sentence_segments=shows_segments(response_format, granularities),
     )
     if not stream:
         transcript = await _charged(request, audio.duration, "language", lambda: engine.run(req))
@@ -165,7 +171,10 @@ async def create_translation(
     if getattr(engine, "multilingual", None) is False:  # (a remote engine's model says so when it runs)
         raise APIError(400, f"model {served} is English-only: it cannot translate", param="model")
     audio = await _read_audio(file, engine)
-    req = TranscriptionRequest(audio.samples, None, prompt or None, temperature, task="translate")
+    cues = shows_segments(response_format)
+    req = TranscriptionRequest(
+        audio.samples, None, prompt or None, temperature, task="translate", sentence_segments=cues
+    )
     transcript = await _charged(request, audio.duration, "model", lambda: engine.run(req))
     return _response(transcript, response_format, [], "translate")
 

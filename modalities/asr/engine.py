@@ -28,7 +28,14 @@ from engine import openmp
 from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, transcript_words, word_token_spans
 from modalities.asr.encoder import RATE, EncoderBatcher
-from modalities.asr.longform import Window, meet_at_words, plan_windows, stable_text, window_segments
+from modalities.asr.longform import (
+    Window,
+    meet_at_words,
+    plan_windows,
+    sentence_segments,
+    stable_text,
+    window_segments,
+)
 from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
 from modalities.asr.quality import (
     WindowResult,
@@ -384,13 +391,14 @@ class AsrEngine:
         seed = req.seed or 0
 
         shared = None if self.config.language_per_window else Heard()  # the request's language
+        aligned = req.word_timestamps or req.sentence_segments
 
         async def run(i: int, w: Window) -> None:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 # Each window its own seeds, reproducible whatever else is decoding.
                 async for text, res in self.decode_window(
-                    clip, prompt_ids, req.temperature, seed + 1000 * i, req.word_timestamps, req.priority, shared
+                    clip, prompt_ids, req.temperature, seed + 1000 * i, aligned, req.priority, shared
                 ):
                     await queue.put((i, text, res))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer
@@ -423,9 +431,13 @@ class AsrEngine:
         text = " ".join(s.text for s in segments)
         if text.startswith(emitted) and len(text) > len(emitted):
             yield TranscriptDelta(text[len(emitted) :])
-        words = transcript_words(windows, texts, results) if req.word_timestamps else None  # type: ignore[arg-type]
+        words = transcript_words(windows, texts, results) if aligned else None  # type: ignore[arg-type]
         if words:
             meet_at_words(segments, words)
+        if words and req.sentence_segments:
+            tok = self.whisper.tokenizer
+            segments = sentence_segments(segments, words, lambda t: tok(" " + t, add_special_tokens=False).input_ids)
+        words = words if req.word_timestamps else None
         heard = next((r.language for r in results if r is not None and r.language and not r.silent), None)
         language = req.language or heard or "en"
         yield TranscriptDelta("", Transcript(text, segments, language, len(audio) / RATE, words))

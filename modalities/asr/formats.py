@@ -23,6 +23,14 @@ def granularity_error(granularities: Sequence[str], response_format: str) -> str
     return None
 
 
+def shows_segments(response_format: str, granularities: Sequence[str] = ()) -> bool:
+    """Whether the response holds segments (srt and vtt cues; verbose_json's, unless only words
+    are asked for): they are then cut at sentences (``TranscriptionRequest.sentence_segments``)."""
+    if response_format == "verbose_json":
+        return not granularities or "segment" in granularities
+    return response_format in ("srt", "vtt")
+
+
 def _edge(c: str) -> bool:
     return unicodedata.category(c)[0] in "PS"  # punctuation, and symbols such as $ % ♪
 

@@ -79,7 +79,7 @@ def render(transcript: Any, fmt: str, granularities: list[str] | None = None, ta
 async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     from modalities.asr.api import pick_asr_engine
     from modalities.asr.engine import TranscriptionRequest
-    from modalities.asr.formats import openai_words
+    from modalities.asr.formats import openai_words, shows_segments
     from modalities.audio import ASR_RATE, MAX_AUDIO_S, decode_audio
     from workers.jobs.store import parse_file_id
 
@@ -90,7 +90,14 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     audio = (await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)).samples
     words = "word" in job.timestamp_granularities
     req = TranscriptionRequest(
-        audio, job.language, job.prompt, job.temperature, seed=job.seed, word_timestamps=words, task=job.task
+        audio,
+        job.language,
+        job.prompt,
+        job.temperature,
+        seed=job.seed,
+        word_timestamps=words,
+        task=job.task,
+        sentence_segments=shows_segments(job.response_format, job.timestamp_granularities),
     )
     transcript = None
     ctx.progress(0, 1)

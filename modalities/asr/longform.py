@@ -11,8 +11,10 @@ by aligning the end of one text with the start of the next.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,3 +196,36 @@ def meet_at_words(segments: list[Segment], words: list[Word]) -> None:
         first += len(prev.text.split())
         if seg.start == prev.end and first < len(words):
             prev.end = seg.start = round(words[first].start, 3)
+
+
+_SENTENCE_END = re.compile(r"[.?!…]['\"”’)\]]*$")
+PAUSE_S = 1.0  # a silence this long between two words ends a cue too
+
+
+def sentence_segments(segments: list[Segment], words: list[Word], tokens: Callable[[str], list[int]]) -> list[Segment]:
+    """``segments`` (one per window) cut after each sentence's last word and at each pause of
+    ``PAUSE_S`` between words, at the words' times (``words``: the transcript's, in order): cues
+    a subtitle can show. Each piece keeps its window's figures; its ``tokens`` are ``tokens`` of
+    its text. ``segments`` as they are when the words do not match their texts."""
+    if len(words) != sum(len(s.text.split()) for s in segments):
+        return segments
+    out: list[Segment] = []
+    at = 0
+    for seg in segments:
+        mine = words[at : at + len(seg.text.split())]
+        at += len(mine)
+        groups: list[list[Word]] = [[]]
+        for k, w in enumerate(mine):
+            groups[-1].append(w)
+            nxt = mine[k + 1] if k + 1 < len(mine) else None
+            if nxt is not None and (_SENTENCE_END.search(w.word) or nxt.start - w.end >= PAUSE_S):
+                groups.append([])
+        if len(groups) == 1:  # (also a segment with no words)
+            out.append(dataclasses.replace(seg, id=len(out)))
+            continue
+        for k, group in enumerate(groups):
+            text = " ".join(w.word for w in group)
+            start = seg.start if k == 0 else group[0].start
+            end = seg.end if k == len(groups) - 1 else group[-1].end
+            out.append(dataclasses.replace(seg, id=len(out), start=start, end=end, text=text, tokens=tokens(text)))
+    return out

@@ -61,6 +61,8 @@ class TranscriptionRequest:
     ``temperature``: the first decode's;
     fallbacks go up from it. ``seed``: of the sampled (temperature > 0) decodes (None: 0).
     ``word_timestamps``: also align every word (one extra decoder pass per window).
+    ``sentence_segments``: segments cut at sentence ends and pauses (``longform.sentence_segments``:
+    subtitle cues), at the words' times (the same extra pass), not one per window.
     ``priority``: lower is encoded and admitted to the decoder first; a window of priority < 0
     (``engine.foreground.INTERACTIVE``: a live voice turn) is encoded alone on a CPU
     (``modalities.asr.encoder``)."""
@@ -72,6 +74,7 @@ class TranscriptionRequest:
     vad: bool | None = None
     seed: int | None = None
     word_timestamps: bool = False
+    sentence_segments: bool = False
     task: str = "transcribe"  # or "translate" (to English; a multilingual model only)
     priority: int = 0
 
