@@ -37,6 +37,7 @@ from engine.cpu_linear import HalfStoredLinear
 from engine.foreground import FOREGROUND, INTERACTIVE
 from engine.native import f16_linear_kernel
 from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
+from modalities.asr.longform import Window
 from modalities.asr.model import load_whisper
 from modalities.asr.quality import WindowResult, kept
 from modalities.asr.speech_corpus import SENTENCES, corpus, long_recording, normalize_text, word_error_rate
@@ -204,6 +205,30 @@ async def test_stream_deltas_build_the_final_text(engine: AsrEngine) -> None:
     assert final is not None and len(deltas) > 3  # word by word, not one blob
     assert "".join(deltas) == final.text
     assert final.text == (await engine.transcribe(audio)).text
+
+
+async def test_a_long_span_split_in_windows_streams_as_it_decodes(engine: AsrEngine) -> None:
+    """One span of speech longer than a window (overlapping windows, stitched): its text streams
+    while the windows decode, all but the words a stitch may drop, and builds the final text."""
+    from modalities.asr.longform import stable_text
+
+    audio, _ = long_recording("piper", gap_s=0.25)
+    req = TranscriptionRequest(audio, vad=False)
+    assert len(engine._windows(audio, False)) >= 2
+    deltas, final = [], None
+    async for d in engine.stream(req):
+        if d.transcript is not None:
+            final = d.transcript
+        else:
+            deltas.append(d.text)
+    assert final is not None and "".join(deltas) == final.text
+    assert len(deltas) > 10  # word by word (before: the whole text once every window was done)
+    # The stitch only ever drops the last words of the earlier window: held back until it is done.
+    windows = [Window(0.0, 30.0), Window(28.0, 40.0, overlaps_prev=True)]
+    one, two = "a b c d e f g h i j k l m n o p", "m n o p q r"
+    assert stable_text(windows, [one, ""], [False, False]) == "a b c d"
+    assert stable_text(windows, [one, "m n"], [True, False]) == "a b c d"
+    assert stable_text(windows, [one, two], [True, True]) == "a b c d e f g h i j k l m n o p q r"
 
 
 def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine) -> None:

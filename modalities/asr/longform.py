@@ -138,24 +138,29 @@ def stitched_texts(windows: list[Window], texts: list[str]) -> list[str]:
 
 def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
     """The transcript prefix that can no longer change: finished windows in order, then the live
-    text of the first unfinished one if no overlap stitch can touch it."""
+    text of the first unfinished one. Where a long span was split, the stitch only ever drops the
+    last ``_TAIL_WORDS`` words of the earlier window's text (``_overlap_cut``): the rest of it is
+    stable once the windows before it are done, and the later window's once it is done too."""
     n = 0
     while n < len(windows) and done[n]:
         n += 1
-    # A finished window followed by an overlapping one may still lose its tail to the stitch.
+    # Windows k..n-1 are done and n overlaps them (one long span): the stitch with n is to come.
     k = n
     while k > 0 and k < len(windows) and windows[k].overlaps_prev:
         k -= 1
-    parts = [t for t in stitched_texts(windows[:k], texts[:k]) if t]
-    if (
-        k == n < len(windows)
-        and not windows[n].overlaps_prev
-        and not (n + 1 < len(windows) and windows[n + 1].overlaps_prev)
-    ):
-        live = texts[n].strip()
-        if live:
-            parts.append(live)
-    return " ".join(parts)
+    parts = stitched_texts(windows[:n], texts[:n])
+    if k < n:  # the last done one's tail waits for n; the unfinished n says nothing yet
+        parts[-1] = _without_tail(parts[-1])
+    elif n < len(windows):
+        tail_waits = n + 1 < len(windows) and windows[n + 1].overlaps_prev
+        parts.append(_without_tail(texts[n]) if tail_waits else texts[n].strip())
+    return " ".join(p for p in parts if p)
+
+
+def _without_tail(text: str) -> str:
+    """``text`` but for the words a stitch with the next window may drop."""
+    words = text.split()
+    return " ".join(words[: max(0, len(words) - _TAIL_WORDS)])
 
 
 def window_segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
