@@ -120,6 +120,7 @@ class LLMEngine:
         self._aborted: list[RequestState] = []
         self.num_failed_steps = 0
         self._failed_in_a_row = 0
+        self._ran = False  # a forward pass of this step ran (a failure after it is not the engine's)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -230,13 +231,14 @@ class LLMEngine:
             state = self.requests.get(item.seq.request_id)
             if state is not None and state.scheduled_time is None:
                 state.scheduled_time = now
+        self._ran = False
         try:
             progressed, failed, exc = self._run(sched)
         except Exception as update_exc:  # updating the scheduler failed: the step's requests are in doubt
             progressed, failed, exc = {}, sched.scheduled, update_exc
         if exc is not None:
             self.num_failed_steps += 1
-            if len(failed) < len(sched.scheduled):  # some ran: the engine works, the rest failed alone
+            if self._ran:  # a forward pass ran: the engine works, what failed failed alone
                 self._failed_in_a_row = 0
             else:
                 self._failed_in_a_row += 1
@@ -267,6 +269,7 @@ class LLMEngine:
         seeded = _generator_states(sched)
         try:
             sampled = self.runner.execute(sched)
+            self._ran = True
         except Exception as exc:
             _restore_generators(seeded)
             groups = list(_by_request(sched.scheduled).values())

@@ -126,7 +126,9 @@ def _decode_av(data: bytes, max_seconds: float | None) -> Audio:
     except AudioDecodeError:
         raise
     except av.error.InvalidDataError as exc:
-        raise AudioDecodeError(f"could not decode audio: it is in no format this server reads ({KNOWN})") from exc
+        raise AudioDecodeError(
+            f"could not decode audio: it is damaged or in no format this server reads ({KNOWN})"
+        ) from exc
     except av.error.FFmpegError as exc:  # (its text names ffmpeg's calls: the reason alone)
         raise AudioDecodeError(f"could not decode audio: {exc.strerror or type(exc).__name__}") from exc
     except Exception as exc:  # noqa: BLE001 - any ffmpeg failure means unreadable input

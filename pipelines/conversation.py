@@ -57,12 +57,12 @@ class Item:
 
 
 class _Deleted(NamedTuple):
-    """An item the client deleted: the ``clock`` then, the item, the item before it then (None:
-    it was first), and whether it was left out of the prompt (``Conversation._first``)."""
+    """An item the client deleted: the ``clock`` then, the item, the items before it then (the
+    nearest first), and whether it was left out of the prompt (``Conversation._first``)."""
 
     made: int
     item: Item
-    before: Item | None
+    before: tuple[Item, ...]
     left_out: bool
 
 
@@ -139,16 +139,16 @@ class Conversation:
         they were. Itself if nothing differs; a copy shares the items, so ``keep_from`` of a
         render of it holds for this one."""
         left = {id(i) for i in late}
-        back = [d for d in self._deleted if asked is not None and d.made > asked]
+        back = [d for d in self._deleted if asked is not None and d.item.made <= asked < d.made]
         if not left and not back:
             return self
         items = [i for i in self.items if id(i) not in left]
         first = sum(id(i) not in left for i in self.items[: self._first])
-        for d in reversed(back):  # (the latest first: an item's neighbour then is back already)
-            at = 0 if d.before is None else next((k + 1 for k, i in enumerate(items) if i is d.before), None)
-            if at is not None:  # (else its neighbour left otherwise: a cancelled reply's, say)
-                items.insert(at, d.item)
-                first += at < first or (d.left_out and at == first)
+        for d in reversed(back):  # (the latest first: an item's neighbours then are back already)
+            near = next((b for b in d.before if any(i is b for i in items)), None)  # (others left: late ones)
+            at = 0 if near is None else next(k + 1 for k, i in enumerate(items) if i is near)
+            items.insert(at, d.item)
+            first += at < first or (d.left_out and at == first)
         return dataclasses.replace(self, items=items, _first=first)
 
     def removed(self, item_id: str) -> bool:
@@ -167,7 +167,7 @@ class Conversation:
                 del self.items[k]
                 if client:
                     self.clock += 1
-                    gone = _Deleted(self.clock, item, self.items[k - 1] if k else None, k < self._first)
+                    gone = _Deleted(self.clock, item, tuple(self.items[k - 1 :: -1] if k else ()), k < self._first)
                     self._deleted = [*self._deleted[1 - MAX_DELETED :], gone]
                 self._first -= k < self._first  # the items left out stay the same ones
                 return True

@@ -33,8 +33,10 @@ async def realtime(ws: WebSocket, model: str | None = None, intent: str | None =
         if intent not in (None, "transcription"):
             raise ValueError(f"intent must be 'transcription' or absent, got {intent!r}")
         need = ("asr",) if transcription else ("llm",)
-        named = {"asr" if transcription else "llm": name}  # (a transcription session's model: an ASR's)
-        services = Services.from_engines(engines, aliases=aliases, need=need, **named)
+        try:
+            services = Services.from_engines(engines, aliases=aliases, need=need, **{need[0]: name})
+        except ServiceMissing:  # (a served model of another kind, as an unknown name: the default)
+            services = Services.from_engines(engines, aliases=aliases, need=need)
     except (ServiceMissing, ValueError) as exc:
         param = "intent" if isinstance(exc, ValueError) else "model"
         code = "invalid_value" if isinstance(exc, ValueError) else "model_not_found"

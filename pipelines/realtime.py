@@ -267,7 +267,6 @@ class RealtimeSession(ServerEvents):
                     "session.type 'transcription' (or a beta transcription_session.update)",
                     param="session.type",
                 )
-            self.ga = True  # (only GA has this shape)
             await self._update_transcription(patch, "session.updated", ga=True)
             return
         self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
@@ -305,6 +304,7 @@ class RealtimeSession(ServerEvents):
         except EventError as exc:
             raise realtime_ga.ga_error(exc) if ga else exc from None
         self.config = staged
+        self.ga = self.ga or ga  # (only GA has this shape: GA events from here on)
         self._apply_config()
         shape = transcribing.ga_object if ga else transcribing.beta_object
         await self.send(reply, session=shape(self.config, self.id))

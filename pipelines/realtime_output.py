@@ -163,7 +163,7 @@ class ServerEvents:
             if self.transcription:  # (no reply stage hears it)
                 self.conv.hear(frame.item_id, frame.text)
             if unheard and self.config.input_audio_transcription is not None:  # null: the client asked for none
-                if self.transcription:  # (whole, as OpenAI's whisper-1 sends it)
+                if self.transcription and frame.text:  # (whole, as OpenAI's whisper-1 sends it)
                     delta = {"item_id": frame.item_id, "content_index": 0, "delta": frame.text}
                     await self.send("conversation.item.input_audio_transcription.delta", **delta)
                 await self.send(

@@ -21,6 +21,7 @@ from pipelines.realtime_events import EventError, SessionConfig
 FIELDS = frozenset(
     ("input_audio_format", "input_audio_transcription", "turn_detection", "input_audio_noise_reduction", "include")
 )
+TRANSCRIPTION_PARAM = "session.input_audio_transcription"
 # Client events of conversation sessions only.
 REFUSED = frozenset(("response.create", "response.cancel", "conversation.item.create", "conversation.item.truncate"))
 LOGPROBS = "item.input_audio_transcription.logprobs"
@@ -35,6 +36,8 @@ def beta_patch(session: Any) -> dict[str, Any]:
     unknown = sorted(set(session) - FIELDS - {"modalities"})
     if unknown:
         raise EventError(f"a transcription session has no field {unknown[0]!r}", param=f"session.{unknown[0]}")
+    if "input_audio_transcription" in session and session["input_audio_transcription"] is None:
+        raise EventError("a transcription session transcribes: its settings cannot be null", param=TRANSCRIPTION_PARAM)
     include = session.get("include")
     if include not in (None, []) and include != [LOGPROBS]:
         raise EventError(f"include may only hold {LOGPROBS!r}", param="session.include")

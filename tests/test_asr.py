@@ -192,6 +192,11 @@ async def test_a_window_whose_text_stops_early_is_decoded_on(engine: AsrEngine) 
     assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(t.words)) and t.words[-1].end <= 7.5
     homework = next(w for w in t.words if "homework" in w.word)
     assert 6.0 < homework.start < 6.8  # (said at 6.38 s)
+    # Speech then 8 s of silence: nothing is decoded on (Whisper would make words of the silence).
+    quiet = np.concatenate([audio[: 3 * RATE], np.zeros(8 * RATE, np.float32)])
+    before = engine.num_rest_decodes
+    t = await engine.run(TranscriptionRequest(quiet, vad=False))
+    assert engine.num_rest_decodes == before and normalize_text(t.text).split()[-2:] == ["paper", "envelopes"]
 
 
 async def test_stream_deltas_build_the_final_text(engine: AsrEngine) -> None:

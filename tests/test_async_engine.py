@@ -505,6 +505,11 @@ async def test_a_token_that_cannot_be_taken_fails_its_request_alone(loaded, monk
             assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids and text == ref.outputs[0].text
         assert engine.dead is None
         await _idle(engine)  # the culprit's blocks were freed
+        # Alone in its step, again and again: the engine works (its forward passes ran) and serves on.
+        for _ in range(MAX_FAILED_STEPS + 1):
+            with pytest.raises(RequestFailedError):
+                await _collect(engine, culprit, params)
+        assert engine.dead is None
 
 
 async def test_a_step_that_fails_once_loses_none_of_its_requests(loaded) -> None:

@@ -760,6 +760,18 @@ def test_a_reply_keeps_the_items_the_client_deleted_after_asking_for_it() -> Non
     assert conv._first == 1
     view = conv.as_asked(asked_at, [])
     assert view._first == 2 and [i.text for i in view.items[view._first :]] == ["Four."]
+    # An item added after the ask and deleted stays out; one whose neighbour then came after the
+    # ask goes back after the neighbour before that.
+    conv = Conversation("sys")
+    conv.add("user", "A", "a", client=True)
+    conv.add("user", "B", "b", client=True)
+    asked_at = conv.clock
+    conv.add("user", "X", "x", client=True)
+    conv.remove("x", client=True)
+    conv.add("user", "Y", "y", after="a", client=True)  # [a, y, b]
+    conv.remove("b", client=True)
+    view = conv.as_asked(asked_at, conv.later(asked_at))
+    assert [i.id for i in view.items] == ["a", "b"]
 
 
 def test_chain_stages_skip_done_and_cancelled_work() -> None:

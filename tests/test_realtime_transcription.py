@@ -48,7 +48,8 @@ def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_s
             await c.send("transcription_session.update", session=update)
             updated = await c.until("transcription_session.updated")
             assert updated["session"]["input_audio_transcription"]["language"] == "en"
-            for refused in ({"turn_detection": {"create_response": True}}, {"instructions": "hi"}):
+            refusals = ({"turn_detection": {"create_response": True}}, {"instructions": "hi"})
+            for refused in (*refusals, {"input_audio_transcription": None}):
                 await c.send("transcription_session.update", session=refused)
                 assert (await c.until("error"))["error"]["param"].startswith("session.")
             await c.send("response.create")

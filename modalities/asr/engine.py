@@ -56,6 +56,8 @@ WINDOW_S = 30.0
 # aligned, and if more than UNHEARD_S of the window follows its last one, the rest is decoded too.
 MIN_WORDS_PER_S = 2.0
 UNHEARD_S = 1.5
+MIN_REST_WINDOW_S = 5.0  # (shorter windows are not checked unless their words are aligned anyway)
+MIN_SPEECH_S = 0.3
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
@@ -318,14 +320,26 @@ class AsrEngine:
             self.num_fallback_decodes += 1
         res = kept(attempts, self.config.fallback_keep)
         duration = len(audio) / RATE
-        may_stop_short = len(res.text.split()) < MIN_WORDS_PER_S * duration  # (a cheap check first)
+        # (a cheap check first; a short clip, e.g. a voice turn, loses little and pays the most)
+        may_stop_short = duration >= MIN_REST_WINDOW_S and len(res.text.split()) < MIN_WORDS_PER_S * duration
         if not res.silent and (words or may_stop_short):
             res.words = await openmp.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
-            rest_from = res.words[-1].start if res.words and duration - res.words[-1].end > UNHEARD_S else 0.0
-            if rest_from >= UNHEARD_S:  # (words were heard before it: the rest is a shorter window)
-                rest = audio[int(rest_from * RATE) :]
-                res = await self._with_rest(res, rest, rest_from, prompt_ids, temperature, seed + 500, priority, heard)
+            last = res.words[-1] if res.words else None
+            # Words were heard before the last one (so the rest is a shorter window), and after it
+            # more than UNHEARD_S of the window, with speech in it (Whisper makes words of silence).
+            if last is not None and last.start >= UNHEARD_S and duration - last.end > UNHEARD_S:
+                if await asyncio.to_thread(self._speech_in, audio[int(last.end * RATE) :]):
+                    rest = audio[int(last.start * RATE) :]
+                    res = await self._with_rest(
+                        res, rest, last.start, prompt_ids, temperature, seed + 100, priority, heard
+                    )
         yield ("" if res.silent else res.text), res
+
+    def _speech_in(self, audio: np.ndarray) -> bool:
+        """Whether the VAD hears at least ``MIN_SPEECH_S`` of speech in ``audio``."""
+        from modalities.vad import speech_segments
+
+        return sum(b - a for a, b in speech_segments(audio, self.config.vad_backend)) >= MIN_SPEECH_S
 
     async def _with_rest(
         self,

@@ -138,9 +138,11 @@ def stitched_texts(windows: list[Window], texts: list[str]) -> list[str]:
 
 def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
     """The transcript prefix that can no longer change: finished windows in order, then the live
-    text of the first unfinished one. Where a long span was split, the stitch only ever drops the
-    last ``_TAIL_WORDS`` words of the earlier window's text (``_overlap_cut``): the rest of it is
-    stable once the windows before it are done, and the later window's once it is done too."""
+    text of the first unfinished one but its last word (a window decoded on from its last word,
+    ``AsrEngine._with_rest``, may end otherwise). Where a long span was split, the stitch only
+    ever drops the last ``_TAIL_WORDS`` words of the earlier window's text (``_overlap_cut``):
+    the rest of it is stable once the windows before it are done, the later window's once it is
+    done too."""
     n = 0
     while n < len(windows) and done[n]:
         n += 1
@@ -153,14 +155,14 @@ def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> st
         parts[-1] = _without_tail(parts[-1])
     elif n < len(windows):
         tail_waits = n + 1 < len(windows) and windows[n + 1].overlaps_prev
-        parts.append(_without_tail(texts[n]) if tail_waits else texts[n].strip())
+        parts.append(_without_tail(texts[n], _TAIL_WORDS if tail_waits else 1))
     return " ".join(p for p in parts if p)
 
 
-def _without_tail(text: str) -> str:
-    """``text`` but for the words a stitch with the next window may drop."""
+def _without_tail(text: str, count: int = _TAIL_WORDS) -> str:
+    """``text`` but for its last ``count`` words (those a stitch with the next window may drop)."""
     words = text.split()
-    return " ".join(words[: max(0, len(words) - _TAIL_WORDS)])
+    return " ".join(words[: max(0, len(words) - count)])
 
 
 def window_segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
@@ -203,7 +205,7 @@ def meet_at_words(segments: list[Segment], words: list[Word]) -> None:
             prev.end = seg.start = round(words[first].start, 3)
 
 
-_SENTENCE_END = re.compile(r"[.?!…]['\"”’)\]]*$")
+_SENTENCE_END = re.compile(r"[.?!…。？！।]['\"”’)\]」』]*$")
 PAUSE_S = 1.0  # a silence this long between two words ends a cue too
 
 
