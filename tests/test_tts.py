@@ -98,6 +98,9 @@ def test_engine_streams_segments_and_honours_speed_and_rate(engine: GatedPiper) 
     fast = _collect(engine, TTSRequest(TEXT, speed=2.0)).size
     slow = _collect(engine, TTSRequest(TEXT, speed=0.5)).size
     assert 2.5 < slow / fast < 6, (slow, fast)
+    # Far from 1, a time-stretch does what the voice's length scale alone does not (it gave 2.15x at 4).
+    fastest = _collect(engine, TTSRequest(TEXT, speed=4.0)).size
+    assert 3.2 < audio.size / fastest < 4.8, (audio.size, fastest)
     rate_24k = _collect(engine, TTSRequest("Hello there.", sample_rate=24000)).size / 24000
     assert 0.3 < rate_24k < 2.0
 

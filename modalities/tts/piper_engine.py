@@ -43,6 +43,7 @@ from modalities.tts.phonemizer import Phonemizer
 from modalities.tts.piece_queue import END, Item, PieceJob, PieceQueue
 from modalities.tts.piper_voice import PiperVoiceModel, cut_voice
 from modalities.tts.protocol import TTSInputError, TTSRequest
+from modalities.tts.tempo import TimeStretch
 from modalities.tts.text import split_text
 
 logger = logging.getLogger("mmserve.tts")
@@ -52,6 +53,10 @@ DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
 OUTPUT_GAIN = 1.4  # the voice's raw peaks are ~0.5-0.7; Piper clips to [-1, 1] after the gain
 FIRST_FRAMES = 24  # a first piece's first chunk: 24 x 256 samples, 0.28 s at 22.05 kHz ...
 MIN_FIRST_FRAMES = 8  # ... shrunk like ``first_chars`` under load, down to this
+# VITS's length scale makes speech faster or slower naturally, but not in proportion far from 1
+# (a length scale of 1/4 gave 2.15x): it takes the speed within this range, and a pitch-preserving
+# time-stretch (``tempo.TimeStretch``) the rest.
+NATURAL_SPEED = (0.8, 1.25)
 
 
 def default_voice_path() -> Path:
@@ -73,6 +78,12 @@ def resolve_voice_path(spec: str | None) -> Path:
     if not path.is_file() or not Path(f"{path}.json").is_file():
         raise FileNotFoundError(f"no Piper voice at {path} (need the .onnx file and its .onnx.json)")
     return path
+
+
+def split_speed(speed: float) -> tuple[float, float]:
+    """``(the voice's own speed, the time-stretch's)``: their product is ``speed``."""
+    natural = min(max(speed, NATURAL_SPEED[0]), NATURAL_SPEED[1])
+    return natural, speed / natural
 
 
 class PiperEngine:
@@ -247,6 +258,8 @@ class PiperEngine:
         check_request(self, req)
         await self.start()  # no-op once started
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
+        natural, tempo = split_speed(req.speed)
+        stretch = TimeStretch(tempo, self.sample_rate)  # (at tempo 1, chunks pass untouched)
         with self._cv:
             load = 1 + self._queue.first_pending()
             pieces = split_text(req.text, self.max_chars, max(self.min_first_chars, self.first_chars // load))
@@ -254,7 +267,7 @@ class PiperEngine:
                 return
             frames = max(MIN_FIRST_FRAMES, FIRST_FRAMES // load)
             loop = asyncio.get_running_loop()
-            job = PieceJob(next(self._seq), pieces, 1.0 / req.speed, req.priority, frames, loop, time.monotonic())
+            job = PieceJob(next(self._seq), pieces, 1.0 / natural, req.priority, frames, loop, time.monotonic())
             self._queue.add(job)
             self._cv.notify(len(pieces))
         self._active += 1
@@ -265,10 +278,10 @@ class PiperEngine:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                out = resample(item)
+                out = resample(stretch(item))
                 if out.size:
                     yield out
-            tail = resample.flush()
+            tail = np.concatenate([resample(stretch.flush()), resample.flush()])
             if tail.size:
                 yield tail
         finally:
