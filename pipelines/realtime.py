@@ -129,7 +129,7 @@ class RealtimeSession(ServerEvents):
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = (
-            transcription_pipeline(self.vad_config, self.asr_options, services)
+            transcription_pipeline(services, self.conv, self.vad_config, self.asr_options, self.llm_options)
             if transcription
             else voice_pipeline(
                 services, self.conv, self.vad_config, self.llm_options, self.tts_options, self.asr_options
@@ -301,6 +301,12 @@ class RealtimeSession(ServerEvents):
             staged.update(patch)
             if "input_audio_transcription" in patch:
                 check_language(self.services.asr, staged.input_audio_transcription)
+            semantic = (staged.turn_detection or {}).get("type") == "semantic_vad"
+            if semantic and self.services.llm is None:
+                raise EventError(
+                    "semantic_vad needs a served LLM to judge the turns, and this server serves none; use server_vad",
+                    param="session.turn_detection.type",
+                )
         except EventError as exc:
             raise realtime_ga.ga_error(exc) if ga else exc from None
         self.config = staged

@@ -4,7 +4,6 @@ calls parsed out of them (``modalities.llm.tools``)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,7 +32,7 @@ from pipelines.frames import (
 from pipelines.processor import Processor
 from pipelines.services import Services
 from pipelines.speculation import Buffered, LLMSpeculation, ReplyParams, SpeechPrefetch
-from pipelines.turns import end_of_turn
+from pipelines.turns import TurnJudge
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -74,22 +73,22 @@ class LLM(Processor):
         self.conversation = conversation
         self.options = options or LLMOptions()
         self.prefetch = prefetch
-        self.end_turn = end_turn  # told the key of a pause judged to end its turn (the VAD stage's)
         self.active: str | None = None
         self.speculation: LLMSpeculation | None = None
-        self.judging: asyncio.Task[None] | None = None
+        self.judge = TurnJudge(  # (the options are live: a session.update changes them)
+            services, conversation, lambda: self.options.end_of_turn_p, end_turn, lambda: self.options.priority
+        )
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, Transcript) and frame.tentative:
             self.close()
             if frame.respond:
                 self._speculate(frame.text)
-            if self.options.end_of_turn_p is not None and self.end_turn is not None and frame.text:
-                self.judging = asyncio.create_task(self._judge(frame.text, frame.turn_key))
+            self.judge.start(frame.text, frame.turn_key)
         elif isinstance(frame, SpeechResumed):
             self.close()
         elif isinstance(frame, Transcript):
-            self._stop_judging()  # the turn is over
+            self.judge.stop()  # the turn is over
             heard = self.conversation.hear(frame.item_id, frame.text)
             yield frame
             if heard is not None and frame.respond and frame.text:  # nothing said (noise), or deleted: no reply
@@ -287,26 +286,10 @@ class LLM(Processor):
         self.active = None
         self.close(judging=False)  # (a client's response.cancel: the user's turn is still judged)
 
-    async def _judge(self, text: str, key: int) -> None:
-        """Tell the VAD stage if the pause ``key`` ends the user's turn."""
-        try:
-            p = await end_of_turn(self.services.llm, self.conversation, text, self.options.priority)
-        except Exception:  # noqa: BLE001 - no verdict (e.g. a prompt past the context): the turn waits out its silence
-            logger.debug("scoring the end of a turn failed", exc_info=True)
-            return
-        threshold = self.options.end_of_turn_p
-        if threshold is not None and p >= threshold and self.end_turn is not None:
-            self.end_turn(key)
-
     def close(self, judging: bool = True) -> None:
         """Drop the speculative reply, and (``judging``) the verdict on the pause being judged."""
         spec, self.speculation = self.speculation, None
         if spec is not None:
             spec.cancel()
         if judging:
-            self._stop_judging()
-
-    def _stop_judging(self) -> None:
-        if self.judging is not None:
-            self.judging.cancel()
-            self.judging = None
+            self.judge.stop()

@@ -20,14 +20,21 @@ eagerness's longest silence.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import re
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.offload import run_sized
 from pipelines.conversation import Conversation
+from pipelines.frames import Frame, SpeechResumed, Transcript
+from pipelines.processor import Processor
+
+logger = logging.getLogger("mmserve.pipelines")
 
 
 @dataclass(frozen=True)
@@ -88,3 +95,61 @@ async def end_of_turn(engine: Any, conv: Conversation, text: str, priority: int 
         final = out
     logprobs = final.outputs[0].logprobs if final is not None else None
     return math.exp(logprobs[0].logprob) if logprobs else 0.0
+
+
+class TurnJudge:
+    """Judges pauses in the background: ``start(text, key)`` scores a pause's transcript
+    (``end_of_turn``) and, at or above ``threshold()``, calls ``end_turn(key)`` (the VAD stage's
+    ``end_turn``); ``stop()`` drops the verdict to come (speech resumed, the turn ended)."""
+
+    def __init__(
+        self,
+        services: Any,
+        conversation: Conversation,
+        threshold: Callable[[], float | None],
+        end_turn: Callable[[int], None] | None,
+        priority: Callable[[], int],
+    ) -> None:
+        self.services, self.conversation = services, conversation
+        self.threshold, self.end_turn, self.priority = threshold, end_turn, priority
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self, text: str, key: int) -> None:
+        self.stop()
+        if self.threshold() is not None and self.end_turn is not None and text and self.services.llm is not None:
+            self.task = asyncio.create_task(self._judge(text, key))
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+    async def _judge(self, text: str, key: int) -> None:
+        try:
+            p = await end_of_turn(self.services.llm, self.conversation, text, self.priority())
+        except Exception:  # noqa: BLE001 - no verdict (e.g. a prompt past the context): the turn waits out its silence
+            logger.debug("scoring the end of a turn failed", exc_info=True)
+            return
+        threshold = self.threshold()
+        if threshold is not None and p >= threshold and self.end_turn is not None:
+            self.end_turn(key)
+
+
+class JudgeTurns(Processor):
+    """Semantic VAD where no reply stage judges the pauses (a transcription session): a pause's
+    tentative ``Transcript`` is judged (``TurnJudge``) and consumed; speech resuming or the turn's
+    final transcript drops the verdict to come."""
+
+    def __init__(self, judge: TurnJudge) -> None:
+        self.judge = judge
+
+    async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+        if isinstance(frame, Transcript) and frame.tentative:
+            self.judge.start(frame.text, frame.turn_key)
+            return
+        if isinstance(frame, SpeechResumed | Transcript):
+            self.judge.stop()
+        yield frame
+
+    def close(self) -> None:
+        self.judge.stop()

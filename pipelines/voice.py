@@ -31,6 +31,7 @@ from pipelines.reply import LLM, LLMOptions
 from pipelines.services import ServiceMissing, Services
 from pipelines.speculation import SpeechPrefetch
 from pipelines.speech import ASR, TTS, VAD, ASROptions, Resample, Sentences, TTSOptions
+from pipelines.turns import JudgeTurns, TurnJudge
 from pipelines.vad import VADConfig
 
 logger = logging.getLogger("mmserve.pipelines")
@@ -63,9 +64,14 @@ def voice_pipeline(
     )
 
 
-def transcription_pipeline(vad: VADConfig, asr: ASROptions, services: Services) -> Pipeline:
-    """The stages of a transcription session (no replies): resample to 16 kHz, VAD, ASR."""
-    return Pipeline([Resample(ASR_RATE), VAD(vad), ASR(services, asr)])
+def transcription_pipeline(
+    services: Services, conv: Conversation, vad: VADConfig, asr: ASROptions, llm: LLMOptions
+) -> Pipeline:
+    """The stages of a transcription session (no replies): resample to 16 kHz, VAD, ASR, and the
+    pauses judged for semantic VAD (``llm.end_of_turn_p``; with a served LLM)."""
+    turns = VAD(vad)
+    judge = TurnJudge(services, conv, lambda: llm.end_of_turn_p, turns.end_turn, lambda: llm.priority)
+    return Pipeline([Resample(ASR_RATE), turns, ASR(services, asr), JudgeTurns(judge)])
 
 
 async def warm_up(engines: dict[str, Any]) -> bool:

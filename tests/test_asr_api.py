@@ -201,6 +201,9 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as too_long:
         client.audio.transcriptions.create(model="whisper-1", file=("long.mp3", long_mp3))
     assert too_long.value.status_code == 413 and "limit is 120 s" in too_long.value.message
+    with pytest.raises(openai.BadRequestError) as too_short:  # (OpenAI's minimum: 0.1 s)
+        client.audio.transcriptions.create(model="whisper-1", file=("s.wav", encode_audio(np.zeros(800), RATE, "wav")))
+    assert too_short.value.code == "audio_too_short"
     with pytest.raises(openai.NotFoundError):
         client.audio.transcriptions.create(
             model="no-such-model", file=("a.wav", encode_audio(corpus("piper")[0], RATE, "wav"))

@@ -137,6 +137,23 @@ async def manual_session(c: Client) -> None:
     await c.until("session.updated")
 
 
+def sdk_until(conn: Any, events: list[Any]) -> Any:
+    """``until(type)`` for an ``openai`` realtime connection: the next event of that type (or an
+    error), every event received kept in ``events``."""
+
+    async def until(type_: str) -> Any:
+        async def wait() -> Any:
+            async for ev in conn:
+                events.append(ev)
+                if ev.type in (type_, "error"):
+                    return ev
+            raise AssertionError("connection closed")
+
+        return await asyncio.wait_for(wait(), 60)
+
+    return until
+
+
 def _get(ev: dict[str, Any], path: str) -> Any:
     for key in path.split("__"):
         ev = ev.get(key) if isinstance(ev, dict) else None  # type: ignore[assignment]
@@ -245,16 +262,7 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
         client = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key="unused")
         async with client.realtime.connect(model="smollm2") as conn:
             events: list[Any] = []
-
-            async def until(type_: str) -> Any:
-                async def wait() -> Any:
-                    async for ev in conn:
-                        events.append(ev)
-                        if ev.type in (type_, "error"):
-                            return ev
-                    raise AssertionError("connection closed")
-
-                return await asyncio.wait_for(wait(), 60)
+            until = sdk_until(conn, events)
 
             td = {"type": "server_vad", "silence_duration_ms": 500}
             session = {"type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 24}
@@ -1754,6 +1762,31 @@ def test_semantic_vad_waits_through_a_pause_mid_sentence(server: dict[str, Any])
             }
             feeder = asyncio.create_task(c.stream(spoken("What is the capital", "of France?", gap_s=1.0), pace=1.0))
             await c.until("response.done")
+            await feeder
+            return c
+
+    c = run(go())
+    assert c.types().count("input_audio_buffer.speech_stopped") == 1, c.types()
+    transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
+    assert "capital" in transcript.lower() and "france" in transcript.lower(), transcript
+
+
+def test_a_transcription_session_judges_its_pauses_with_the_served_llm(server: dict[str, Any]) -> None:
+    """semantic_vad in a transcription session (no reply stage): the served LLM judges the pauses
+    (``pipelines.turns.JudgeTurns``): the 1 s pause mid-sentence does not end the turn, and it
+    ends after "of France?" before the 4 s that an unfinished one waits (the stream's silence
+    after it is shorter: unjudged, the turn would never end)."""
+
+    async def go() -> Client:
+        async with websockets.connect(server["url"] + "?intent=transcription", max_size=None) as ws:
+            c = Client(ws)
+            await c.until("session.created")
+            await c.send("transcription_session.update", session={"turn_detection": {"type": "semantic_vad"}})
+            assert (await c.until("transcription_session.updated"))["session"]["turn_detection"][
+                "type"
+            ] == "semantic_vad"
+            feeder = asyncio.create_task(c.stream(spoken("What is the capital", "of France?", gap_s=1.0), pace=1.0))
+            await c.until("conversation.item.input_audio_transcription.completed", timeout=30)
             await feeder
             return c
 

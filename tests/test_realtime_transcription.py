@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import serve_app
-from tests.test_realtime import QUESTION, RATE, Client, speech
+from tests.test_realtime import QUESTION, RATE, Client, sdk_until, speech
 
 websockets = pytest.importorskip("websockets")
 
@@ -48,7 +48,11 @@ def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_s
             await c.send("transcription_session.update", session=update)
             updated = await c.until("transcription_session.updated")
             assert updated["session"]["input_audio_transcription"]["language"] == "en"
-            refusals = ({"turn_detection": {"create_response": True}}, {"instructions": "hi"})
+            refusals = (
+                {"turn_detection": {"create_response": True}},
+                {"instructions": "hi"},
+                {"turn_detection": {"type": "semantic_vad"}},  # (no LLM served to judge the turns)
+            )
             for refused in (*refusals, {"input_audio_transcription": None}):
                 await c.send("transcription_session.update", session=refused)
                 assert (await c.until("error"))["error"]["param"].startswith("session.")
@@ -99,16 +103,7 @@ def test_the_official_client_runs_a_ga_transcription_session_in_g711(asr_server:
         query = {"intent": "transcription"}
         async with client.realtime.connect(model="whisper-1", extra_query=query) as conn:
             events: list[Any] = []
-
-            async def until(type_: str) -> Any:
-                async def wait() -> Any:
-                    async for ev in conn:
-                        events.append(ev)
-                        if ev.type in (type_, "error"):
-                            return ev
-                    raise AssertionError("connection closed")
-
-                return await asyncio.wait_for(wait(), 60)
+            until = sdk_until(conn, events)
 
             created = await until("session.created")
             assert created.type == "session.created" and created.session.type == "transcription"

@@ -70,6 +70,9 @@ def _check_options(response_format: str, temperature: float) -> None:
         raise APIError(400, f"temperature must be in [0, 1], got {temperature}", param="temperature")
 
 
+MIN_AUDIO_S = 0.1  # OpenAI's minimum
+
+
 async def _read_audio(file: UploadFile, engine: Any) -> Any:
     """The upload decoded to 16 kHz mono (``modalities.audio.DecodedAudio``); a 413 past the
     engine's file or duration limit, a 400 for what no decoder reads."""
@@ -79,11 +82,19 @@ async def _read_audio(file: UploadFile, engine: Any) -> Any:
         raise APIError(413, f"the audio file exceeds the {limit_mb:g} MB limit", param="file", code="file_too_large")
     max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
     try:
-        return await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)
+        audio = await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)
     except AudioTooLong as exc:
         raise APIError(413, str(exc), param="file", code="audio_too_long") from exc
     except AudioDecodeError as exc:
         raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
+    if audio.duration < MIN_AUDIO_S:  # (as OpenAI's: nothing to hear in less)
+        raise APIError(
+            400,
+            f"audio file is too short: {audio.duration * 1000:.0f} ms; the minimum is {MIN_AUDIO_S * 1000:.0f} ms",
+            param="file",
+            code="audio_too_short",
+        )
+    return audio
 
 
 async def _charged(request: Request, duration: float, bad_option: str, work: Callable[[], Awaitable[T]]) -> T:
