@@ -106,7 +106,7 @@ def _says_beta(ws: WebSocket) -> bool:
     return header or "openai-beta.realtime-v1" in ws.scope.get("subprotocols", [])
 
 
-class RealtimeSession(ServerEvents):
+class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
     """One session: its client events become frames for the voice pipeline (``ServerEvents``
     turns the pipeline's output back into events)."""
 
@@ -259,15 +259,8 @@ class RealtimeSession(ServerEvents):
 
     async def _ev_session_update(self, event: dict[str, Any]) -> None:
         patch = event.get("session", {})
-        kind = patch.get("type") if isinstance(patch, dict) else None
-        if self.transcription or kind == "transcription":
-            if kind != "transcription" or not self.transcription:
-                raise EventError(
-                    "a transcription session is opened with /v1/realtime?intent=transcription and updated with "
-                    "session.type 'transcription' (or a beta transcription_session.update)",
-                    param="session.type",
-                )
-            await self._update_transcription(patch, "session.updated", ga=True)
+        if self.transcription or (isinstance(patch, dict) and patch.get("type") == "transcription"):
+            await self._ga_transcription_update(patch)
             return
         self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
         try:
@@ -287,33 +280,6 @@ class RealtimeSession(ServerEvents):
             self.config.modalities = ["text"]
         self._apply_config()
         await self.send("session.updated", session=self.config.to_dict(self.id))
-
-    async def _ev_transcription_session_update(self, event: dict[str, Any]) -> None:
-        if not self.transcription:
-            raise EventError("this is a conversation session; send session.update", "unsupported", "type")
-        await self._update_transcription(event.get("session", {}), "transcription_session.updated", ga=False)
-
-    async def _update_transcription(self, session: Any, reply: str, ga: bool) -> None:
-        """A transcription session's settings (``realtime_transcription``), then ``reply``."""
-        try:
-            patch = transcribing.ga_patch(session) if ga else transcribing.beta_patch(session)
-            staged = dataclasses.replace(self.config)
-            staged.update(patch)
-            if "input_audio_transcription" in patch:
-                check_language(self.services.asr, staged.input_audio_transcription)
-            semantic = (staged.turn_detection or {}).get("type") == "semantic_vad"
-            if semantic and self.services.llm is None:
-                raise EventError(
-                    "semantic_vad needs a served LLM to judge the turns, and this server serves none; use server_vad",
-                    param="session.turn_detection.type",
-                )
-        except EventError as exc:
-            raise realtime_ga.ga_error(exc) if ga else exc from None
-        self.config = staged
-        self.ga = self.ga or ga  # (only GA has this shape: GA events from here on)
-        self._apply_config()
-        shape = transcribing.ga_object if ga else transcribing.beta_object
-        await self.send(reply, session=shape(self.config, self.id))
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         fmt = FORMATS[self.config.input_audio_format]

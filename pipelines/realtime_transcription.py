@@ -12,10 +12,13 @@ text items are refused with an ``error`` event.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
+from pipelines import realtime_ga
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import EventError, SessionConfig
+from pipelines.realtime_events import EventError, SessionConfig, check_language
+from pipelines.services import Services
 
 # The beta session fields a transcription session has (``transcription_session.update``).
 FIELDS = frozenset(
@@ -106,3 +109,56 @@ def ga_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
 def _shown(td: dict[str, Any] | None) -> dict[str, Any] | None:
     """Turn detection as a transcription session has it (it makes no responses)."""
     return None if td is None else {k: v for k, v in td.items() if k not in ("create_response", "interrupt_response")}
+
+
+class TranscriptionEvents:
+    """The client events that set a transcription session (``RealtimeSession`` shares its state)."""
+
+    config: SessionConfig
+    services: Services
+    transcription: bool
+    ga: bool
+    id: str
+
+    if TYPE_CHECKING:  # (RealtimeSession's)
+
+        async def send(self, type_: str, in_conversation: bool = True, **fields: Any) -> None: ...
+
+        def _apply_config(self) -> None: ...
+
+    async def _ga_transcription_update(self, session: Any) -> None:
+        """A GA ``session.update`` in a transcription session, or of ``type`` "transcription" in another."""
+        kind = session.get("type") if isinstance(session, dict) else None
+        if kind != "transcription" or not self.transcription:
+            raise EventError(
+                "a transcription session is opened with /v1/realtime?intent=transcription and updated with "
+                "session.type 'transcription' (or a beta transcription_session.update)",
+                param="session.type",
+            )
+        await self._update_transcription(session, "session.updated", ga=True)
+
+    async def _ev_transcription_session_update(self, event: dict[str, Any]) -> None:
+        if not self.transcription:
+            raise EventError("this is a conversation session; send session.update", "unsupported", "type")
+        await self._update_transcription(event.get("session", {}), "transcription_session.updated", ga=False)
+
+    async def _update_transcription(self, session: Any, reply: str, ga: bool) -> None:
+        """Apply the settings (all or nothing), then ``reply`` with the session object."""
+        try:
+            patch = ga_patch(session) if ga else beta_patch(session)
+            staged = dataclasses.replace(self.config)
+            staged.update(patch)
+            if "input_audio_transcription" in patch:
+                check_language(self.services.asr, staged.input_audio_transcription)
+            semantic = (staged.turn_detection or {}).get("type") == "semantic_vad"
+            if semantic and self.services.llm is None:
+                raise EventError(
+                    "semantic_vad needs a served LLM to judge the turns, and this server serves none; use server_vad",
+                    param="session.turn_detection.type",
+                )
+        except EventError as exc:
+            raise realtime_ga.ga_error(exc) if ga else exc from None
+        self.config = staged
+        self.ga = self.ga or ga  # (only GA has this shape: GA events from here on)
+        self._apply_config()
+        await self.send(reply, session=(ga_object if ga else beta_object)(self.config, self.id))

@@ -1760,12 +1760,20 @@ def test_semantic_vad_waits_through_a_pause_mid_sentence(server: dict[str, Any])
                 "create_response": True,
                 "interrupt_response": True,
             }
-            feeder = asyncio.create_task(c.stream(spoken("What is the capital", "of France?", gap_s=1.0), pace=1.0))
-            await c.until("response.done")
-            await feeder
+            await _pause_mid_sentence(c, "response.done")
             return c
 
-    c = run(go())
+    _heard_as_one_turn(run(go()))
+
+
+async def _pause_mid_sentence(c: Client, until: str) -> None:
+    """Stream "What is the capital", 1 s of silence, "of France?" (then 3 s of it), at real time."""
+    feeder = asyncio.create_task(c.stream(spoken("What is the capital", "of France?", gap_s=1.0), pace=1.0))
+    await c.until(until, timeout=30)
+    await feeder
+
+
+def _heard_as_one_turn(c: Client) -> None:
     assert c.types().count("input_audio_buffer.speech_stopped") == 1, c.types()
     transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
     assert "capital" in transcript.lower() and "france" in transcript.lower(), transcript
@@ -1785,12 +1793,7 @@ def test_a_transcription_session_judges_its_pauses_with_the_served_llm(server: d
             assert (await c.until("transcription_session.updated"))["session"]["turn_detection"][
                 "type"
             ] == "semantic_vad"
-            feeder = asyncio.create_task(c.stream(spoken("What is the capital", "of France?", gap_s=1.0), pace=1.0))
-            await c.until("conversation.item.input_audio_transcription.completed", timeout=30)
-            await feeder
+            await _pause_mid_sentence(c, "conversation.item.input_audio_transcription.completed")
             return c
 
-    c = run(go())
-    assert c.types().count("input_audio_buffer.speech_stopped") == 1, c.types()
-    transcript = next(e for e in c.events if e["type"].endswith("transcription.completed"))["transcript"]
-    assert "capital" in transcript.lower() and "france" in transcript.lower(), transcript
+    _heard_as_one_turn(run(go()))
