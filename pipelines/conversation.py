@@ -179,6 +179,16 @@ class Conversation:
         pending = [Item("", "user", user_text), Item("", "assistant")]
         return dataclasses.replace(self, items=[*self.items, *pending])
 
+    def recent(self, count: int) -> Conversation:
+        """A copy of its last ``count`` to ``2 * count - 1`` items, from an item chosen in steps of
+        ``count`` (so that consecutive renders share their prefix: the prefix cache); itself if
+        it has no more than ``2 * count`` not left out. (A transcription session's conversation
+        only grows: no reply's prompt leaves its items out.)"""
+        n = len(self.items)
+        if n - self._first <= 2 * count:
+            return self
+        return dataclasses.replace(self, items=self.items[(n - count) // count * count :], _first=0)
+
     def context(
         self,
         items: list[Item] | None,

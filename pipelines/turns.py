@@ -97,10 +97,16 @@ async def end_of_turn(engine: Any, conv: Conversation, text: str, priority: int 
     return math.exp(logprobs[0].logprob) if logprobs else 0.0
 
 
+# The items a transcription session's pause is judged with (``Conversation.recent``): its
+# conversation only grows, and would outgrow the LLM's context (no verdict then).
+RECENT_ITEMS = 32
+
+
 class TurnJudge:
     """Judges pauses in the background: ``start(text, key)`` scores a pause's transcript
     (``end_of_turn``) and, at or above ``threshold()``, calls ``end_turn(key)`` (the VAD stage's
-    ``end_turn``); ``stop()`` drops the verdict to come (speech resumed, the turn ended)."""
+    ``end_turn``); ``stop()`` drops the verdict to come (speech resumed, the turn ended).
+    ``recent``: judge with the conversation's recent items only (``Conversation.recent``)."""
 
     def __init__(
         self,
@@ -109,8 +115,9 @@ class TurnJudge:
         threshold: Callable[[], float | None],
         end_turn: Callable[[int], None] | None,
         priority: Callable[[], int],
+        recent: int | None = None,
     ) -> None:
-        self.services, self.conversation = services, conversation
+        self.services, self.conversation, self.recent = services, conversation, recent
         self.threshold, self.end_turn, self.priority = threshold, end_turn, priority
         self.task: asyncio.Task[None] | None = None
 
@@ -126,7 +133,8 @@ class TurnJudge:
 
     async def _judge(self, text: str, key: int) -> None:
         try:
-            p = await end_of_turn(self.services.llm, self.conversation, text, self.priority())
+            conv = self.conversation if self.recent is None else self.conversation.recent(self.recent)
+            p = await end_of_turn(self.services.llm, conv, text, self.priority())
         except Exception:  # noqa: BLE001 - no verdict (e.g. a prompt past the context): the turn waits out its silence
             logger.debug("scoring the end of a turn failed", exc_info=True)
             return

@@ -31,7 +31,7 @@ from pipelines.reply import LLM, LLMOptions
 from pipelines.services import ServiceMissing, Services
 from pipelines.speculation import SpeechPrefetch
 from pipelines.speech import ASR, TTS, VAD, ASROptions, Resample, Sentences, TTSOptions
-from pipelines.turns import JudgeTurns, TurnJudge
+from pipelines.turns import RECENT_ITEMS, JudgeTurns, TurnJudge
 from pipelines.vad import VADConfig
 
 logger = logging.getLogger("mmserve.pipelines")
@@ -70,7 +70,7 @@ def transcription_pipeline(
     """The stages of a transcription session (no replies): resample to 16 kHz, VAD, ASR, and the
     pauses judged for semantic VAD (``llm.end_of_turn_p``; with a served LLM)."""
     turns = VAD(vad)
-    judge = TurnJudge(services, conv, lambda: llm.end_of_turn_p, turns.end_turn, lambda: llm.priority)
+    judge = TurnJudge(services, conv, lambda: llm.end_of_turn_p, turns.end_turn, lambda: llm.priority, RECENT_ITEMS)
     return Pipeline([Resample(ASR_RATE), turns, ASR(services, asr), JudgeTurns(judge)])
 
 

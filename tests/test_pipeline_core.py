@@ -1242,6 +1242,23 @@ def test_a_replys_speech_keeps_the_rate_it_started_with() -> None:
     ]
 
 
+def test_a_conversations_recent_items() -> None:
+    from pipelines.conversation import Conversation
+
+    conv = Conversation("sys")
+    for k in range(5):
+        conv.add("user", f"u{k}")
+    assert conv.recent(3) is conv
+    recent = conv.recent(2)
+    assert [i.text for i in recent.items] == ["u2", "u3", "u4"] and recent.instructions == "sys"
+    conv.add("user", "u5")
+    assert [i.text for i in conv.recent(2).items] == ["u4", "u5"]
+    conv.add("user", "u6")  # (the same first item: the renders share their prefix)
+    assert [i.text for i in conv.recent(2).items] == ["u4", "u5", "u6"] and len(conv.items) == 7
+    conv._first = 5  # (the replies' prompts leave items out: nothing more to cut)
+    assert conv.recent(2) is conv
+
+
 def test_conversation_remove_keeps_the_items_left_out() -> None:
     from pipelines.conversation import Conversation
 
