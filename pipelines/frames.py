@@ -172,7 +172,7 @@ class ResponseRequest(Frame):
     cancelled: bool = False
 
     def interrupted(self, by: Interrupt) -> ResponseRequest | None:
-        return None if by.takes_turn else self
+        return None if by.takes_turn and self.created <= by.created else self  # (a later one stands)
 
 
 @dataclass

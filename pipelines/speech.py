@@ -103,7 +103,7 @@ class VAD(Processor):
                 if ev.kind == "start":
                     yield SpeechStarted(ev.ms, item_id=self._next_item())
                     if self.config.interrupt_response:
-                        yield Interrupt("speech_started")
+                        yield Interrupt("speech_started", created=frame.created)  # (wire order: the audio's)
                 elif ev.kind == "resume":
                     yield SpeechResumed()
                 else:  # "pause": a tentative utterance for speculation; "stop": the committed one

@@ -650,6 +650,48 @@ def test_a_barge_in_is_counted_at_once_and_reaches_requests_before_its_stage() -
     assert [f.respond for f in out if isinstance(f, Transcript)] == [True]
 
 
+def test_a_barge_in_drops_the_requests_sent_before_the_speech_only() -> None:
+    """Wire order: a ``response.create`` sent right after the audio in which the VAD hears speech
+    start (queued behind it) stands; one sent before the audio, not yet taken, is dropped."""
+    from pipelines.frames import AudioFrame, ResponseRequest
+    from pipelines.speech import VAD
+    from pipelines.vad import VADConfig
+
+    audio = _spoken("Hello there, how are you today?")
+
+    class Holds(Processor):
+        """Requests wait here (a busy reply stage) until the speech has started."""
+
+        def __init__(self) -> None:
+            self.heard = asyncio.Event()
+
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            if isinstance(frame, ResponseRequest):
+                await self.heard.wait()
+            yield frame
+
+        async def on_interrupt(self, by: Interrupt) -> None:
+            self.heard.set()
+
+    async def run() -> list[Frame]:
+        holds = Holds()
+
+        async def source() -> AsyncIterator[Frame]:
+            yield ResponseRequest(metadata={"n": 0})  # (taken by the stage: being worked on)
+            yield ResponseRequest(metadata={"n": 1})  # sent before the speech: queued there
+            yield AudioFrame(audio, 16_000)
+            yield ResponseRequest(metadata={"n": 2})  # sent after it
+            await holds.heard.wait()
+            await asyncio.sleep(0.05)
+
+        stages = [VAD(VADConfig(interrupt_response=True)), holds]
+        return [f async for f in Pipeline(stages).stream(source())]
+
+    out = asyncio.run(run())
+    assert any(isinstance(f, Interrupt) for f in out)
+    assert [f.metadata["n"] for f in out if isinstance(f, ResponseRequest)] == [0, 2]
+
+
 def test_a_clients_cancel_stops_its_reply_only() -> None:
     """A client's cancel of the reply being spoken (``Interrupt`` with its ``response_id``)
     leaves the next reply, already being written behind it, to go on and be spoken."""

@@ -1240,6 +1240,28 @@ def test_a_response_cancelled_before_it_started_ends_at_once() -> None:
     run(go())
 
 
+def test_a_request_sent_after_the_speech_started_outlives_the_barge_in() -> None:
+    """Stand-in: the barge-in's ``Interrupt`` is stamped with the audio in which the VAD heard
+    speech start (wire order): a ``response.create`` sent after that audio, but before the VAD
+    got to it, is not cancelled; one sent before it is."""
+    from pipelines.frames import Interrupt
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        spoke = time.monotonic()  # (the audio's arrival)
+        await s._handle(json.dumps({"type": "response.create"}))
+        asked = s.inbox.get_nowait()
+        await s._on_frame(Interrupt("speech_started", created=spoke))
+        assert s.requested is asked and not [e for e in sent if e["type"] == "response.done"]
+        await s._on_frame(Interrupt("speech_started"))  # (speech heard in later audio)
+        assert s.requested is None and sent[-1]["response"]["status_details"]["reason"] == "turn_detected"
+
+    run(go())
+
+
 def test_errors_of_a_reply_already_ended_do_not_reach_the_client() -> None:
     """Stand-in: the TTS failing on a reply the client was told ended (cancelled before it
     started, so stopped unseen; or cancelled while it played) sends no ``error``; failing on
