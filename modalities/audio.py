@@ -92,7 +92,10 @@ def _decode_soundfile(data: bytes, max_seconds: float | None) -> Audio | None:
     return Audio(np.concatenate(blocks) if blocks else np.zeros(0, np.float32), rate)
 
 
-KNOWN = "wav, flac, mp3, ogg, opus, m4a, aac, webm, ..."
+UNREADABLE = (
+    "could not decode audio: it is damaged or in no format this server reads (wav, flac, mp3, ogg, opus, m4a, "
+    "aac, webm, ...)"
+)
 
 
 def _decode_av(data: bytes, max_seconds: float | None) -> Audio:
@@ -122,13 +125,11 @@ def _decode_av(data: bytes, max_seconds: float | None) -> Audio:
             for out in resampler.resample(None):
                 chunks.append(out.to_ndarray().reshape(-1))
             if damaged and not total:
-                raise AudioDecodeError("could not decode audio: its data is damaged or in no known format")
+                raise AudioDecodeError(UNREADABLE)
     except AudioDecodeError:
         raise
     except av.error.InvalidDataError as exc:
-        raise AudioDecodeError(
-            f"could not decode audio: it is damaged or in no format this server reads ({KNOWN})"
-        ) from exc
+        raise AudioDecodeError(UNREADABLE) from exc
     except av.error.FFmpegError as exc:  # (its text names ffmpeg's calls: the reason alone)
         raise AudioDecodeError(f"could not decode audio: {exc.strerror or type(exc).__name__}") from exc
     except Exception as exc:  # noqa: BLE001 - any ffmpeg failure means unreadable input

@@ -27,26 +27,30 @@ async def realtime(ws: WebSocket, model: str | None = None, intent: str | None =
     engines, aliases = state.engines, getattr(state, "aliases", {})
     subprotocol = "realtime" if "realtime" in ws.scope.get("subprotocols", []) else None
     await ws.accept(subprotocol=subprotocol)
+    if intent not in (None, "transcription"):
+        await _refuse(ws, f"intent must be 'transcription' or absent, got {intent!r}", "invalid_value", "intent")
+        return
+    transcription = intent == "transcription"
+    need = ("asr",) if transcription else ("llm",)
+    name = model if model is not None and (aliases.get(model, model) in engines) else None
     try:
-        name = model if model is not None and (aliases.get(model, model) in engines) else None
-        transcription = intent == "transcription"
-        if intent not in (None, "transcription"):
-            raise ValueError(f"intent must be 'transcription' or absent, got {intent!r}")
-        need = ("asr",) if transcription else ("llm",)
         try:
             services = Services.from_engines(engines, aliases=aliases, need=need, **{need[0]: name})
         except ServiceMissing:  # (a served model of another kind, as an unknown name: the default)
             services = Services.from_engines(engines, aliases=aliases, need=need)
-    except (ServiceMissing, ValueError) as exc:
-        param = "intent" if isinstance(exc, ValueError) else "model"
-        code = "invalid_value" if isinstance(exc, ValueError) else "model_not_found"
-        err = {"type": "invalid_request_error", "code": code, "message": str(exc), "param": param}
-        await ws.send_json({"event_id": "event_000000", "type": "error", "error": err})
-        await ws.close(code=1008)
+    except ServiceMissing as exc:
+        await _refuse(ws, str(exc), "model_not_found", "model")
         return
     main = services.asr if transcription else services.llm
     served = next(n for n, e in engines.items() if e is main)
     await RealtimeSession(ws, services, served, transcription).run()
+
+
+async def _refuse(ws: WebSocket, message: str, code: str, param: str) -> None:
+    """The session is not opened: one ``error`` event, then the socket closes."""
+    err = {"type": "invalid_request_error", "code": code, "message": message, "param": param}
+    await ws.send_json({"event_id": "event_000000", "type": "error", "error": err})
+    await ws.close(code=1008)
 
 
 async def warm_up(engines: dict[str, Any]) -> None:

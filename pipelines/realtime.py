@@ -115,7 +115,8 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         self.transcription = transcription  # a transcription session (no replies): realtime_transcription
         number = next(_sessions)
         self.id, self.conversation_id = f"sess_{number:06d}", f"conv_{number:06d}"
-        self.config = SessionConfig(model, modalities=["text", "audio"] if services.tts is not None else ["text"])
+        speaks = services.tts is not None and not transcription
+        self.config = SessionConfig(model, modalities=["text", "audio"] if speaks else ["text"])
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
@@ -124,8 +125,6 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
         # empty (server VAD trims and takes the buffer unseen from here).
         self.fill_known, self.appended_ms = True, 0.0
-        if transcription:
-            self.config.modalities = ["text"]
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = (
@@ -192,15 +191,16 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
     async def run(self) -> None:
         if self.metrics is not None:
             self.metrics.inc("realtime_sessions_total", help="/v1/realtime sessions opened", model=self.config.model)
-        if self.transcription and _says_beta(self.ws):
-            await self.send("transcription_session.created", session=transcribing.beta_object(self.config, self.id))
-        elif self.transcription:  # (the GA shape: a beta session.created has no transcription session)
-            await self.send("session.created", session=transcribing.ga_object(self.config, self.id))
-        else:
+        beta = _says_beta(self.ws)
+        if not self.transcription:
             await self.send("session.created", session=self.config.to_dict(self.id))
-        if _says_beta(self.ws) and not self.transcription:  # (GA has no such event)
-            conversation = {"id": self.conversation_id, "object": "realtime.conversation"}
-            await self.send("conversation.created", conversation=conversation)
+            if beta:  # (GA has no such event)
+                conversation = {"id": self.conversation_id, "object": "realtime.conversation"}
+                await self.send("conversation.created", conversation=conversation)
+        elif beta:
+            await self.send("transcription_session.created", session=transcribing.beta_object(self.config, self.id))
+        else:  # (the GA shape: a beta session.created has no transcription session)
+            await self.send("session.created", session=transcribing.ga_object(self.config, self.id))
         writer = asyncio.create_task(self._write())
         try:
             while True:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelines import realtime_ga
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import EventError, SessionConfig, check_language
+from pipelines.realtime_events import EventError, SessionConfig, check_language, ga_wire_format
 from pipelines.services import Services
 
 # The beta session fields a transcription session has (``transcription_session.update``).
@@ -66,8 +66,6 @@ def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise EventError(f"audio.input has no field {unknown[0]!r}", param=f"session.audio.input.{unknown[0]}")
     if "input_audio_format" in beta:
-        from pipelines.realtime_events import ga_wire_format
-
         beta["input_audio_format"] = ga_wire_format(beta["input_audio_format"], "session.audio.input.format")
     if "include" in session:
         beta["include"] = session["include"]
