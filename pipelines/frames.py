@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
+    from modalities.asr.types import TokenLogprob
     from pipelines.conversation import Item
 
 
@@ -117,12 +118,14 @@ class SpeechResumed(Frame):
 @dataclass
 class Heard(SystemFrame):
     """A final transcript for the client, at once: the ``Transcript`` itself may wait in the
-    LLM stage behind a reply in flight (``turn_detection.interrupt_response`` false)."""
+    LLM stage behind a reply in flight (``turn_detection.interrupt_response`` false).
+    ``logprobs``: the text's tokens (``modalities.asr.types.TokenLogprob``), when asked for."""
 
     text: str
     start_ms: int = 0
     end_ms: int = 0
     item_id: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -178,6 +178,7 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         self.llm_options.grammar = tools_grammar(getattr(self.services.llm, "tokenizer", None), c)
         heard = c.input_audio_transcription or {}
         self.asr_options.language, self.asr_options.prompt = heard.get("language"), heard.get("prompt")
+        self.asr_options.logprobs = c.logprobs
         self.tts_options.sample_rate = FORMATS[c.output_audio_format].rate
         self.conv.instructions = c.instructions
 

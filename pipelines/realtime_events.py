@@ -92,6 +92,8 @@ class SessionConfig:
     # Functions the model may call (Realtime's flat shape); "none": not shown to the model.
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str = "auto"
+    # [LOGPROBS]: the transcription events carry the transcript's token logprobs.
+    include: list[str] | None = None
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
         return {
@@ -110,6 +112,7 @@ class SessionConfig:
             "tool_choice": self.tool_choice,
             "temperature": self.temperature,
             "max_response_output_tokens": self.max_response_output_tokens,
+            "include": self.include,
         }
 
     def update(self, patch: Any) -> None:
@@ -152,10 +155,21 @@ class SessionConfig:
             new["input_audio_transcription"] = _transcription(
                 patch["input_audio_transcription"], self.input_audio_transcription
             )
+        if "include" in patch:
+            include = patch["include"]
+            if include not in (None, []) and include != [LOGPROBS]:
+                raise EventError(f"include may only hold {LOGPROBS!r}", param="session.include")
+            new["include"] = include or None
         vars(self).update(new)
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the transcription events carry the transcript's token logprobs."""
+        return LOGPROBS in (self.include or [])
 
 
 MAX_TRANSCRIPTION_PROMPT_CHARS = 4000
+LOGPROBS = "item.input_audio_transcription.logprobs"  # what ``include`` may hold
 MAX_REPLY_TOKENS = 256  # a reply's tokens under "inf"
 
 

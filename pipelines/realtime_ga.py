@@ -73,7 +73,7 @@ def ga_error(exc: EventError) -> EventError:
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     """The beta ``session`` patch for a GA one (the fields mmserve honours; others are ignored)."""
-    out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice") if k in ga}
+    out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice", "include") if k in ga}
     if "output_modalities" in ga:
         audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")
         out["modalities"] = ["text", "audio"] if audio_out else ["text"]  # audio comes with its transcript
@@ -123,6 +123,7 @@ def session_object(beta: dict[str, Any]) -> dict[str, Any]:
         "tools": beta["tools"],
         "tool_choice": beta["tool_choice"],
         "max_output_tokens": beta["max_response_output_tokens"],
+        "include": beta["include"],
     }
 
 

@@ -163,14 +163,17 @@ class ServerEvents:
             if self.transcription:  # (no reply stage hears it)
                 self.conv.hear(frame.item_id, frame.text)
             if unheard and self.config.input_audio_transcription is not None:  # null: the client asked for none
+                # (``include``d: the transcript's tokens, as OpenAI's gpt-4o-transcribe gives them)
+                logprobs = {} if frame.logprobs is None else {"logprobs": [vars(lp) for lp in frame.logprobs]}
                 if self.transcription and frame.text:  # (whole, as OpenAI's whisper-1 sends it)
-                    delta = {"item_id": frame.item_id, "content_index": 0, "delta": frame.text}
+                    delta = {"item_id": frame.item_id, "content_index": 0, "delta": frame.text, **logprobs}
                     await self.send("conversation.item.input_audio_transcription.delta", **delta)
                 await self.send(
                     "conversation.item.input_audio_transcription.completed",
                     item_id=frame.item_id,
                     content_index=0,
                     transcript=frame.text,
+                    **logprobs,
                     usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
                 )
         elif isinstance(frame, Interrupt):

@@ -27,13 +27,11 @@ FIELDS = frozenset(
 TRANSCRIPTION_PARAM = "session.input_audio_transcription"
 # Client events of conversation sessions only.
 REFUSED = frozenset(("response.create", "response.cancel", "conversation.item.create", "conversation.item.truncate"))
-LOGPROBS = "item.input_audio_transcription.logprobs"
 
 
 def beta_patch(session: Any) -> dict[str, Any]:
     """The ``SessionConfig`` patch of a ``transcription_session.update``'s ``session``. Noise
-    reduction is accepted and not applied (the session object says ``null``); transcript
-    logprobs are not served."""
+    reduction is accepted and not applied (the session object says ``null``)."""
     if not isinstance(session, dict):
         raise EventError("session must be an object", param="session")
     unknown = sorted(set(session) - FIELDS - {"modalities"})
@@ -41,16 +39,11 @@ def beta_patch(session: Any) -> dict[str, Any]:
         raise EventError(f"a transcription session has no field {unknown[0]!r}", param=f"session.{unknown[0]}")
     if "input_audio_transcription" in session and session["input_audio_transcription"] is None:
         raise EventError("a transcription session transcribes: its settings cannot be null", param=TRANSCRIPTION_PARAM)
-    include = session.get("include")
-    if include not in (None, []) and include != [LOGPROBS]:
-        raise EventError(f"include may only hold {LOGPROBS!r}", param="session.include")
-    if include:
-        raise EventError("transcript logprobs are not served", code="unsupported", param="session.include")
     td = session.get("turn_detection")
     for key in ("create_response", "interrupt_response"):
         if isinstance(td, dict) and td.get(key):
             raise EventError("a transcription session makes no responses", param=f"session.turn_detection.{key}")
-    return {k: v for k, v in session.items() if k in FIELDS - {"input_audio_noise_reduction", "include"}}
+    return {k: v for k, v in session.items() if k in FIELDS - {"input_audio_noise_reduction"}}
 
 
 def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +75,7 @@ def beta_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
         "input_audio_transcription": config.input_audio_transcription,
         "turn_detection": _shown(config.turn_detection),
         "input_audio_noise_reduction": None,
-        "include": None,
+        "include": config.include,
     }
 
 
@@ -100,7 +93,7 @@ def ga_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
                 "noise_reduction": None,
             }
         },
-        "include": None,
+        "include": config.include,
     }
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from modalities.asr.types import Transcript
 
 
 class ServiceMissing(LookupError):
@@ -69,10 +72,15 @@ class Services:
         return cls(**found)
 
     async def transcribe(
-        self, samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
-    ) -> str:
-        """Text of one 16 kHz mono utterance (``priority``, ``language``, ``prompt``: as
-        ``TranscriptionRequest``'s)."""
+        self,
+        samples: np.ndarray,
+        priority: int = 0,
+        language: str | None = None,
+        prompt: str | None = None,
+        logprobs: bool = False,
+    ) -> Transcript:
+        """The transcript of one 16 kHz mono utterance (``priority``, ``language``, ``prompt``,
+        ``logprobs``: as ``TranscriptionRequest``'s)."""
         if self.asr is None:
             raise ServiceMissing("no asr model is served")
         from modalities.asr.engine import TranscriptionRequest
@@ -80,10 +88,14 @@ class Services:
         # vad=False: a turn has been through the session's own VAD (its threshold, its floor); the
         # ASR's defaults must not judge it again.
         req = TranscriptionRequest(
-            np.asarray(samples, np.float32), language=language, prompt=prompt, vad=False, priority=priority
+            np.asarray(samples, np.float32),
+            language=language,
+            prompt=prompt,
+            vad=False,
+            priority=priority,
+            logprobs=logprobs,
         )
-        result = await self.asr.run(req)
-        return str(result.text)
+        return await self.asr.run(req)
 
     async def speak(
         self, text: str, voice: str | None, sample_rate: int, priority: int = 0, speed: float = 1.0

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from modalities.asr.types import Transcript as Transcription
 from modalities.audio import ASR_RATE
 from modalities.stream_resample import Resampler
 from modalities.tts.text import SentenceSplitter
@@ -141,6 +142,7 @@ class ASROptions:
     language: str | None = None  # None: English for an English-only model, else detected
     prompt: str | None = None  # Whisper's prompt: names and terms the speech may use
     priority: int = 0  # of its transcriptions (``TranscriptionRequest.priority``)
+    logprobs: bool = False  # ``Heard`` carries the transcript's token logprobs
 
 
 class ASR(Processor):
@@ -148,7 +150,7 @@ class ASR(Processor):
     consumed); a barge-in while an utterance is transcribed cancels its reply (its
     ``Transcript`` does not ``respond``). A tentative utterance starts its transcription in
     the background; the final one with the same ``turn_key`` takes that result
-    (the silence wait and the ASR overlap) if the language and prompt are still those it ran
+    (the silence wait and the ASR overlap) if the language, prompt and logprobs are still those it ran
     with, any other discards it, and so does ``SpeechResumed``.
     In a concurrent run, a background transcript still unclaimed when it is ready is also passed
     on as a tentative ``Transcript`` (the LLM stage may start the reply speculatively, and judge
@@ -157,7 +159,7 @@ class ASR(Processor):
     def __init__(self, services: Services, options: ASROptions | None = None) -> None:
         self.services = services
         self.options = options or ASROptions()  # live: a session.update changes it in place
-        self.early: tuple[tuple[int, str | None, str | None], asyncio.Task[str]] | None = None
+        self.early: tuple[tuple[int, str | None, str | None, bool], asyncio.Task[Transcription]] | None = None
 
     async def process(self, frame: Frame) -> AsyncIterator[Frame]:
         if isinstance(frame, SpeechResumed):
@@ -168,7 +170,7 @@ class ASR(Processor):
             yield frame
             return
         early, self.early = self.early, None
-        key = (frame.turn_key, self.options.language, self.options.prompt)
+        key = (frame.turn_key, self.options.language, self.options.prompt, self.options.logprobs)
         if early is not None and (frame.tentative or early[0] != key):
             early[1].cancel()
             early = None
@@ -176,22 +178,23 @@ class ASR(Processor):
             self.early = (key, asyncio.create_task(self._early(frame)))
             return
         taken = self.turns_taken
-        text = (await (early[1] if early is not None else self._transcribe(frame))).strip()
+        heard = await (early[1] if early is not None else self._transcribe(frame))
+        text = heard.text.strip()
         respond = frame.respond and self.turns_taken == taken  # (a barge-in meanwhile: no reply)
-        yield Heard(text, frame.start_ms, frame.end_ms, item_id=frame.item_id)
+        yield Heard(text, frame.start_ms, frame.end_ms, item_id=frame.item_id, logprobs=heard.logprobs)
         yield Transcript(text, frame.start_ms, frame.end_ms, item_id=frame.item_id, respond=respond)
 
-    async def _transcribe(self, frame: UserAudio) -> str:
+    async def _transcribe(self, frame: UserAudio) -> Transcription:
         o = self.options
-        return await self.services.transcribe(frame.samples, o.priority, o.language, o.prompt)
+        return await self.services.transcribe(frame.samples, o.priority, o.language, o.prompt, o.logprobs)
 
-    async def _early(self, frame: UserAudio) -> str:
-        text = await self._transcribe(frame)
+    async def _early(self, frame: UserAudio) -> Transcription:
+        heard = await self._transcribe(frame)
         unclaimed = self.early is not None and self.early[1] is asyncio.current_task()
         if unclaimed and self.emit is not None:  # (for a speculative reply and a semantic VAD's verdict)
             self.emit(
                 Transcript(
-                    text.strip(),
+                    heard.text.strip(),
                     frame.start_ms,
                     frame.end_ms,
                     item_id=frame.item_id,
@@ -200,7 +203,7 @@ class ASR(Processor):
                     turn_key=frame.turn_key,
                 )
             )
-        return text
+        return heard
 
     def close(self) -> None:
         early, self.early = self.early, None

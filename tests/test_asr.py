@@ -156,8 +156,12 @@ def test_sentence_segments_cut_at_sentence_ends_and_pauses() -> None:
 async def test_long_span_is_split_with_overlap_and_stitched(engine: AsrEngine) -> None:
     # 0.25 s gaps and no VAD: one 55 s span, cut into overlapping windows at quiet points.
     audio, _ = long_recording("piper", gap_s=0.25)
-    transcript = await engine.run(TranscriptionRequest(audio, vad=False))
+    transcript = await engine.run(TranscriptionRequest(audio, vad=False, logprobs=True))
     assert len(transcript.segments) >= 2
+    # the logprobs are those of the kept words' tokens: the overlap's, once
+    assert transcript.logprobs is not None and all(lp.logprob <= 0 for lp in transcript.logprobs)
+    assert "".join(lp.token for lp in transcript.logprobs).split() == transcript.text.split()
+    assert all(bytes(lp.bytes).decode() == lp.token for lp in transcript.logprobs)
     # the windows overlap; their segments meet in the middle of the overlap instead
     windows = engine._windows(audio, False)
     assert windows[1].overlaps_prev and windows[1].start < windows[0].end
@@ -553,6 +557,7 @@ async def test_no_speech_prob_and_avg_logprob_match_transformers(engine: AsrEngi
         lps = [float(torch.log_softmax(sc[0].float(), -1)[t]) for sc, t in zip(gen.scores, chosen, strict=True)]
         assert res.tokens == [t for t in chosen if t != w.model.generation_config.eos_token_id]
         assert res.avg_logprob == pytest.approx(sum(lps) / (len(res.tokens) + 1), abs=2e-3)
+        assert res.token_logprobs == pytest.approx(lps[: len(res.tokens)], abs=5e-3)  # each token's (fp32 order)
         assert res.temperature == 0.0
     assert res.no_speech_prob > 0.6 and res.avg_logprob <= -1.0 and res.silent  # the noise
     streamed = [d async for d in engine.stream(TranscriptionRequest(noise))]  # nothing sent live either

@@ -186,6 +186,20 @@ def test_stream_sends_deltas_then_done(client: openai.OpenAI, two_sentences: np.
     assert _words(done[0].text) == _words(f"{SENTENCES[0]} {SENTENCES[2]}")
 
 
+def test_logprobs_of_the_transcript_tokens(client: openai.OpenAI, two_sentences: np.ndarray) -> None:
+    wav = ("a.wav", encode_audio(two_sentences, RATE, "wav"))
+    r = client.audio.transcriptions.create(model="whisper-1", file=wav, include=["logprobs"])
+    assert r.logprobs is not None and len(r.logprobs) > 10
+    assert "".join(lp.token or "" for lp in r.logprobs).strip() == r.text
+    assert all(lp.logprob is not None and lp.logprob <= 0 for lp in r.logprobs)
+    assert all(bytes(int(b) for b in lp.bytes or []).decode() == lp.token for lp in r.logprobs)
+    assert client.audio.transcriptions.create(model="whisper-1", file=wav).logprobs is None  # (not asked)
+    events = list(client.audio.transcriptions.create(model="whisper-1", file=wav, include=["logprobs"], stream=True))
+    done = events[-1]
+    assert done.type == "transcript.text.done" and done.text == r.text
+    assert [lp.model_dump() for lp in done.logprobs or []] == [lp.model_dump() for lp in r.logprobs]
+
+
 def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
     url = server[0] + "/v1/audio/transcriptions"
     auth = {"Authorization": f"Bearer {KEY}"}
@@ -219,6 +233,8 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
         ({"timestamp_granularities[]": "word", "stream": "true"}, "timestamp_granularities[]"),
         ({"timestamp_granularities[]": "phrase", "response_format": "verbose_json"}, "timestamp_granularities[]"),
         ({"timestamp_granularities[]": "segment"}, "timestamp_granularities[]"),  # needs verbose_json
+        ({"include[]": "tokens"}, "include[]"),
+        ({"include[]": "logprobs", "response_format": "verbose_json"}, "include[]"),  # json only, as OpenAI
     ]
     for fields, param in cases:
         r = httpx.post(url, headers=auth, files={"file": ("a.wav", io.BytesIO(wav))}, data=fields, timeout=60)

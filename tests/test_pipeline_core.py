@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from modalities.asr.types import TokenLogprob
+from modalities.asr.types import Transcript as AsrTranscript
 from pipelines.frames import (
     End,
     ErrorFrame,
@@ -67,6 +69,11 @@ async def _source(frames: list[Frame], gap: float = 0.0) -> AsyncIterator[Frame]
     for f in frames:
         await asyncio.sleep(gap)
         yield f
+
+
+def asr_said(text: str) -> AsrTranscript:
+    """What a fake ASR service hears."""
+    return AsrTranscript(text, [], "en", 0.0)
 
 
 def test_sequential_pipeline_passes_frames_through_in_order() -> None:
@@ -521,22 +528,31 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
 
     class Fake(Services):
         async def transcribe(
-            self, samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
-        ) -> str:
+            self,
+            samples: np.ndarray,
+            priority: int = 0,
+            language: str | None = None,
+            prompt: str | None = None,
+            logprobs: bool = False,
+        ) -> AsrTranscript:
             calls.append(samples.size)
             priorities.append(priority)
             hints.append((language, prompt))
             await asyncio.sleep(0.01)
-            return f"heard {samples.size}"
+            heard = asr_said(f"heard {samples.size}")
+            heard.logprobs = [TokenLogprob(heard.text, -0.5, list(heard.text.encode()))] if logprobs else None
+            return heard
 
     def audio(n: int, key: int, tentative: bool) -> UserAudio:
         return UserAudio(np.zeros(n, np.float32), 16_000, tentative=tentative, turn_key=key)
 
-    async def run(frames: list[Frame], priority: int = 0, **hint: str) -> list[str]:
+    async def run(frames: list[Frame], priority: int = 0, **hint: Any) -> list[str]:
         asr = ASR(Fake(), ASROptions(priority=priority, **hint))
         out = await Pipeline([asr]).run_all(frames)
         heard = [f.text for f in out if isinstance(f, Heard)]  # each told the client at once, as passed on
         assert heard == [f.text for f in out if isinstance(f, Transcript)]
+        logprobs = [f.logprobs for f in out if isinstance(f, Heard)]
+        assert logprobs == [[TokenLogprob(t, -0.5, list(t.encode()))] if hint.get("logprobs") else None for t in heard]
         return heard
 
     assert asyncio.run(run([audio(10, 1, True), audio(12, 1, False)])) == ["heard 10"] and calls == [10]
@@ -556,6 +572,10 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     hints.clear()
     assert asyncio.run(run([audio(10, 5, True), audio(12, 5, False), audio(9, 6, False)], language="en", prompt="Oslo"))
     assert hints == [("en", "Oslo"), ("en", "Oslo")]
+    # The transcript's logprobs, when asked for, reach the client's ``Heard``.
+    calls.clear()
+    assert asyncio.run(run([audio(10, 7, True), audio(12, 7, False)], logprobs=True)) == ["heard 10"]
+    assert calls == [10]
 
 
 def test_a_barge_in_cancels_the_replies_not_started_yet() -> None:
@@ -567,9 +587,9 @@ def test_a_barge_in_cancels_the_replies_not_started_yet() -> None:
     from pipelines.speech import ASR
 
     class Fake(Services):
-        async def transcribe(self, samples: np.ndarray, *_: object) -> str:
+        async def transcribe(self, samples: np.ndarray, *_: object) -> AsrTranscript:
             await asyncio.sleep(0.2)
-            return f"said {samples.size}"
+            return asr_said(f"said {samples.size}")
 
     class Busy(Processor):
         """A stage slow to take its frames (an LLM writing a reply), not interruptible."""
@@ -611,9 +631,9 @@ def test_a_barge_in_is_counted_at_once_and_reaches_requests_before_its_stage() -
     events: list[asyncio.Event] = []
 
     class Waits(Services):
-        async def transcribe(self, samples: np.ndarray, *_: object) -> str:
+        async def transcribe(self, samples: np.ndarray, *_: object) -> AsrTranscript:
             await events[-1].wait()
-            return "said"
+            return asr_said("said")
 
     class Hears(Processor):
         """Speech starts in every audio frame (a VAD), slowly."""
@@ -927,11 +947,16 @@ class _Speech:
         self.before_commit: list[str] = []  # texts whose synthesis began before the commit
 
     async def transcribe(
-        self, samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
-    ) -> str:
+        self,
+        samples: np.ndarray,
+        priority: int = 0,
+        language: str | None = None,
+        prompt: str | None = None,
+        logprobs: bool = False,
+    ) -> AsrTranscript:
         self.transcribed.append(samples.size)
         await asyncio.sleep(0.02)
-        return f"heard {samples.size}"
+        return asr_said(f"heard {samples.size}")
 
     async def speak(
         self, text: str, voice: str | None, rate: int, priority: int = 0, speed: float = 1.0
@@ -1069,10 +1094,14 @@ def test_a_pauses_transcript_is_kept_only_while_the_language_and_prompt_stand() 
     heard: list[tuple[str | None, str | None]] = []
 
     async def transcribe(
-        samples: np.ndarray, priority: int = 0, language: str | None = None, prompt: str | None = None
-    ) -> str:
+        samples: np.ndarray,
+        priority: int = 0,
+        language: str | None = None,
+        prompt: str | None = None,
+        logprobs: bool = False,
+    ) -> AsrTranscript:
         heard.append((language, prompt))
-        return f"heard in {language}"
+        return asr_said(f"heard in {language}")
 
     services = Services()
     services.transcribe = transcribe  # type: ignore[method-assign]

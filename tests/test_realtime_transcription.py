@@ -52,6 +52,7 @@ def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_s
                 {"turn_detection": {"create_response": True}},
                 {"instructions": "hi"},
                 {"turn_detection": {"type": "semantic_vad"}},  # (no LLM served to judge the turns)
+                {"include": ["item.input_audio_transcription.tokens"]},
             )
             for refused in (*refusals, {"input_audio_transcription": None}):
                 await c.send("transcription_session.update", session=refused)
@@ -62,7 +63,7 @@ def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_s
             assert (await c.until("error"))["error"]["param"] == "session.type"
             await c.stream(asr_server["question"])
             done = await c.until("conversation.item.input_audio_transcription.completed")
-            assert _heard(done["transcript"])
+            assert _heard(done["transcript"]) and "logprobs" not in done  # (not asked for)
             await c.send("conversation.item.retrieve", item_id=done["item_id"])
             item = (await c.until("conversation.item.retrieved"))["item"]
             assert item["content"][0]["transcript"] == done["transcript"]
@@ -88,8 +89,8 @@ def test_a_beta_transcription_session_hears_each_turn_and_makes_no_replies(asr_s
 def test_the_official_client_runs_a_ga_transcription_session_in_g711(asr_server: dict[str, Any]) -> None:
     """``openai``'s ``client.realtime.connect`` with ``intent=transcription`` (GA): a
     ``session.created`` of type "transcription", a ``session.update`` of that type (the input in
-    G.711 mu-law; a bad language refused, naming the GA field), GA item events; a session of
-    another type is refused."""
+    G.711 mu-law; a bad language refused, naming the GA field; the transcript's logprobs
+    included), GA item events; a session of another type is refused."""
     openai = pytest.importorskip("openai")
     from modalities.audio import resample
     from pipelines.realtime_audio import FORMATS
@@ -114,15 +115,23 @@ def test_the_official_client_runs_a_ga_transcription_session_in_g711(asr_server:
             bad = await until("error")
             assert bad.error.param.startswith("session.audio.input.transcription"), bad
             audio_in["transcription"] = {"model": "whisper-1", "language": "en"}
-            await conn.session.update(session={"type": "transcription", "audio": {"input": audio_in}})
+            include = ["item.input_audio_transcription.logprobs"]
+            await conn.session.update(
+                session={"type": "transcription", "audio": {"input": audio_in}, "include": include}
+            )
             updated = (await until("session.updated")).session
             assert updated.type == "transcription" and updated.audio.input.format.type == "audio/pcmu"
+            assert updated.include == include
             step = pcmu.rate // 10  # 100 ms
             for i in range(0, len(audio), step):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i : i + step]).decode())
                 await asyncio.sleep(0.025)
             done = await until("conversation.item.input_audio_transcription.completed")
             assert done.type.endswith(".completed") and _heard(done.transcript), done
+            assert done.logprobs and all(lp.logprob <= 0 for lp in done.logprobs)
+            assert "".join(lp.token for lp in done.logprobs).strip() == done.transcript
+            delta = next(e for e in events if e.type.endswith("transcription.delta"))
+            assert delta.logprobs == done.logprobs
             return events
 
     types = [e.type for e in asyncio.run(go())]

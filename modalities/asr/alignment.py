@@ -28,7 +28,7 @@ import numpy as np
 
 from modalities.asr.longform import Window, stitched_spans
 from modalities.asr.quality import WindowResult
-from modalities.asr.types import Word
+from modalities.asr.types import TokenLogprob, Word
 
 if TYPE_CHECKING:
     import torch
@@ -120,16 +120,19 @@ def _byte_decoder() -> dict[str, int]:
     return table
 
 
+def _token_bytes(tokenizer: Any, tokens: list[int], first_special: int) -> list[bytes]:
+    """Each token's UTF-8 bytes (a special token's: none)."""
+    decode = _byte_decoder()
+    pieces = tokenizer.convert_ids_to_tokens(tokens)
+    return [bytes(decode[c] for c in p) if t < first_special else b"" for t, p in zip(tokens, pieces, strict=True)]
+
+
 def word_token_spans(tokenizer: Any, tokens: list[int], first_special: int) -> list[tuple[str, int, int]]:
     """``(word, first token, last token + 1)`` for each whitespace-separated word of the decoded
     ``tokens`` (special tokens, ids from ``first_special`` on, decode to nothing): the words are
     exactly ``text.split()`` of the decoded text; a word's tokens are those holding any of its
     bytes (a character may be split across tokens)."""
-    decode = _byte_decoder()
-    pieces = tokenizer.convert_ids_to_tokens(tokens)
-    token_bytes = [
-        bytes(decode[c] for c in p) if t < first_special else b"" for t, p in zip(tokens, pieces, strict=True)
-    ]
+    token_bytes = _token_bytes(tokenizer, tokens, first_special)
     token_end = list(itertools.accumulate(len(b) for b in token_bytes))
     data = b"".join(token_bytes)
     # Decode a byte at a time, noting after how many bytes each character came out.
@@ -238,4 +241,25 @@ def transcript_words(windows: list[Window], texts: list[str], results: list[Wind
             end = min(max(w.start + word.end, start), seg_end)
             out.append(Word(word.word, round(start, 3), round(end, 3)))
             last_end = end
+    return out
+
+
+def transcript_logprobs(
+    windows: list[Window], texts: list[str], results: list[WindowResult], tokenizer: Any, first_special: int
+) -> list[TokenLogprob]:
+    """The transcript's tokens with their logprobs: each window's kept decode's tokens that hold
+    the words the overlap stitching keeps of its text (``stitched_spans``), in order."""
+    out: list[TokenLogprob] = []
+    for text, (lo, hi), r in zip(texts, stitched_spans(windows, texts), results, strict=True):
+        if not text or lo >= hi:
+            continue
+        tokens, lps = r.tokens, r.token_logprobs
+        if (lo, hi) != (0, len(text.split())):
+            spans = word_token_spans(tokenizer, tokens, first_special)
+            if len(spans) != len(text.split()):  # (as ``transcript_words``: the texts differ)
+                continue
+            tokens, lps = tokens[spans[lo][1] : spans[hi - 1][2]], lps[spans[lo][1] : spans[hi - 1][2]]
+        for b, lp in zip(_token_bytes(tokenizer, tokens, first_special), lps, strict=True):
+            if b:
+                out.append(TokenLogprob(b.decode("utf-8", errors="replace"), float(lp), list(b)))
     return out

@@ -10,7 +10,9 @@ extension: seeds those sampled decodes, default 0, so a request is reproducible)
 without the punctuation around it as OpenAI's; ``word`` alone leaves ``segments`` out, as OpenAI
 does), ``stream`` (SSE: ``transcript.text.delta``
 events as text decodes, then ``transcript.text.done``, whose text is the final one; json/text
-only, so never with word timestamps). Unreadable audio is a 400, a file over the ASR upload
+only, so never with word timestamps), ``include[]`` (``logprobs``, with json only, as OpenAI:
+the response's ``logprobs`` lists the text's tokens, each ``{token, logprob, bytes}``; a stream
+gives them in ``transcript.text.done``, not in its deltas). Unreadable audio is a 400, a file over the ASR upload
 limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
 duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails). Without
 ``language``, an English-only model hears English and a multilingual one the language it detects
@@ -24,6 +26,7 @@ Translations (speech in any language the model knows, as English text) take ``fi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -117,7 +120,26 @@ def _response(transcript: Any, response_format: str, granularities: list[str], t
         return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
     if response_format == "verbose_json":
         return JSONResponse(to_verbose(transcript, granularities, task))
-    return JSONResponse({"text": transcript.text, "usage": {"type": "duration", "seconds": round(transcript.duration)}})
+    return JSONResponse({"text": transcript.text, **_logprobs(transcript), "usage": _usage(transcript)})
+
+
+def _wants_logprobs(include: list[str], response_format: str) -> bool:
+    """Whether ``include[]`` asks for the transcript's logprobs (a 400 for what it cannot hold)."""
+    for item in include:
+        if item != "logprobs":
+            raise APIError(400, f"include[] may only hold 'logprobs', got {item!r}", param="include[]")
+    if include and response_format != "json":
+        raise APIError(400, "include[]=logprobs requires response_format=json", param="include[]")
+    return bool(include)
+
+
+def _logprobs(t: Any) -> dict[str, Any]:
+    """The ``logprobs`` field of a json body or done event, when the request asked for them."""
+    return {} if t.logprobs is None else {"logprobs": [dataclasses.asdict(lp) for lp in t.logprobs]}
+
+
+def _usage(t: Any) -> dict[str, Any]:
+    return {"type": "duration", "seconds": round(t.duration)}
 
 
 @router.post("/v1/audio/transcriptions")
@@ -132,6 +154,7 @@ async def create_transcription(
     stream: Annotated[bool, Form()] = False,
     seed: Annotated[int | None, Form()] = None,
     timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
+    include: Annotated[list[str] | None, Form(alias="include[]")] = None,
 ) -> Any:
     """OpenAI ``POST /v1/audio/transcriptions``."""
     from modalities.asr.engine import TranscriptionRequest
@@ -145,6 +168,7 @@ async def create_transcription(
     words = "word" in granularities
     if seed is not None and not 0 <= seed < 1 << 32:
         raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
+    logprobs = _wants_logprobs(include or [], response_format)
     served, engine = resolve_asr_engine(request, model)
     audio = await _read_audio(file, engine)
     req = TranscriptionRequest(
@@ -155,6 +179,7 @@ async def create_transcription(
         seed=seed,
         word_timestamps=words,
         sentence_segments=shows_segments(response_format, granularities),
+        logprobs=logprobs,
     )
     if not stream:
         transcript = await _charged(request, audio.duration, "language", lambda: engine.run(req))
@@ -197,8 +222,7 @@ async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:
         while item is not None:
             if item.transcript is not None:
                 t = item.transcript
-                usage = {"type": "duration", "seconds": round(t.duration)}
-                yield sse({"type": "transcript.text.done", "text": t.text, "usage": usage})
+                yield sse({"type": "transcript.text.done", "text": t.text, **_logprobs(t), "usage": _usage(t)})
             elif item.text:
                 yield sse({"type": "transcript.text.delta", "delta": item.text})
             item = await anext(deltas, None)

@@ -26,16 +26,10 @@ import numpy as np
 
 from engine import openmp
 from engine.foreground import default_wait_s
-from modalities.asr.alignment import WordAligner, transcript_words, word_token_spans
+from modalities.asr.alignment import WordAligner, word_token_spans
+from modalities.asr.assemble import assemble
 from modalities.asr.encoder import RATE, EncoderBatcher
-from modalities.asr.longform import (
-    Window,
-    meet_at_words,
-    plan_windows,
-    sentence_segments,
-    stable_text,
-    window_segments,
-)
+from modalities.asr.longform import Window, plan_windows, stable_text
 from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
 from modalities.asr.quality import (
     WindowResult,
@@ -314,6 +308,7 @@ class AsrEngine:
             text = text.strip()
             res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)
             res.language = language
+            res.token_logprobs = [lp for x, lp in zip(ids, lps, strict=False) if x != self._eos]
             attempts.append(res)
             if not res.needs_fallback or attempt == len(temps) - 1:
                 break
@@ -368,6 +363,7 @@ class AsrEngine:
             res,
             text=" ".join([*res.text.split()[:-1], tail.text]),
             tokens=[*res.tokens[: spans[-1][1]], *tail.tokens],
+            token_logprobs=[*res.token_logprobs[: spans[-1][1]], *tail.token_logprobs],
             words=[*res.words[:-1], *moved],
         )
 
@@ -441,20 +437,11 @@ class AsrEngine:
         finally:
             for t in tasks:
                 t.cancel()
-        segments = window_segments(windows, texts, results)  # type: ignore[arg-type] # all set
-        text = " ".join(s.text for s in segments)
-        if text.startswith(emitted) and len(text) > len(emitted):
-            yield TranscriptDelta(text[len(emitted) :])
-        words = transcript_words(windows, texts, results) if aligned else None  # type: ignore[arg-type]
-        if words:
-            meet_at_words(segments, words)
-        if words and req.sentence_segments:
-            tok = self.whisper.tokenizer
-            segments = sentence_segments(segments, words, lambda t: tok(" " + t, add_special_tokens=False).input_ids)
-        words = words if req.word_timestamps else None
-        heard = next((r.language for r in results if r is not None and r.language and not r.silent), None)
-        language = req.language or heard or "en"
-        yield TranscriptDelta("", Transcript(text, segments, language, len(audio) / RATE, words))
+        # (every window is done: each has its result)
+        transcript = assemble(req, windows, texts, results, self.whisper.tokenizer, self._eos)  # type: ignore[arg-type]
+        if transcript.text.startswith(emitted) and len(transcript.text) > len(emitted):
+            yield TranscriptDelta(transcript.text[len(emitted) :])
+        yield TranscriptDelta("", transcript)
 
     async def run(self, req: TranscriptionRequest) -> Transcript:
         final: Transcript | None = None

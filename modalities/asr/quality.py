@@ -10,7 +10,7 @@ and whose text is unlikely (mean logprob ≤ -1.0) is neither retried nor transc
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class WindowResult:
     no_speech_prob: float
     words: list[Word] | None = None  # window-relative, when word timestamps were asked for
     language: str | None = None  # the code of the language heard, when the request named none
+    token_logprobs: list[float] = field(default_factory=list)  # of ``tokens``
 
     @property
     def silent(self) -> bool:

@@ -41,14 +41,26 @@ class Word:
 
 
 @dataclass
+class TokenLogprob:
+    """One token of the transcript's text as OpenAI's ``logprobs`` list it: the token's text
+    (a piece of a character decodes to U+FFFD), the logprob of its choice, its UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+@dataclass
 class Transcript:
-    """``words``: set (possibly empty) when the request asked for word timestamps, else None."""
+    """``words``: set (possibly empty) when the request asked for word timestamps, else None;
+    ``logprobs``: the text's tokens, when the request asked for them (``TranscriptionRequest.logprobs``)."""
 
     text: str
     segments: list[Segment]
     language: str
     duration: float
     words: list[Word] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -63,6 +75,8 @@ class TranscriptionRequest:
     ``word_timestamps``: also align every word (one extra decoder pass per window).
     ``sentence_segments``: segments cut at sentence ends and pauses (``longform.sentence_segments``:
     subtitle cues), at the words' times (the same extra pass), not one per window.
+    ``logprobs``: the transcript carries its tokens' logprobs (those of the decodes kept, of the
+    words the stitch kept).
     ``priority``: lower is encoded and admitted to the decoder first; a window of priority < 0
     (``engine.foreground.INTERACTIVE``: a live voice turn) is encoded alone on a CPU
     (``modalities.asr.encoder``)."""
@@ -77,6 +91,7 @@ class TranscriptionRequest:
     sentence_segments: bool = False
     task: str = "transcribe"  # or "translate" (to English; a multilingual model only)
     priority: int = 0
+    logprobs: bool = False
 
 
 @dataclass
