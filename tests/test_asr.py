@@ -187,8 +187,9 @@ async def test_a_window_whose_text_stops_early_is_decoded_on(engine: AsrEngine) 
     first = await engine.decode_tokens(audio, engine.prompt_ids())  # the decode alone (generate()'s)
     assert engine.whisper.tokenizer.decode(first).split()[-1].lower() == "local"
     before = engine.num_rest_decodes
-    t = await engine.run(TranscriptionRequest(audio, word_timestamps=True))
+    t = await engine.run(TranscriptionRequest(audio, word_timestamps=True, logprobs=True))
     assert engine.num_rest_decodes > before
+    assert t.logprobs is not None and "".join(lp.token for lp in t.logprobs).split() == t.text.split()  # (joined too)
     words = normalize_text(t.text).split()
     assert words[:4] == ["trade", "tomato", "and", "bean"] and "homework" in words, t.text
     assert words.count("local") == 1 and words[-3:-1] == ["and", "many"], t.text  # (the last one is cut)

@@ -96,6 +96,15 @@ def test_word_granularity_puts_words_in_the_transcript(base: str) -> None:
     assert body["words"] == words and body["segments"] and both["segments"] == len(body["segments"])
 
 
+def test_logprobs_in_the_json_transcript(base: str) -> None:
+    audio, _ = long_recording("piper", gap_s=1.0, sentences=[1])
+    result = _transcribe(base, {"file_id": _upload(base, audio), "response_format": "json", "include": ["logprobs"]})
+    body = httpx.get(f"{base}{result['url']}", timeout=30).json()
+    assert body["text"] == result["text"] and body["usage"]["type"] == "duration"
+    assert "".join(lp["token"] for lp in body["logprobs"]).strip() == body["text"]
+    assert all(lp["logprob"] <= 0 and bytes(lp["bytes"]).decode() == lp["token"] for lp in body["logprobs"])
+
+
 def test_bad_params_are_400(base: str) -> None:
     bad = (
         {},
@@ -113,6 +122,10 @@ def test_bad_params_are_400(base: str) -> None:
         ({"timestamp_granularities": ["word"], "response_format": "srt"}, "requires response_format=verbose_json"),
         ({"timestamp_granularities": ["segment"], "response_format": "json"}, "requires response_format=verbose_json"),
     )
+    includes = (
+        ({"include": ["tokens"]}, "may only hold 'logprobs'"),
+        ({"include": ["logprobs"]}, "requires response_format=json"),  # (the job's default: verbose_json)
+    )
     for params, message in granularities:
         r = httpx.post(
             f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": {"file_id": "x", **params}}, timeout=30
@@ -120,3 +133,8 @@ def test_bad_params_are_400(base: str) -> None:
         assert r.status_code == 400, (params, r.text)
         error = r.json()["error"]
         assert error["message"].startswith("params.timestamp_granularities: ") and message in error["message"]
+    for params, message in includes:
+        r = httpx.post(
+            f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": {"file_id": "x", **params}}, timeout=30
+        )
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (params, r.text)

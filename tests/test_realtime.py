@@ -266,9 +266,13 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
 
             td = {"type": "server_vad", "silence_duration_ms": 500}
             session = {"type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 24}
-            await conn.session.update(session={**session, "audio": {"input": {"turn_detection": td}}})
+            include = ["item.input_audio_transcription.logprobs"]
+            await conn.session.update(
+                session={**session, "audio": {"input": {"turn_detection": td}}, "include": include}
+            )
             updated = await until("session.updated")
             assert updated.type == "session.updated" and updated.session.type == "realtime"
+            assert updated.session.include == include
             assert updated.session.output_modalities == ["audio"] and updated.session.audio.input.format.rate == RATE
             pcm = server["question"]
             step = RATE // 10 * 2  # 100 ms appends
@@ -284,6 +288,7 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
             heard = next(e for e in events if e.type.endswith("input_audio_transcription.completed"))
             assert "capital" in heard.transcript.lower() and "france" in heard.transcript.lower()
             assert heard.usage.type == "duration" and 1.0 < heard.usage.seconds < 4.0
+            assert heard.logprobs and "".join(lp.token for lp in heard.logprobs).strip() == heard.transcript
             said = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
             [part] = done.response.output[0].content
             assert part.type == "output_audio" and said and part.transcript == said
@@ -862,6 +867,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
         json.dumps({"type": "session.update", "session": {"modalities": [["text"]]}}),
         json.dumps({"type": "session.update", "session": {"voice": "nobody"}}),
         json.dumps({"type": "session.update", "session": {"instructions": "Say \ud800"}}),
+        json.dumps({"type": "session.update", "session": {"include": ["item.input_audio_transcription.tokens"]}}),
         json.dumps({"type": "conversation.item.create", "item": user_item("Say \ud800 hello.")}),
     ]
 

@@ -116,6 +116,8 @@ def test_the_official_client_runs_a_ga_transcription_session_in_g711(asr_server:
             assert bad.error.param.startswith("session.audio.input.transcription"), bad
             audio_in["transcription"] = {"model": "whisper-1", "language": "en"}
             include = ["item.input_audio_transcription.logprobs"]
+            await conn.session.update(session={"type": "transcription", "audio": {"input": {"include": include}}})
+            assert (await until("error")).error.param == "session.audio.input.include"  # (the session's field)
             await conn.session.update(
                 session={"type": "transcription", "audio": {"input": audio_in}, "include": include}
             )

@@ -257,6 +257,7 @@ def transcript_logprobs(
         if (lo, hi) != (0, len(text.split())):
             spans = word_token_spans(tokenizer, tokens, first_special)
             if len(spans) != len(text.split()):  # (as ``transcript_words``: the texts differ)
+                logger.warning("logprobs skipped for a window: its tokens' words do not match its text")
                 continue
             tokens, lps = tokens[spans[lo][1] : spans[hi - 1][2]], lps[spans[lo][1] : spans[hi - 1][2]]
         for b, lp in zip(_token_bytes(tokenizer, tokens, first_special), lps, strict=True):

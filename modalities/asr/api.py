@@ -26,7 +26,6 @@ Translations (speech in any language the model knows, as English text) take ``fi
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -38,7 +37,16 @@ from gateway.metrics import engine_modality
 from gateway.ratelimit import charge
 from gateway.streaming import SSE_HEADERS, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
-from modalities.asr.formats import RESPONSE_FORMATS, granularity_error, shows_segments, to_srt, to_verbose, to_vtt
+from modalities.asr.formats import (
+    RESPONSE_FORMATS,
+    granularity_error,
+    include_error,
+    shows_segments,
+    to_json,
+    to_srt,
+    to_verbose,
+    to_vtt,
+)
 from modalities.audio import ASR_RATE, MAX_AUDIO_S, AudioDecodeError, AudioTooLong, decode_audio
 
 router = APIRouter(tags=["audio"])
@@ -120,26 +128,7 @@ def _response(transcript: Any, response_format: str, granularities: list[str], t
         return PlainTextResponse(to_vtt(transcript), media_type="text/vtt")
     if response_format == "verbose_json":
         return JSONResponse(to_verbose(transcript, granularities, task))
-    return JSONResponse({"text": transcript.text, **_logprobs(transcript), "usage": _usage(transcript)})
-
-
-def _wants_logprobs(include: list[str], response_format: str) -> bool:
-    """Whether ``include[]`` asks for the transcript's logprobs (a 400 for what it cannot hold)."""
-    for item in include:
-        if item != "logprobs":
-            raise APIError(400, f"include[] may only hold 'logprobs', got {item!r}", param="include[]")
-    if include and response_format != "json":
-        raise APIError(400, "include[]=logprobs requires response_format=json", param="include[]")
-    return bool(include)
-
-
-def _logprobs(t: Any) -> dict[str, Any]:
-    """The ``logprobs`` field of a json body or done event, when the request asked for them."""
-    return {} if t.logprobs is None else {"logprobs": [dataclasses.asdict(lp) for lp in t.logprobs]}
-
-
-def _usage(t: Any) -> dict[str, Any]:
-    return {"type": "duration", "seconds": round(t.duration)}
+    return JSONResponse(to_json(transcript))
 
 
 @router.post("/v1/audio/transcriptions")
@@ -168,7 +157,8 @@ async def create_transcription(
     words = "word" in granularities
     if seed is not None and not 0 <= seed < 1 << 32:
         raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
-    logprobs = _wants_logprobs(include or [], response_format)
+    if error := include_error(include or [], response_format):
+        raise APIError(400, error, param="include[]")
     served, engine = resolve_asr_engine(request, model)
     audio = await _read_audio(file, engine)
     req = TranscriptionRequest(
@@ -179,7 +169,7 @@ async def create_transcription(
         seed=seed,
         word_timestamps=words,
         sentence_segments=shows_segments(response_format, granularities),
-        logprobs=logprobs,
+        logprobs=bool(include),
     )
     if not stream:
         transcript = await _charged(request, audio.duration, "language", lambda: engine.run(req))
@@ -221,8 +211,7 @@ async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:
         item = first
         while item is not None:
             if item.transcript is not None:
-                t = item.transcript
-                yield sse({"type": "transcript.text.done", "text": t.text, **_logprobs(t), "usage": _usage(t)})
+                yield sse({"type": "transcript.text.done", **to_json(item.transcript)})
             elif item.text:
                 yield sse({"type": "transcript.text.delta", "delta": item.text})
             item = await anext(deltas, None)

@@ -22,6 +22,7 @@ def assemble(
     """The transcript of ``req``'s audio from its windows' texts and kept decodes
     (``first_special``: the first special token id, end-of-text)."""
     segments = window_segments(windows, texts, results)
+    text = " ".join(s.text for s in segments)  # (the engine's text: cues are rebuilt from words)
     aligned = req.word_timestamps or req.sentence_segments
     words = transcript_words(windows, texts, results) if aligned else None
     if words:
@@ -31,7 +32,7 @@ def assemble(
     logprobs = transcript_logprobs(windows, texts, results, tokenizer, first_special) if req.logprobs else None
     heard = next((r.language for r in results if r.language and not r.silent), None)
     return Transcript(
-        " ".join(s.text for s in segments),
+        text,
         segments,
         req.language or heard or "en",
         len(req.audio) / RATE,

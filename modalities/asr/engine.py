@@ -308,7 +308,7 @@ class AsrEngine:
             text = text.strip()
             res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)
             res.language = language
-            res.token_logprobs = [lp for x, lp in zip(ids, lps, strict=False) if x != self._eos]
+            res.token_logprobs = [lp for x, lp in zip(ids, lps, strict=True) if x != self._eos]
             attempts.append(res)
             if not res.needs_fallback or attempt == len(temps) - 1:
                 break

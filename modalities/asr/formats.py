@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import unicodedata
 from collections.abc import Sequence
 from typing import Any
@@ -10,6 +11,7 @@ from modalities.asr.engine import Transcript
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 TIMESTAMP_GRANULARITIES = ("segment", "word")
+INCLUDES = ("logprobs",)
 
 
 def granularity_error(granularities: Sequence[str], response_format: str) -> str | None:
@@ -20,6 +22,17 @@ def granularity_error(granularities: Sequence[str], response_format: str) -> str
             return f"timestamp_granularities must be 'segment' or 'word' (got {g!r})"
     if granularities and response_format != "verbose_json":
         return "timestamp_granularities requires response_format=verbose_json"
+    return None
+
+
+def include_error(include: Sequence[str], response_format: str) -> str | None:
+    """Why ``include`` is refused, None when accepted: only ``logprobs``, and only with ``json``,
+    as OpenAI requires (the endpoint and the job kind)."""
+    for item in include:
+        if item not in INCLUDES:
+            return f"include may only hold 'logprobs' (got {item!r})"
+    if include and response_format != "json":
+        return "include logprobs requires response_format=json"
     return None
 
 
@@ -55,6 +68,18 @@ def openai_words(t: Transcript) -> list[dict[str, Any]] | None:
     if t.words is None:
         return None
     return [{"word": text, "start": w.start, "end": w.end} for w in t.words if (text := openai_word(w.word))]
+
+
+def usage(t: Transcript) -> dict[str, Any]:
+    """What a transcription is billed: its audio's duration, in whole seconds (as OpenAI's)."""
+    return {"type": "duration", "seconds": round(t.duration)}
+
+
+def to_json(t: Transcript) -> dict[str, Any]:
+    """OpenAI's ``json`` body (and ``transcript.text.done``'s fields): the text, the tokens'
+    ``logprobs`` when the request asked for them, the usage."""
+    logprobs = {} if t.logprobs is None else {"logprobs": [dataclasses.asdict(lp) for lp in t.logprobs]}
+    return {"text": t.text, **logprobs, "usage": usage(t)}
 
 
 def _clock(seconds: float, sep: str) -> str:
@@ -112,5 +137,5 @@ def to_verbose(t: Transcript, granularities: Sequence[str] = (), task: str = "tr
             }
             for s in t.segments
         ]
-    body["usage"] = {"type": "duration", "seconds": round(t.duration)}
+    body["usage"] = usage(t)
     return body

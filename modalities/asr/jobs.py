@@ -4,7 +4,8 @@ transcript file.
 ``params``: ``file_id`` (an audio file uploaded through ``POST /v1/files``), and optionally
 ``model``, ``language``, ``prompt``, ``temperature``, ``seed``, ``response_format`` (default
 verbose_json), ``timestamp_granularities`` (``segment`` and/or ``word``, verbose_json only), as
-the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript; and ``task``:
+the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript; ``include``
+(``logprobs``, json only: the tokens' logprobs in the json transcript); and ``task``:
 ``transcribe`` (default) or ``translate`` (English text, as ``/v1/audio/translations``: a
 multilingual model only, else the job fails saying so).
 The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
@@ -39,12 +40,13 @@ class TranscriptionJob(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=1 << 32)
     response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "verbose_json"
     timestamp_granularities: list[str] = Field(default_factory=list)
+    include: list[str] = Field(default_factory=list)
     task: Literal["transcribe", "translate"] = "transcribe"
 
 
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     """400 before queueing: bad fields (the model is resolved where the job runs)."""
-    from modalities.asr.formats import granularity_error
+    from modalities.asr.formats import granularity_error, include_error
 
     try:
         job = TranscriptionJob(**params)
@@ -53,6 +55,8 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"params.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
     if error := granularity_error(job.timestamp_granularities, job.response_format):
         raise ValueError(f"params.timestamp_granularities: {error}")
+    if error := include_error(job.include, job.response_format):
+        raise ValueError(f"params.include: {error}")
     return job.model_dump()
 
 
@@ -67,12 +71,12 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
 
 
 def render(transcript: Any, fmt: str, granularities: list[str] | None = None, task: str = "transcribe") -> bytes:
-    from modalities.asr.formats import to_srt, to_verbose, to_vtt
+    from modalities.asr.formats import to_json, to_srt, to_verbose, to_vtt
 
     if fmt == "verbose_json":
         return json.dumps(to_verbose(transcript, granularities or (), task)).encode()
     if fmt == "json":
-        return json.dumps({"text": transcript.text}).encode()
+        return json.dumps(to_json(transcript)).encode()
     return {"text": transcript.text + "\n", "srt": to_srt(transcript), "vtt": to_vtt(transcript)}[fmt].encode()
 
 
@@ -98,6 +102,7 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
         word_timestamps=words,
         task=job.task,
         sentence_segments=shows_segments(job.response_format, job.timestamp_granularities),
+        logprobs=bool(job.include),
     )
     transcript = None
     ctx.progress(0, 1)
