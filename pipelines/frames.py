@@ -92,7 +92,9 @@ class UserAudio(Frame):
     """One utterance (16 kHz mono float32), from ``start_ms`` to ``end_ms`` of the input;
     ``respond``: the LLM answers it as soon as it is transcribed. ``tentative``: the speaker
     paused but the turn is not over yet (ASR may start early); a final utterance with the same
-    ``turn_key`` (the end-of-speech sample) had no speech since, so its transcript is the same."""
+    ``turn_key`` (the end-of-speech sample) had no speech since, so its transcript is the same.
+    ``judged``: a VAD cut it out as speech; False for a manual commit, which the ASR's own VAD
+    judges (Whisper makes words, "you", of silence)."""
 
     samples: np.ndarray
     sample_rate: int
@@ -102,6 +104,7 @@ class UserAudio(Frame):
     respond: bool = True
     tentative: bool = False
     turn_key: int = -1
+    judged: bool = True
 
     def interrupted(self, by: Interrupt) -> UserAudio:
         return _unanswered(self, by)

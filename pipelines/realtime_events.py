@@ -157,9 +157,9 @@ class SessionConfig:
             )
         if "include" in patch:
             include = patch["include"]
-            if include not in (None, []) and include != [LOGPROBS]:
+            if include is not None and (not isinstance(include, list) or any(x != LOGPROBS for x in include)):
                 raise EventError(f"include may only hold {LOGPROBS!r}", param="session.include")
-            new["include"] = include or None
+            new["include"] = [LOGPROBS] if include else None
         vars(self).update(new)
 
     @property

@@ -78,20 +78,21 @@ class Services:
         language: str | None = None,
         prompt: str | None = None,
         logprobs: bool = False,
+        vad: bool | None = False,
     ) -> Transcript:
         """The transcript of one 16 kHz mono utterance (``priority``, ``language``, ``prompt``,
-        ``logprobs``: as ``TranscriptionRequest``'s)."""
+        ``logprobs``, ``vad``: as ``TranscriptionRequest``'s). ``vad`` False by default: a turn
+        has been through the session's own VAD (its threshold, its floor); the ASR's defaults
+        must not judge it again."""
         if self.asr is None:
             raise ServiceMissing("no asr model is served")
         from modalities.asr.engine import TranscriptionRequest
 
-        # vad=False: a turn has been through the session's own VAD (its threshold, its floor); the
-        # ASR's defaults must not judge it again.
         req = TranscriptionRequest(
             np.asarray(samples, np.float32),
             language=language,
             prompt=prompt,
-            vad=False,
+            vad=vad,
             priority=priority,
             logprobs=logprobs,
         )

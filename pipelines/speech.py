@@ -123,7 +123,7 @@ class VAD(Processor):
         elif isinstance(frame, CommitFrame):
             samples, start_ms, end_ms = self.seg.take()
             if samples.size:
-                yield UserAudio(samples, ASR_RATE, start_ms, end_ms, item_id=frame.item_id, respond=False)
+                yield UserAudio(samples, ASR_RATE, start_ms, end_ms, item_id=frame.item_id, respond=False, judged=False)
             else:  # (server VAD took the audio first): the item fails, not waits for a transcript
                 yield ErrorFrame(
                     "the input audio buffer was empty",
@@ -186,7 +186,8 @@ class ASR(Processor):
 
     async def _transcribe(self, frame: UserAudio) -> Transcription:
         o = self.options
-        return await self.services.transcribe(frame.samples, o.priority, o.language, o.prompt, o.logprobs)
+        vad = False if frame.judged else None  # (None: the ASR's own rule, ``TranscriptionRequest.vad``)
+        return await self.services.transcribe(frame.samples, o.priority, o.language, o.prompt, o.logprobs, vad)
 
     async def _early(self, frame: UserAudio) -> Transcription:
         heard = await self._transcribe(frame)

@@ -83,3 +83,10 @@ def test_stitch_removes_the_overlap_once() -> None:
     assert stitch(prev, nxt) == ["the children played in the park", "until it got dark. Can you tell me"]
     assert stitch("hello there", "general kenobi") == ["hello there", "general kenobi"]  # nothing shared
     assert stitch("", "words") == ["", "words"]
+    # A phrase said twice is no overlap: 2 s hold about 5 words, and this match ("and then") spans
+    # 12 with what the windows say around it (two renderings of one number, then "Before noon ...",
+    # said after the cut): cutting there would lose "please call me at 555-1234. Before noon on
+    # Tuesday" (tiny.en's windows of a 75 s recording with no pause, from a black-box sweep).
+    prev = "The company shipped 3,200 units to Paris and then please call me at 555-1234."
+    nxt = "5-5-1234. Before noon on Tuesday, and then she and learning models can transcribe speech"
+    assert stitch(prev, nxt) == [prev, nxt]

@@ -534,6 +534,7 @@ def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
             language: str | None = None,
             prompt: str | None = None,
             logprobs: bool = False,
+            vad: bool | None = False,
         ) -> AsrTranscript:
             calls.append(samples.size)
             priorities.append(priority)
@@ -953,6 +954,7 @@ class _Speech:
         language: str | None = None,
         prompt: str | None = None,
         logprobs: bool = False,
+        vad: bool | None = False,
     ) -> AsrTranscript:
         self.transcribed.append(samples.size)
         await asyncio.sleep(0.02)
@@ -1099,6 +1101,7 @@ def test_a_pauses_transcript_is_kept_only_while_the_language_and_prompt_stand() 
         language: str | None = None,
         prompt: str | None = None,
         logprobs: bool = False,
+        vad: bool | None = False,
     ) -> AsrTranscript:
         heard.append((language, prompt))
         return asr_said(f"heard in {language}")

@@ -149,3 +149,27 @@ def test_a_session_with_no_llm_served_needs_the_transcription_intent(asr_server:
     for query, param in (("", "model"), ("?intent=translation", "intent")):
         first = asyncio.run(go(query))
         assert first["type"] == "error" and first["error"]["param"] == param, first
+
+
+def test_a_committed_buffer_of_silence_is_heard_as_nothing(asr_server: dict[str, Any]) -> None:
+    """Manual turns: no session VAD judged the audio, so the ASR's own does (Whisper makes "you"
+    of silence); speech committed the same way is heard."""
+
+    async def go() -> list[str]:
+        url = asr_server["url"] + "?intent=transcription"
+        async with websockets.connect(url, additional_headers=BETA, max_size=None) as ws:
+            c = Client(ws)
+            await c.until("transcription_session.created")
+            await c.send("transcription_session.update", session={"turn_detection": None})
+            await c.until("transcription_session.updated")
+            heard = []
+            for pcm in (bytes(RATE * 2), asr_server["question"]):  # 1 s of silence, then the question
+                await c.send("input_audio_buffer.append", audio=base64.b64encode(pcm).decode())
+                await c.send("input_audio_buffer.commit")
+                done = await c.until("conversation.item.input_audio_transcription.completed")
+                heard.append(done["transcript"])
+                c.events.clear()
+            return heard
+
+    silence, question = asyncio.run(go())
+    assert silence == "" and _heard(question)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,25 +92,35 @@ def plan_windows(
 _WORD = re.compile(r"[^\w']+")
 _TAIL_WORDS = 12  # how far from the end of the earlier window's text the shared words are looked for
 _MIN_MATCH = 2  # shared words needed to trust the match
+# Faster than anyone speaks for long: the words both windows heard (and any either heard in part)
+# lie in their overlap, so a match spanning more words than this many a second is a phrase said twice.
+_MAX_WORDS_PER_S = 4.5
 
 
 def _norm(word: str) -> str:
     return _WORD.sub("", word.lower())
 
 
-def _overlap_cut(a: list[str], b: list[str], tail_words: int, min_match: int) -> tuple[int, int] | None:
+def _overlap_cut(a: list[str], b: list[str], tail_words: int, min_match: int, max_span: int) -> tuple[int, int] | None:
     """Where two overlapping windows' words meet: ``(words of a kept, words of b dropped)``, or
-    None when they share no run of ``min_match`` words near a's end and b's start. The words both
-    transcribed are kept from ``b``, which heard them whole; anything ``a`` said after them (a
-    word cut at the window's end) is dropped."""
+    None when they share no run of ``min_match`` words near a's end and b's start that fits in
+    their overlap: the run, what ``a`` says after it and what ``b`` says before it, at most
+    ``max_span`` words (a longer one is a phrase said twice, e.g. "and then", and cutting there
+    would lose the words between). The words both transcribed are kept from ``b``, which heard
+    them whole; anything ``a`` said after them (a word cut at the window's end) is dropped."""
     if not a or not b:
         return None
     ta = len(a) - min(tail_words, len(a))
     na = [_norm(w) for w in a[ta:]]
     nb = [_norm(w) for w in b[: min(tail_words, len(b))]]
-    match = max(difflib.SequenceMatcher(None, na, nb, autojunk=False).get_matching_blocks(), key=lambda m: m.size)
-    if match.size < min_match or not any(na[match.a : match.a + match.size]):
+    fits = [
+        m
+        for m in difflib.SequenceMatcher(None, na, nb, autojunk=False).get_matching_blocks()
+        if m.size >= min_match and any(na[m.a : m.a + m.size]) and len(na) - m.a + m.b <= max_span
+    ]
+    if not fits:
         return None
+    match = max(fits, key=lambda m: m.size)
     return ta + match.a, match.b
 
 
@@ -121,7 +132,9 @@ def stitched_spans(windows: list[Window], texts: list[str]) -> list[tuple[int, i
     for i in range(1, len(windows)):
         if windows[i].overlaps_prev:
             lo, hi = spans[i - 1]
-            cut = _overlap_cut(words[i - 1][lo:hi], words[i], _TAIL_WORDS, _MIN_MATCH)
+            overlap_s = max(0.0, windows[i - 1].end - windows[i].start)
+            max_span = math.ceil(overlap_s * _MAX_WORDS_PER_S) + 1  # (+1: a word either window cut)
+            cut = _overlap_cut(words[i - 1][lo:hi], words[i], _TAIL_WORDS, _MIN_MATCH, max_span)
             if cut is not None:
                 spans[i - 1], spans[i] = (lo, lo + cut[0]), (cut[1], len(words[i]))
     return spans
