@@ -136,6 +136,19 @@ async def test_sentence_segments_are_cues_at_the_sentences_times(engine: AsrEngi
     assert " ".join(s.text for s in t.segments) == t.text
 
 
+def test_words_heard_counts_the_words_of_scripts_written_without_spaces() -> None:
+    """Whether a window's text stopped early goes by words a second (``MIN_WORDS_PER_S``): 8 s
+    of Chinese at an everyday 4 characters a second is not one that did (it was, counted by
+    spaces: one "word"), and pays no alignment pass."""
+    from modalities.asr.engine import MIN_WORDS_PER_S, words_heard
+
+    chinese = "今天天气很好我们去公园散步吧" + "明天我们一起去看电影好不好" + "晚上七点在门口见面"  # 36 characters
+    assert words_heard(chinese) == 36 / 1.5 and words_heard(chinese) > MIN_WORDS_PER_S * 8
+    assert len(chinese.split()) < MIN_WORDS_PER_S * 8  # (the old count)
+    assert words_heard("Hello there, how are you?") == 5
+    assert words_heard("日本の 首都 is Tokyo") == pytest.approx(5 / 1.5 + 2)
+
+
 def test_sentence_segments_cut_at_sentence_ends_and_pauses() -> None:
     from modalities.asr.longform import sentence_segments
     from modalities.asr.types import Segment, Word

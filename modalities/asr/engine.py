@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,10 @@ MIN_WORDS_PER_S = 2.0
 UNHEARD_S = 1.5
 MIN_REST_WINDOW_S = 5.0  # (shorter windows are not checked unless their words are aligned anyway)
 MIN_SPEECH_S = 0.3
+# Scripts written without spaces between words (kana, CJK ideographs, Thai, Lao, Myanmar, Khmer):
+# their words are counted as characters over CHARS_PER_WORD (Chinese words average ~1.5).
+_UNSPACED = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff]")
+CHARS_PER_WORD = 1.5
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
@@ -89,6 +94,14 @@ class AsrConfig:
     # its windows (whisper.transcribe's rule), or on each window (code-switching audio).
     language_per_window: bool = False
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
+
+
+def words_heard(text: str) -> float:
+    """About how many words ``text`` holds: whitespace-separated words, and in scripts written
+    without spaces, characters over ``CHARS_PER_WORD`` (else a window of Chinese would always
+    look like one that stopped early, and pay an alignment pass)."""
+    unspaced = len(_UNSPACED.findall(text))
+    return len(_UNSPACED.sub(" ", text).split()) + unspaced / CHARS_PER_WORD
 
 
 class AsrEngine:
@@ -316,7 +329,7 @@ class AsrEngine:
         res = kept(attempts, self.config.fallback_keep)
         duration = len(audio) / RATE
         # (a cheap check first; a short clip, e.g. a voice turn, loses little and pays the most)
-        may_stop_short = duration >= MIN_REST_WINDOW_S and len(res.text.split()) < MIN_WORDS_PER_S * duration
+        may_stop_short = duration >= MIN_REST_WINDOW_S and words_heard(res.text) < MIN_WORDS_PER_S * duration
         if not res.silent and (words or may_stop_short):
             res.words = await openmp.to_thread(self._align, enc, prompt_ids, res.tokens, len(audio))
             last = res.words[-1] if res.words else None
