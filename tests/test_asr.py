@@ -140,7 +140,8 @@ def test_words_heard_counts_the_words_of_scripts_written_without_spaces() -> Non
     """Whether a window's text stopped early goes by words a second (``MIN_WORDS_PER_S``): 8 s
     of Chinese at an everyday 4 characters a second is not one that did (it was, counted by
     spaces: one "word"), and pays no alignment pass."""
-    from modalities.asr.engine import MIN_WORDS_PER_S, words_heard
+    from modalities.asr.engine import MIN_WORDS_PER_S
+    from modalities.asr.quality import words_heard
 
     chinese = "今天天气很好我们去公园散步吧" + "明天我们一起去看电影好不好" + "晚上七点在门口见面"  # 36 characters
     assert words_heard(chinese) == 36 / 1.5 and words_heard(chinese) > MIN_WORDS_PER_S * 8

@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +39,7 @@ from modalities.asr.quality import (
     fallback_temperatures,
     kept,
     passes_so_far,
+    words_heard,
 )
 from modalities.asr.types import Transcript, TranscriptDelta, TranscriptionRequest, Word
 from modalities.audio import MAX_AUDIO_S
@@ -53,10 +53,6 @@ MIN_WORDS_PER_S = 2.0
 UNHEARD_S = 1.5
 MIN_REST_WINDOW_S = 5.0  # (shorter windows are not checked unless their words are aligned anyway)
 MIN_SPEECH_S = 0.3
-# Scripts written without spaces between words (kana, CJK ideographs, Thai, Lao, Myanmar, Khmer):
-# their words are counted as characters over CHARS_PER_WORD (Chinese words average ~1.5).
-_UNSPACED = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff]")
-CHARS_PER_WORD = 1.5
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 
 
@@ -94,14 +90,6 @@ class AsrConfig:
     # its windows (whisper.transcribe's rule), or on each window (code-switching audio).
     language_per_window: bool = False
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
-
-
-def words_heard(text: str) -> float:
-    """About how many words ``text`` holds: whitespace-separated words, and in scripts written
-    without spaces, characters over ``CHARS_PER_WORD`` (else a window of Chinese would always
-    look like one that stopped early, and pay an alignment pass)."""
-    unspaced = len(_UNSPACED.findall(text))
-    return len(_UNSPACED.sub(" ", text).split()) + unspaced / CHARS_PER_WORD
 
 
 class AsrEngine:

@@ -4,11 +4,13 @@ As ``whisper.transcribe`` does it: a window decoded at temperature ``t`` whose t
 repetitive (gzip compression ratio > 2.4) or too unlikely (mean token logprob < -1.0) is decoded
 again at ``t + 0.2``, ... up to 1.0 (when all fail, ``kept`` says which decode stands); a window
 the model thinks silent (no-speech probability > 0.6)
-and whose text is unlikely (mean logprob ≤ -1.0) is neither retried nor transcribed.
+and whose text is unlikely (mean logprob ≤ -1.0) is neither retried nor transcribed. And
+mmserve's own: ``words_heard``, for whether a window's text stopped early (too few words a second).
 """
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -96,3 +98,17 @@ def passes_so_far(text: str, logprobs: list[float], no_speech_prob: float) -> bo
         sum(logprobs) / len(logprobs) >= LOGPROB_THRESHOLD
         and compression_ratio(text.strip()) <= COMPRESSION_RATIO_THRESHOLD
     )
+
+
+# Scripts written without spaces between words (kana, CJK ideographs, Thai, Lao, Myanmar, Khmer):
+# their words are counted as characters over CHARS_PER_WORD (Chinese words average ~1.5).
+_UNSPACED = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff]")
+CHARS_PER_WORD = 1.5
+
+
+def words_heard(text: str) -> float:
+    """About how many words ``text`` holds: whitespace-separated words, and in scripts written
+    without spaces, characters over ``CHARS_PER_WORD`` (else a window of Chinese would always
+    look like one that stopped early, and pay an alignment pass: ``AsrEngine.decode_window``)."""
+    unspaced = len(_UNSPACED.findall(text))
+    return len(_UNSPACED.sub(" ", text).split()) + unspaced / CHARS_PER_WORD
