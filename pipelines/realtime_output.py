@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import WebSocket
 
+from modalities.asr.formats import logprobs_field
 from modalities.audio import resample
 from pipelines import realtime_ga
 from pipelines.conversation import Conversation, Item, Spoken, heard_text
@@ -164,7 +165,7 @@ class ServerEvents:
                 self.conv.hear(frame.item_id, frame.text)
             if unheard and self.config.input_audio_transcription is not None:  # null: the client asked for none
                 # (``include``d: the transcript's tokens, as OpenAI's gpt-4o-transcribe gives them)
-                logprobs = {} if frame.logprobs is None else {"logprobs": [vars(lp) for lp in frame.logprobs]}
+                logprobs = logprobs_field(frame.logprobs)
                 if self.transcription and frame.text:  # (whole, as OpenAI's whisper-1 sends it)
                     delta = {"item_id": frame.item_id, "content_index": 0, "delta": frame.text, **logprobs}
                     await self.send("conversation.item.input_audio_transcription.delta", **delta)

@@ -55,7 +55,7 @@ def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
         raise EventError("audio.input must be an object", param="session.audio.input")
     renamed = {"format": "input_audio_format", "transcription": "input_audio_transcription"}
     beta = {renamed.get(k, k): v for k, v in (side or {}).items() if k != "noise_reduction"}
-    unknown = sorted(set(beta) - FIELDS | ({"include"} & set(beta)))  # (``include`` is the session's)
+    unknown = sorted(set(beta) - (FIELDS - {"include"}))  # (``include`` is the session's, not audio.input's)
     if unknown:
         raise EventError(f"audio.input has no field {unknown[0]!r}", param=f"session.audio.input.{unknown[0]}")
     if "input_audio_format" in beta:

@@ -15,8 +15,8 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from modalities.asr.types import Transcript as Transcription
 from modalities.audio import ASR_RATE
 from modalities.stream_resample import Resampler
 from modalities.tts.text import SentenceSplitter
@@ -45,6 +45,9 @@ from pipelines.processor import Processor
 from pipelines.services import Services
 from pipelines.speculation import SpeechPrefetch
 from pipelines.vad import BufferFull, VADConfig, VADSegmenter
+
+if TYPE_CHECKING:
+    from modalities.asr.types import Transcript as Transcription
 
 
 class Resample(Processor):

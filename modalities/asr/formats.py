@@ -7,7 +7,7 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
-from modalities.asr.engine import Transcript
+from modalities.asr.types import TokenLogprob, Transcript
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 TIMESTAMP_GRANULARITIES = ("segment", "word")
@@ -75,11 +75,15 @@ def usage(t: Transcript) -> dict[str, Any]:
     return {"type": "duration", "seconds": round(t.duration)}
 
 
+def logprobs_field(logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+    """The ``logprobs`` field of a body or event, when the request asked for them (else none)."""
+    return {} if logprobs is None else {"logprobs": [dataclasses.asdict(lp) for lp in logprobs]}
+
+
 def to_json(t: Transcript) -> dict[str, Any]:
     """OpenAI's ``json`` body (and ``transcript.text.done``'s fields): the text, the tokens'
     ``logprobs`` when the request asked for them, the usage."""
-    logprobs = {} if t.logprobs is None else {"logprobs": [dataclasses.asdict(lp) for lp in t.logprobs]}
-    return {"text": t.text, **logprobs, "usage": usage(t)}
+    return {"text": t.text, **logprobs_field(t.logprobs), "usage": usage(t)}
 
 
 def _clock(seconds: float, sep: str) -> str:
