@@ -71,8 +71,15 @@ def ga_error(exc: EventError) -> EventError:
     return EventError(message, exc.code, ga_param(exc.param), exc.event_id)
 
 
+_AUDIO_FIELDS = {
+    "input": frozenset(("format", "transcription", "turn_detection", "noise_reduction")),
+    "output": frozenset(("format", "voice", "speed")),
+}
+
+
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
-    """The beta ``session`` patch for a GA one (the fields mmserve honours; others are ignored)."""
+    """The beta ``session`` patch for a GA one: the fields mmserve honours (other session fields are
+    ignored; a field ``audio.input`` or ``audio.output`` does not have is refused)."""
     out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice", "include") if k in ga}
     if "output_modalities" in ga:
         audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")
@@ -86,6 +93,9 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     for side, conf in sides.items():
         if not isinstance(conf, dict):
             raise EventError(f"audio.{side} must be an object", param=f"session.audio.{side}")
+        # (a closed set in GA: a misplaced field, e.g. ``include``, would otherwise do nothing unseen)
+        if unknown := sorted(set(conf) - _AUDIO_FIELDS[side]):
+            raise EventError(f"audio.{side} has no field {unknown[0]!r}", param=f"session.audio.{side}.{unknown[0]}")
         if conf.get("format") is not None:
             out[f"{side}_audio_format"] = ga_wire_format(conf["format"], f"session.audio.{side}.format")
     if "turn_detection" in sides["input"]:

@@ -237,16 +237,20 @@ async def test_a_long_span_split_in_windows_streams_as_it_decodes(engine: AsrEng
     from modalities.asr.longform import stable_text
 
     audio, _ = long_recording("piper", gap_s=0.25)
-    req = TranscriptionRequest(audio, vad=False)
+    req = TranscriptionRequest(audio, vad=False, logprobs=True)
     assert len(engine._windows(audio, False)) >= 2
     deltas, final = [], None
     async for d in engine.stream(req):
         if d.transcript is not None:
             final = d.transcript
         else:
-            deltas.append(d.text)
-    assert final is not None and "".join(deltas) == final.text
+            deltas.append(d)
+    assert final is not None and "".join(d.text for d in deltas) == final.text
     assert len(deltas) > 10  # word by word (before: the whole text once every window was done)
+    # Each delta's token logprobs spell it (the first's with a leading space), across the stitch.
+    for i, d in enumerate(deltas):
+        assert "".join(lp.token for lp in d.logprobs or []) == (" " if i == 0 else "") + d.text
+    assert [lp for d in deltas for lp in d.logprobs or []] == final.logprobs
     # The stitch only ever drops the last words of the earlier window: held back until it is done.
     windows = [Window(0.0, 30.0), Window(28.0, 40.0, overlaps_prev=True)]
     one, two = "a b c d e f g h i j k l m n o p", "m n o p q r"
@@ -542,7 +546,9 @@ async def _unreadable(engine: AsrEngine) -> np.ndarray:
     sampling) varies between corpus builds: take the first reversed clip whose greedy decode does."""
     for clip in corpus("piper"):
         backwards = clip[::-1].copy()
-        *_, (_, result) = [item async for item in engine.decode_window(backwards, engine.prompt_ids(), temperature=0.0)]
+        *_, (_, result, _) = [
+            item async for item in engine.decode_window(backwards, engine.prompt_ids(), temperature=0.0)
+        ]
         if result is not None and result.avg_logprob < -1.5:
             return backwards
     raise AssertionError("no reversed clip is unreadable enough to test the fallback")
@@ -555,7 +561,7 @@ async def test_no_speech_prob_and_avg_logprob_match_transformers(engine: AsrEngi
     prompt = engine.prompt_ids()
     noise = (np.random.default_rng(0).standard_normal(RATE * 5) * 0.05).astype(np.float32)
     for clip in (corpus("piper")[0], corpus("espeak")[3], noise):
-        *_, (_, res) = [item async for item in engine.decode_window(clip, prompt)]
+        *_, (_, res, _) = [item async for item in engine.decode_window(clip, prompt)]
         assert res is not None
         feats = w.feature_extractor(clip, sampling_rate=RATE, return_tensors="pt").input_features
         with torch.inference_mode():
@@ -618,8 +624,8 @@ async def test_fallback_keep_best_keeps_the_likeliest_attempt(engine: AsrEngine)
     clip = await _unreadable(engine)
     best_engine = AsrEngine(engine.whisper, AsrConfig(fallback_keep="best"))
     try:
-        *_, (_, last) = [item async for item in engine.decode_window(clip, engine.prompt_ids(), seed=7)]
-        *_, (text, best) = [item async for item in best_engine.decode_window(clip, best_engine.prompt_ids(), seed=7)]
+        *_, (_, last, _) = [item async for item in engine.decode_window(clip, engine.prompt_ids(), seed=7)]
+        *_, (text, best, _) = [item async for item in best_engine.decode_window(clip, best_engine.prompt_ids(), seed=7)]
     finally:
         await best_engine.shutdown()
     assert last is not None and best is not None

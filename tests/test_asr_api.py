@@ -198,6 +198,13 @@ def test_logprobs_of_the_transcript_tokens(client: openai.OpenAI, two_sentences:
     done = events[-1]
     assert done.type == "transcript.text.done" and done.text == r.text
     assert [lp.model_dump() for lp in done.logprobs or []] == [lp.model_dump() for lp in r.logprobs]
+    # Each delta carries its own tokens (the first's with the text's leading space); in order, the
+    # transcript's.
+    deltas = [e for e in events[:-1] if e.type == "transcript.text.delta"]
+    assert len(deltas) > 1 and all(e.logprobs for e in deltas)
+    for i, e in enumerate(deltas):
+        assert "".join(lp.token or "" for lp in e.logprobs or []) == (" " if i == 0 else "") + e.delta
+    assert [lp.model_dump() for e in deltas for lp in e.logprobs or []] == [lp.model_dump() for lp in r.logprobs]
 
 
 def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
@@ -235,6 +242,8 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
         ({"timestamp_granularities[]": "segment"}, "timestamp_granularities[]"),  # needs verbose_json
         ({"include[]": "tokens"}, "include[]"),
         ({"include[]": "logprobs", "response_format": "verbose_json"}, "include[]"),  # json only, as OpenAI
+        ({"include": "tokens"}, "include[]"),  # (without brackets: read all the same)
+        ({"timestamp_granularities": "word"}, "timestamp_granularities[]"),
     ]
     for fields, param in cases:
         r = httpx.post(url, headers=auth, files={"file": ("a.wav", io.BytesIO(wav))}, data=fields, timeout=60)
@@ -250,6 +259,9 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
         timeout=60,
     )
     assert word.status_code == 400 and "requires response_format=verbose_json" in word.json()["error"]["message"]
+    files = {"file": ("a.wav", io.BytesIO(wav))}
+    plain = httpx.post(url, headers=auth, files=files, data={"include": "logprobs"}, timeout=60)
+    assert plain.status_code == 200 and plain.json()["logprobs"], plain.text
     r = httpx.post(url, headers=auth, data={"model": "whisper-1"}, timeout=60)  # no file
     assert 400 <= r.status_code < 500 and "error" in r.json()
     r = httpx.post(url, files={"file": ("a.wav", io.BytesIO(wav))}, timeout=60)  # no key

@@ -1236,6 +1236,11 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
     for bad in ({"output_modalities": ["text", "audio"]}, *({"audio": {"input": {"format": f}}} for f in bad_formats)):
         with pytest.raises(EventError):
             session_patch({"type": "realtime", **bad})
+    # A field audio.input or audio.output does not have (include is the session's) is refused.
+    for side, field in (("input", "include"), ("output", "sped")):
+        with pytest.raises(EventError) as misplaced:
+            session_patch({"type": "realtime", "audio": {side: {field: 1}}})
+        assert misplaced.value.param == f"session.audio.{side}.{field}"
     item = {"id": "i1", "role": "assistant", "status": "completed", "content": [{"type": "audio", "transcript": "Hi"}]}
     added, done = translate({"type": "conversation.item.created", "item": item})
     assert added["type"] == "conversation.item.added" and done["type"] == "conversation.item.done"

@@ -251,16 +251,25 @@ def transcript_logprobs(
     the words the overlap stitching keeps of its text (``stitched_spans``), in order."""
     out: list[TokenLogprob] = []
     for text, (lo, hi), r in zip(texts, stitched_spans(windows, texts), results, strict=True):
-        if not text or lo >= hi:
-            continue
-        tokens, lps = r.tokens, r.token_logprobs
-        if (lo, hi) != (0, len(text.split())):
-            spans = word_token_spans(tokenizer, tokens, first_special)
-            if len(spans) != len(text.split()):  # (as ``transcript_words``: the texts differ)
-                logger.warning("logprobs skipped for a window: its tokens' words do not match its text")
-                continue
-            tokens, lps = tokens[spans[lo][1] : spans[hi - 1][2]], lps[spans[lo][1] : spans[hi - 1][2]]
-        for b, lp in zip(_token_bytes(tokenizer, tokens, first_special), lps, strict=True):
-            if b:
-                out.append(TokenLogprob(b.decode("utf-8", errors="replace"), float(lp), list(b)))
+        lps = span_logprobs(tokenizer, r.tokens, r.token_logprobs, text, lo, hi, first_special)
+        if lps is None:
+            logger.warning("logprobs skipped for a window: its tokens' words do not match its text")
+        out += lps or []
     return out
+
+
+def span_logprobs(
+    tokenizer: Any, tokens: list[int], lps: list[float], text: str, lo: int, hi: int, first_special: int
+) -> list[TokenLogprob] | None:
+    """The tokens (with their logprobs ``lps``) of a decode holding words ``[lo, hi)`` of its
+    ``text`` (the live text of a decode still running, whose last word may be cut); None when
+    its tokens' words are not the text's."""
+    if not text or lo >= hi:
+        return []
+    if (lo, hi) != (0, len(text.split())):
+        spans = word_token_spans(tokenizer, tokens, first_special)
+        if len(spans) < hi or [w for w, _, _ in spans[lo:hi]] != text.split()[lo:hi]:
+            return None
+        tokens, lps = tokens[spans[lo][1] : spans[hi - 1][2]], lps[spans[lo][1] : spans[hi - 1][2]]
+    pairs = zip(_token_bytes(tokenizer, tokens, first_special), lps, strict=True)
+    return [TokenLogprob(b.decode("utf-8", errors="replace"), float(lp), list(b)) for b, lp in pairs if b]

@@ -12,7 +12,8 @@ does), ``stream`` (SSE: ``transcript.text.delta``
 events as text decodes, then ``transcript.text.done``, whose text is the final one; json/text
 only, so never with word timestamps), ``include[]`` (``logprobs``, with json only, as OpenAI:
 the response's ``logprobs`` lists the text's tokens, each ``{token, logprob, bytes}``; a stream
-gives them in ``transcript.text.done``, not in its deltas). Unreadable audio is a 400, a file over the ASR upload
+gives each delta's tokens with it, and them all in ``transcript.text.done``); the two list fields
+are also read without their brackets. Unreadable audio is a 400, a file over the ASR upload
 limit (``--asr-max-file-mb``, default 25 MB as OpenAI) a 413. Each request is charged its audio
 duration in ``audio_seconds`` against the tenant's rate limit (refunded when it fails). Without
 ``language``, an English-only model hears English and a multilingual one the language it detects
@@ -41,6 +42,7 @@ from modalities.asr.formats import (
     RESPONSE_FORMATS,
     granularity_error,
     include_error,
+    logprobs_field,
     shows_segments,
     to_json,
     to_srt,
@@ -144,6 +146,9 @@ async def create_transcription(
     seed: Annotated[int | None, Form()] = None,
     timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
     include: Annotated[list[str] | None, Form(alias="include[]")] = None,
+    # (the same fields named without brackets, as a hand-written form may: not to be ignored)
+    granularities_plain: Annotated[list[str] | None, Form(alias="timestamp_granularities")] = None,
+    include_plain: Annotated[list[str] | None, Form(alias="include")] = None,
 ) -> Any:
     """OpenAI ``POST /v1/audio/transcriptions``."""
     from modalities.asr.engine import TranscriptionRequest
@@ -151,13 +156,14 @@ async def create_transcription(
     _check_options(response_format, temperature)
     if stream and response_format not in ("json", "text"):
         raise APIError(400, "stream=true supports response_format json or text", param="stream")
-    granularities = timestamp_granularities or []
+    granularities = [*(timestamp_granularities or []), *(granularities_plain or [])]
+    include = [*(include or []), *(include_plain or [])]
     if error := granularity_error(granularities, response_format):
         raise APIError(400, error, param="timestamp_granularities[]")
     words = "word" in granularities
     if seed is not None and not 0 <= seed < 1 << 32:
         raise APIError(400, f"seed must be in [0, 2**32), got {seed}", param="seed")
-    if error := include_error(include or [], response_format):
+    if error := include_error(include, response_format):
         raise APIError(400, error, param="include[]")
     served, engine = resolve_asr_engine(request, model)
     audio = await _read_audio(file, engine)
@@ -213,7 +219,7 @@ async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:
             if item.transcript is not None:
                 yield sse({"type": "transcript.text.done", **to_json(item.transcript)})
             elif item.text:
-                yield sse({"type": "transcript.text.delta", "delta": item.text})
+                yield sse({"type": "transcript.text.delta", "delta": item.text, **logprobs_field(item.logprobs)})
             item = await anext(deltas, None)
     except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band
         mapped = _mapped(exc)

@@ -1,14 +1,17 @@
 """Per-window results → one ``Transcript``: the stitched text, its segments (one per window,
-or subtitle cues), and the words and token logprobs the request asked for."""
+or subtitle cues), and the words and token logprobs the request asked for; and the token
+logprobs of a transcription stream's deltas."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from modalities.asr.alignment import transcript_logprobs, transcript_words
-from modalities.asr.longform import RATE, Window, meet_at_words, sentence_segments, window_segments
+from modalities.asr.alignment import span_logprobs, transcript_logprobs, transcript_words
+from modalities.asr.longform import RATE, Window, meet_at_words, sentence_segments, stable_spans, window_segments
 from modalities.asr.quality import WindowResult
-from modalities.asr.types import Transcript, TranscriptionRequest
+from modalities.asr.types import TokenLogprob, Transcript, TranscriptionRequest
+
+Decoded = tuple[list[int], list[float]]  # a decode's tokens so far, and their logprobs
 
 
 def assemble(
@@ -39,3 +42,43 @@ def assemble(
         words if req.word_timestamps else None,
         logprobs,
     )
+
+
+class DeltaLogprobs:
+    """The token logprobs of each delta of one transcription stream (OpenAI's
+    ``transcript.text.delta`` ``logprobs``): the tokens of the stable prefix (``stable_spans``)
+    not yet sent, and at the end the rest of the transcript's. Sent in order, they add up to the
+    transcript's ``logprobs``; a window whose live tokens do not spell its text (not seen so far) holds
+    back its tokens and those after it until a later delta or the final transcript."""
+
+    def __init__(self, tokenizer: Any, first_special: int) -> None:
+        self.tokenizer, self.first_special = tokenizer, first_special
+        self.sent = 0
+        self._done: dict[tuple[int, int, int], list[TokenLogprob] | None] = {}  # a finished window's spans
+
+    def of_stable(
+        self, windows: list[Window], texts: list[str], done: list[bool], decoded: list[Decoded]
+    ) -> list[TokenLogprob]:
+        """The unsent logprobs of the stable prefix of windows' ``texts`` (``decoded``: each
+        window's tokens, live or kept)."""
+        out: list[TokenLogprob] = []
+        for i, lo, hi in stable_spans(windows, texts, done):
+            if done[i] and (i, lo, hi) in self._done:  # (a long file's many windows: once each)
+                lps = self._done[i, lo, hi]
+            else:
+                lps = span_logprobs(self.tokenizer, *decoded[i], texts[i], lo, hi, self.first_special)
+                if done[i]:
+                    self._done[i, lo, hi] = lps
+            if lps is None:
+                break
+            out += lps
+        return self._unsent(out)
+
+    def rest(self, transcript: Transcript) -> list[TokenLogprob]:
+        """The transcript's logprobs not yet sent."""
+        return self._unsent(transcript.logprobs or [])
+
+    def _unsent(self, lps: list[TokenLogprob]) -> list[TokenLogprob]:
+        new = lps[self.sent :]
+        self.sent = max(self.sent, len(lps))
+        return new

@@ -27,7 +27,7 @@ import numpy as np
 from engine import openmp
 from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, word_token_spans
-from modalities.asr.assemble import assemble
+from modalities.asr.assemble import Decoded, DeltaLogprobs, assemble
 from modalities.asr.encoder import RATE, EncoderBatcher
 from modalities.asr.longform import Window, plan_windows, stable_text
 from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
@@ -286,10 +286,11 @@ class AsrEngine:
         words: bool = False,
         priority: int = 0,
         heard: Heard | None = None,
-    ) -> AsyncIterator[tuple[str, WindowResult | None]]:
+    ) -> AsyncIterator[tuple[str, WindowResult | None, Decoded]]:
         """Decode one ≤30 s window with Whisper's temperature fallback: yields ``(live text,
-        None)`` while a decode's running figures pass the checks, then ``(text, result)`` with the
-        kept decode (text "" for a silent window). Sampled decodes use ``seed + attempt``.
+        None, its tokens and their logprobs)`` while a decode's running figures pass the checks,
+        then ``(text, result, ...)`` with the kept decode (text "" for a silent window). Sampled
+        decodes use ``seed + attempt``.
         ``words``: the result also carries the kept decode's words, aligned (on a worker thread).
         ``priority``: of the window's encoder pass and decodes (``TranscriptionRequest.priority``).
         ``heard``: the request's language, shared by its windows (``_with_language``)."""
@@ -304,7 +305,7 @@ class AsrEngine:
                 text += delta
                 ids = ids_so_far
                 if delta and not finished and passes_so_far(text, lps, no_speech):
-                    yield text, None
+                    yield text, None, (list(ids), lps)
             tokens = [x for x in ids if x != self._eos]
             text = text.strip()
             res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)
@@ -329,7 +330,7 @@ class AsrEngine:
                     res = await self._with_rest(
                         res, rest, last.start, prompt_ids, temperature, seed + 100, priority, heard
                     )
-        yield ("" if res.silent else res.text), res
+        yield ("" if res.silent else res.text), res, (res.tokens, res.token_logprobs)
 
     def _speech_in(self, audio: np.ndarray) -> bool:
         """Whether the VAD hears at least ``MIN_SPEECH_S`` of speech in ``audio``."""
@@ -353,7 +354,7 @@ class AsrEngine:
         with the decode of ``rest``, the window's audio from ``offset`` s (its last word, which
         may be cut: heard again) on. Its figures stay ``res``'s."""
         decodes = self.decode_window(rest, prompt_ids, temperature, seed, True, priority, heard)
-        tail = [r async for _, r in decodes if r is not None][-1]
+        tail = [r async for _, r, _ in decodes if r is not None][-1]
         if tail.silent or not tail.text or tail.words is None or res.words is None:
             return res
         assert self._aligner is not None  # (``res`` was aligned)
@@ -398,7 +399,7 @@ class AsrEngine:
         windows = await asyncio.to_thread(self._windows, audio, req.vad)  # the VAD: ~0.4 ms per second of audio
         self.audio_seconds += len(audio) / RATE
         self.num_windows += len(windows)
-        queue: asyncio.Queue[tuple[int, str, WindowResult | None] | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, str, WindowResult | None, Decoded] | BaseException] = asyncio.Queue()
         seed = req.seed or 0
 
         shared = None if self.config.language_per_window else Heard()  # the request's language
@@ -408,10 +409,10 @@ class AsrEngine:
             try:
                 clip = audio[int(w.start * RATE) : int(w.end * RATE)]
                 # Each window its own seeds, reproducible whatever else is decoding.
-                async for text, res in self.decode_window(
+                async for text, res, decoded in self.decode_window(
                     clip, prompt_ids, req.temperature, seed + 1000 * i, aligned, req.priority, shared
                 ):
-                    await queue.put((i, text, res))
+                    await queue.put((i, text, res, decoded))
             except BaseException as exc:  # noqa: BLE001 - surface in the consumer
                 await queue.put(exc)
                 raise
@@ -420,6 +421,8 @@ class AsrEngine:
         texts = [""] * len(windows)
         results: list[WindowResult | None] = [None] * len(windows)
         done = [False] * len(windows)
+        decoded: list[Decoded] = [([], [])] * len(windows)
+        logprobs = DeltaLogprobs(self.whisper.tokenizer, self._eos) if req.logprobs else None
         emitted = ""
         try:
             pending = len(windows)
@@ -427,13 +430,14 @@ class AsrEngine:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                i, texts[i], res = item
+                i, texts[i], res, decoded[i] = item
                 if res is not None:
                     results[i], done[i] = res, True
                     pending -= 1
                 stable = stable_text(windows, texts, done)
                 if stable.startswith(emitted) and len(stable) > len(emitted):
-                    yield TranscriptDelta(stable[len(emitted) :])
+                    lps = logprobs.of_stable(windows, texts, done, decoded) if logprobs else None
+                    yield TranscriptDelta(stable[len(emitted) :], logprobs=lps)
                     emitted = stable
         finally:
             for t in tasks:
@@ -441,7 +445,8 @@ class AsrEngine:
         # (every window is done: each has its result)
         transcript = assemble(req, windows, texts, results, self.whisper.tokenizer, self._eos)  # type: ignore[arg-type]
         if transcript.text.startswith(emitted) and len(transcript.text) > len(emitted):
-            yield TranscriptDelta(transcript.text[len(emitted) :])
+            lps = logprobs.rest(transcript) if logprobs else None
+            yield TranscriptDelta(transcript.text[len(emitted) :], logprobs=lps)
         yield TranscriptDelta("", transcript)
 
     async def run(self, req: TranscriptionRequest) -> Transcript:

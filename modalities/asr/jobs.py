@@ -5,9 +5,10 @@ transcript file.
 ``model``, ``language``, ``prompt``, ``temperature``, ``seed``, ``response_format`` (default
 verbose_json), ``timestamp_granularities`` (``segment`` and/or ``word``, verbose_json only), as
 the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript; ``include``
-(``logprobs``, json only: the tokens' logprobs in the json transcript); and ``task``:
-``transcribe`` (default) or ``translate`` (English text, as ``/v1/audio/translations``: a
-multilingual model only, else the job fails saying so).
+(``logprobs``, json only: the tokens' logprobs in the json transcript; not with ``translate``);
+and ``task``: ``transcribe`` (default) or ``translate`` (English text, as
+``/v1/audio/translations``: a multilingual model only, else the job fails saying so). A list
+given as null is left out.
 The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
 text, duration and segment count (and the word count when words were asked for). Cancelling the
 job closes the transcription stream, which aborts its decodes in the engine.
@@ -20,7 +21,7 @@ import json
 from contextlib import aclosing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from workers.jobs import JobCancelled, JobContext, register_job_kind
 
@@ -43,6 +44,11 @@ class TranscriptionJob(BaseModel):
     include: list[str] = Field(default_factory=list)
     task: Literal["transcribe", "translate"] = "transcribe"
 
+    @field_validator("timestamp_granularities", "include", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: Any) -> Any:
+        return [] if value is None else value  # (as an optional field left out)
+
 
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     """400 before queueing: bad fields (the model is resolved where the job runs)."""
@@ -57,6 +63,8 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"params.timestamp_granularities: {error}")
     if error := include_error(job.include, job.response_format):
         raise ValueError(f"params.include: {error}")
+    if job.include and job.task == "translate":  # (as /v1/audio/translations, which has no include)
+        raise ValueError("params.include: the translate task has no include")
     return job.model_dump()
 
 

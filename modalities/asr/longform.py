@@ -142,20 +142,22 @@ def stitched_spans(windows: list[Window], texts: list[str]) -> list[tuple[int, i
 
 def stitched_texts(windows: list[Window], texts: list[str]) -> list[str]:
     """Per-window texts with the overlap between consecutive split windows removed."""
-    out = []
-    for text, (lo, hi) in zip(texts, stitched_spans(windows, texts), strict=True):
-        words = text.split()
-        out.append(text.strip() if (lo, hi) == (0, len(words)) else " ".join(words[lo:hi]))
-    return out
+    return [_span_text(t, lo, hi) for t, (lo, hi) in zip(texts, stitched_spans(windows, texts), strict=True)]
 
 
-def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
-    """The transcript prefix that can no longer change: finished windows in order, then the live
-    text of the first unfinished one but its last word (a window decoded on from its last word,
-    ``AsrEngine._with_rest``, may end otherwise). Where a long span was split, the stitch only
-    ever drops the last ``_TAIL_WORDS`` words of the earlier window's text (``_overlap_cut``):
-    the rest of it is stable once the windows before it are done, the later window's once it is
-    done too."""
+def _span_text(text: str, lo: int, hi: int) -> str:
+    """Words ``[lo, hi)`` of ``text`` (the whole text as written when that is all of it)."""
+    words = text.split()
+    return text.strip() if (lo, hi) == (0, len(words)) else " ".join(words[lo:hi])
+
+
+def stable_spans(windows: list[Window], texts: list[str], done: list[bool]) -> list[tuple[int, int, int]]:
+    """``(window, first word, last word + 1)`` of each part of the transcript prefix that can no
+    longer change: finished windows in order, then the live text of the first unfinished one but
+    its last word (a window decoded on from its last word, ``AsrEngine._with_rest``, may end
+    otherwise). Where a long span was split, the stitch only ever drops the last ``_TAIL_WORDS``
+    words of the earlier window's text (``_overlap_cut``): the rest of it is stable once the
+    windows before it are done, the later window's once it is done too."""
     n = 0
     while n < len(windows) and done[n]:
         n += 1
@@ -163,19 +165,20 @@ def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> st
     k = n
     while k > 0 and k < len(windows) and windows[k].overlaps_prev:
         k -= 1
-    parts = stitched_texts(windows[:n], texts[:n])
+    spans = [(i, lo, hi) for i, (lo, hi) in enumerate(stitched_spans(windows[:n], texts[:n]))]
     if k < n:  # the last done one's tail waits for n; the unfinished n says nothing yet
-        parts[-1] = _without_tail(parts[-1])
+        i, lo, hi = spans[-1]
+        spans[-1] = (i, lo, max(lo, hi - _TAIL_WORDS))
     elif n < len(windows):
         tail_waits = n + 1 < len(windows) and windows[n + 1].overlaps_prev
-        parts.append(_without_tail(texts[n], _TAIL_WORDS if tail_waits else 1))
+        spans.append((n, 0, max(0, len(texts[n].split()) - (_TAIL_WORDS if tail_waits else 1))))
+    return spans
+
+
+def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
+    """The transcript prefix that can no longer change (``stable_spans``)."""
+    parts = (_span_text(texts[i], lo, hi) for i, lo, hi in stable_spans(windows, texts, done))
     return " ".join(p for p in parts if p)
-
-
-def _without_tail(text: str, count: int = _TAIL_WORDS) -> str:
-    """``text`` but for its last ``count`` words (those a stitch with the next window may drop)."""
-    words = text.split()
-    return " ".join(words[: max(0, len(words) - count)])
 
 
 def window_segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:

@@ -96,7 +96,9 @@ class TranscriptionRequest:
 
 @dataclass
 class TranscriptDelta:
-    """A streamed piece: ``text`` to append; the last one has ``transcript`` set."""
+    """A streamed piece: ``text`` to append (with its tokens' ``logprobs`` when the request
+    asked for them); the last one has ``transcript`` set."""
 
     text: str
     transcript: Transcript | None = None
+    logprobs: list[TokenLogprob] | None = None
