@@ -1,15 +1,23 @@
 """Per-window results → one ``Transcript``: the stitched text, its segments (one per window,
 or subtitle cues), and the words and token logprobs the request asked for; and the token
-logprobs of a transcription stream's deltas."""
+logprobs of a transcription stream's deltas, and what the stream has heard so far."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from modalities.asr.alignment import span_logprobs, transcript_logprobs, transcript_words
-from modalities.asr.longform import RATE, Window, meet_at_words, sentence_segments, stable_spans, window_segments
+from modalities.asr.longform import (
+    RATE,
+    Window,
+    meet_at_words,
+    sentence_segments,
+    stable_spans,
+    stable_text,
+    window_segments,
+)
 from modalities.asr.quality import WindowResult
-from modalities.asr.types import TokenLogprob, Transcript, TranscriptionRequest
+from modalities.asr.types import TokenLogprob, Transcript, TranscriptDelta, TranscriptionRequest
 
 Decoded = tuple[list[int], list[float]]  # a decode's tokens so far, and their logprobs
 
@@ -82,3 +90,47 @@ class DeltaLogprobs:
         new = lps[self.sent :]
         self.sent = max(self.sent, len(lps))
         return new
+
+
+class TranscriptSoFar:
+    """One transcription stream's windows as they decode (``AsrEngine.stream``): each update
+    (a window's live text, or its kept decode) may give a delta of the stable prefix
+    (``stable_text``); ``finish`` assembles the transcript once every window is done."""
+
+    def __init__(self, req: TranscriptionRequest, windows: list[Window], tokenizer: Any, first_special: int) -> None:
+        self.req, self.windows = req, windows
+        self.tokenizer, self.first_special = tokenizer, first_special
+        self.texts = [""] * len(windows)
+        self.results: list[WindowResult | None] = [None] * len(windows)
+        self.done = [False] * len(windows)
+        self.decoded: list[Decoded] = [([], [])] * len(windows)
+        self.logprobs = DeltaLogprobs(tokenizer, first_special) if req.logprobs else None
+        self.emitted = ""
+
+    @property
+    def complete(self) -> bool:
+        return all(self.done)
+
+    def update(self, i: int, text: str, result: WindowResult | None, decoded: Decoded) -> TranscriptDelta | None:
+        """Window ``i``'s live ``text`` (``result`` None) or its kept decode: the new stable text."""
+        self.texts[i], self.decoded[i] = text, decoded
+        if result is not None:
+            self.results[i], self.done[i] = result, True
+        stable = stable_text(self.windows, self.texts, self.done)
+        if not (stable.startswith(self.emitted) and len(stable) > len(self.emitted)):
+            return None
+        lps = self.logprobs.of_stable(self.windows, self.texts, self.done, self.decoded) if self.logprobs else None
+        delta = TranscriptDelta(stable[len(self.emitted) :], logprobs=lps)
+        self.emitted = stable
+        return delta
+
+    def finish(self) -> list[TranscriptDelta]:
+        """The rest of the text, if any, then the item carrying the ``Transcript``."""
+        results = [r for r in self.results if r is not None]
+        assert len(results) == len(self.windows)  # (every window is done)
+        transcript = assemble(self.req, self.windows, self.texts, results, self.tokenizer, self.first_special)
+        out = []
+        if transcript.text.startswith(self.emitted) and len(transcript.text) > len(self.emitted):
+            lps = self.logprobs.rest(transcript) if self.logprobs else None
+            out.append(TranscriptDelta(transcript.text[len(self.emitted) :], logprobs=lps))
+        return [*out, TranscriptDelta("", transcript)]

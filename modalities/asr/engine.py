@@ -27,9 +27,9 @@ import numpy as np
 from engine import openmp
 from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, word_token_spans
-from modalities.asr.assemble import Decoded, DeltaLogprobs, assemble
+from modalities.asr.assemble import Decoded, TranscriptSoFar
 from modalities.asr.encoder import RATE, EncoderBatcher
-from modalities.asr.longform import Window, plan_windows, stable_text
+from modalities.asr.longform import Window, plan_windows
 from modalities.asr.model import WhisperModel, load_whisper, no_speech_token
 from modalities.asr.quality import (
     WindowResult,
@@ -418,36 +418,19 @@ class AsrEngine:
                 raise
 
         tasks = [asyncio.create_task(run(i, w)) for i, w in enumerate(windows)]
-        texts = [""] * len(windows)
-        results: list[WindowResult | None] = [None] * len(windows)
-        done = [False] * len(windows)
-        decoded: list[Decoded] = [([], [])] * len(windows)
-        logprobs = DeltaLogprobs(self.whisper.tokenizer, self._eos) if req.logprobs else None
-        emitted = ""
+        so_far = TranscriptSoFar(req, windows, self.whisper.tokenizer, self._eos)
         try:
-            pending = len(windows)
-            while pending:
+            while not so_far.complete:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                i, texts[i], res, decoded[i] = item
-                if res is not None:
-                    results[i], done[i] = res, True
-                    pending -= 1
-                stable = stable_text(windows, texts, done)
-                if stable.startswith(emitted) and len(stable) > len(emitted):
-                    lps = logprobs.of_stable(windows, texts, done, decoded) if logprobs else None
-                    yield TranscriptDelta(stable[len(emitted) :], logprobs=lps)
-                    emitted = stable
+                if (delta := so_far.update(*item)) is not None:
+                    yield delta
         finally:
             for t in tasks:
                 t.cancel()
-        # (every window is done: each has its result)
-        transcript = assemble(req, windows, texts, results, self.whisper.tokenizer, self._eos)  # type: ignore[arg-type]
-        if transcript.text.startswith(emitted) and len(transcript.text) > len(emitted):
-            lps = logprobs.rest(transcript) if logprobs else None
-            yield TranscriptDelta(transcript.text[len(emitted) :], logprobs=lps)
-        yield TranscriptDelta("", transcript)
+        for delta in so_far.finish():
+            yield delta
 
     async def run(self, req: TranscriptionRequest) -> Transcript:
         final: Transcript | None = None
