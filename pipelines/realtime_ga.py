@@ -79,7 +79,7 @@ _AUDIO_FIELDS = {
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     """The beta ``session`` patch for a GA one: the fields mmserve honours (other session fields are
-    ignored; a field ``audio.input`` or ``audio.output`` does not have is refused)."""
+    ignored; a field ``audio``, ``audio.input`` or ``audio.output`` does not have is refused)."""
     out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice", "include") if k in ga}
     if "output_modalities" in ga:
         audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")
@@ -89,13 +89,16 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     audio = ga.get("audio") or {}
     if not isinstance(audio, dict):
         raise EventError("audio must be an object", param="session.audio")
+    if unknown := sorted(set(audio) - set(_AUDIO_FIELDS)):
+        raise EventError(f"audio.{unknown[0]} is not a field of audio", param=f"session.audio.{unknown[0]}")
     sides = {side: audio.get(side) or {} for side in ("input", "output")}
     for side, conf in sides.items():
         if not isinstance(conf, dict):
             raise EventError(f"audio.{side} must be an object", param=f"session.audio.{side}")
         # (a closed set in GA: a misplaced field, e.g. ``include``, would otherwise do nothing unseen)
         if unknown := sorted(set(conf) - _AUDIO_FIELDS[side]):
-            raise EventError(f"audio.{side} has no field {unknown[0]!r}", param=f"session.audio.{side}.{unknown[0]}")
+            field = f"audio.{side}.{unknown[0]}"  # (so written, ``ga_error`` leaves the name as it is)
+            raise EventError(f"{field} is not a field of audio.{side}", param=f"session.{field}")
         if conf.get("format") is not None:
             out[f"{side}_audio_format"] = ga_wire_format(conf["format"], f"session.audio.{side}.format")
     if "turn_detection" in sides["input"]:

@@ -234,7 +234,7 @@ async def test_stream_deltas_build_the_final_text(engine: AsrEngine) -> None:
 async def test_a_long_span_split_in_windows_streams_as_it_decodes(engine: AsrEngine) -> None:
     """One span of speech longer than a window (overlapping windows, stitched): its text streams
     while the windows decode, all but the words a stitch may drop, and builds the final text."""
-    from modalities.asr.longform import stable_text
+    from modalities.asr.longform import stable_spans, stable_text
 
     audio, _ = long_recording("piper", gap_s=0.25)
     req = TranscriptionRequest(audio, vad=False, logprobs=True)
@@ -254,9 +254,70 @@ async def test_a_long_span_split_in_windows_streams_as_it_decodes(engine: AsrEng
     # The stitch only ever drops the last words of the earlier window: held back until it is done.
     windows = [Window(0.0, 30.0), Window(28.0, 40.0, overlaps_prev=True)]
     one, two = "a b c d e f g h i j k l m n o p", "m n o p q r"
-    assert stable_text(windows, [one, ""], [False, False]) == "a b c d"
-    assert stable_text(windows, [one, "m n"], [True, False]) == "a b c d"
-    assert stable_text(windows, [one, two], [True, True]) == "a b c d e f g h i j k l m n o p q r"
+    assert stable_text([one, ""], stable_spans(windows, [one, ""], [False, False])) == "a b c d"
+    assert stable_text([one, "m n"], stable_spans(windows, [one, "m n"], [True, False])) == "a b c d"
+    assert (
+        stable_text([one, two], stable_spans(windows, [one, two], [True, True]))
+        == "a b c d e f g h i j k l m n o p q r"
+    )
+
+
+def test_delta_logprobs_are_the_new_words_tokens_counted_in_bytes(engine: AsrEngine) -> None:
+    """The stream's bookkeeping (no decoding; the real tokenizer): a delta gets the tokens of the
+    words it adds; a fallback decode that splits words already sent into other tokens sends none
+    of them again; a live text its tokens do not spell holds its tokens back until its window is
+    done; the transcript's tokens not yet sent come last; a decode that lengthens the last word
+    sent ("cat" -> "category") is no delta."""
+    from modalities.asr.assemble import DeltaLogprobs, TranscriptSoFar
+    from modalities.asr.longform import stable_spans
+    from modalities.asr.types import Transcript
+
+    tok, eos = engine.whisper.tokenizer, engine._eos
+
+    def decoded(*pieces: str) -> tuple[list[int], list[float]]:
+        ids = [t for p in pieces for t in tok(p, add_special_tokens=False).input_ids]
+        return ids, [-0.01 * (k + 1) for k in range(len(ids))]
+
+    def spelled(lps: list[Any]) -> str:
+        return "".join(lp.token for lp in lps)
+
+    windows = [Window(0.0, 5.0), Window(6.0, 10.0)]
+    deltas = DeltaLogprobs(tok, eos)
+
+    def step(texts: list[str], done: list[bool], *dec: tuple[list[int], list[float]]) -> str:
+        return spelled(deltas.of_stable(stable_spans(windows, texts, done), texts, done, list(dec)))
+
+    assert (
+        step([" What is the capital", ""], [False, False], decoded(" What is the capital"), ([], [])) == " What is the"
+    )
+    # A fallback decode says the same words in other tokens (" th" "e"): only the new words' go out.
+    live = decoded(" What is", " th", "e", " cap", "ital", " of France")
+    assert step([" What is the capital of France", ""], [False, False], live, ([], [])) == " capital of"
+    final = decoded(" What is the capital of France?")
+    texts = ["What is the capital of France?", " Paris is big and"]
+    assert step(texts, [True, False], final, decoded(" Lyon")) == " France?"  # (window 1's tokens: held back)
+    second = decoded(" Paris is big and old.")
+    assert step([texts[0], "Paris is big and old."], [True, True], final, second) == " Paris is big and old."
+    # The transcript's tokens past those sent come last (none, or here one more window's).
+    assert deltas.rest(Transcript("", [], "en", 10.0, None, _all(tok, eos, final, second))) == []
+    rest = deltas.rest(Transcript("", [], "en", 15.0, None, _all(tok, eos, final, second, decoded(" Hi."))))
+    assert spelled(rest) == " Hi."
+    # The live text as a stream sees it: a lengthened last word is not a delta.
+    so_far = TranscriptSoFar(TranscriptionRequest(np.zeros(16_000, np.float32)), windows, tok, eos)
+    assert (d := so_far.update(0, " the cat sat", None, ([], []))) is not None and d.text == "the cat"
+    assert so_far.update(0, " the category is", None, ([], [])) is None
+    assert (d := so_far.update(0, " the cat sat on", None, ([], []))) is not None and d.text == " sat"
+
+
+def _all(tok: Any, eos: int, *decodes: tuple[list[int], list[float]]) -> list[Any]:
+    """Every token of whole-window ``decodes`` (``span_logprobs``)."""
+    from modalities.asr.alignment import span_logprobs
+
+    out: list[Any] = []
+    for ids, lps in decodes:
+        text = tok.decode(ids)
+        out += span_logprobs(tok, ids, lps, text, 0, len(text.split()), eos) or []
+    return out
 
 
 def test_batched_cross_attention_equals_one_call_per_sequence(engine: AsrEngine) -> None:

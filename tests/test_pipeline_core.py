@@ -1202,8 +1202,8 @@ def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None
 
 
 def test_realtime_ga_session_patch_and_event_translation() -> None:
-    from pipelines.realtime_events import EventError
-    from pipelines.realtime_ga import ga_error, ga_param, is_ga, session_patch, translate
+    from pipelines.realtime_events import EventError, SessionConfig
+    from pipelines.realtime_ga import ga_error, ga_param, is_ga, session_object, session_patch, translate
 
     assert is_ga({"type": "realtime"}) and not is_ga({"modalities": ["text"]})
     with pytest.raises(EventError):
@@ -1237,10 +1237,17 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
         with pytest.raises(EventError):
             session_patch({"type": "realtime", **bad})
     # A field audio.input or audio.output does not have (include is the session's) is refused.
-    for side, field in (("input", "include"), ("output", "sped")):
+    for side, field in (("input", "include"), ("output", "sped"), ("input", "voice")):
         with pytest.raises(EventError) as misplaced:
             session_patch({"type": "realtime", "audio": {side: {field: 1}}})
         assert misplaced.value.param == f"session.audio.{side}.{field}"
+        assert str(ga_error(misplaced.value)) == f"audio.{side}.{field} is not a field of audio.{side}"
+    with pytest.raises(EventError) as misplaced:
+        session_patch({"type": "realtime", "audio": {"voice": "alloy"}})
+    assert misplaced.value.param == "session.audio.voice"
+    # The GA session object a client got back is a valid update (noise_reduction: taken, unused).
+    echoed = session_object(SessionConfig("smollm2").to_dict("sess_1"))
+    assert session_patch(echoed)["input_audio_format"] == "pcm16"
     item = {"id": "i1", "role": "assistant", "status": "completed", "content": [{"type": "audio", "transcript": "Hi"}]}
     added, done = translate({"type": "conversation.item.created", "item": item})
     assert added["type"] == "conversation.item.added" and done["type"] == "conversation.item.done"

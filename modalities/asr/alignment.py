@@ -266,9 +266,12 @@ def span_logprobs(
     its tokens' words are not the text's."""
     if not text or lo >= hi:
         return []
-    if (lo, hi) != (0, len(text.split())):
+    words = text.split()
+    if (lo, hi) != (0, len(words)):
         spans = word_token_spans(tokenizer, tokens, first_special)
-        if len(spans) < hi or [w for w, _, _ in spans[lo:hi]] != text.split()[lo:hi]:
+        # As many words (a last character cut mid-byte may differ), or the same words up to ``hi``
+        # (a live text, whose last word may be held back or cut).
+        if len(spans) != len(words) and [w for w, _, _ in spans[:hi]] != words[:hi]:
             return None
         tokens, lps = tokens[spans[lo][1] : spans[hi - 1][2]], lps[spans[lo][1] : spans[hi - 1][2]]
     pairs = zip(_token_bytes(tokenizer, tokens, first_special), lps, strict=True)

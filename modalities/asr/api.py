@@ -218,7 +218,7 @@ async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:
         while item is not None:
             if item.transcript is not None:
                 yield sse({"type": "transcript.text.done", **to_json(item.transcript)})
-            elif item.text:
+            elif item.text or item.logprobs:
                 yield sse({"type": "transcript.text.delta", "delta": item.text, **logprobs_field(item.logprobs)})
             item = await anext(deltas, None)
     except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band

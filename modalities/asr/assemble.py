@@ -56,40 +56,58 @@ class DeltaLogprobs:
     """The token logprobs of each delta of one transcription stream (OpenAI's
     ``transcript.text.delta`` ``logprobs``): the tokens of the stable prefix (``stable_spans``)
     not yet sent, and at the end the rest of the transcript's. Sent in order, they add up to the
-    transcript's ``logprobs``; a window whose live tokens do not spell its text (not seen so far) holds
-    back its tokens and those after it until a later delta or the final transcript."""
+    transcript's ``logprobs``: a window whose tokens do not spell its text is left out of both
+    (``span_logprobs``). What was sent is counted in bytes: a fallback decode that says the same
+    words may split them into other tokens."""
 
     def __init__(self, tokenizer: Any, first_special: int) -> None:
         self.tokenizer, self.first_special = tokenizer, first_special
-        self.sent = 0
-        self._done: dict[tuple[int, int, int], list[TokenLogprob] | None] = {}  # a finished window's spans
+        self.sent_bytes = 0
+        # A finished window's span: its tokens and their byte count (a long file's many windows: once each).
+        self._done: dict[tuple[int, int, int], tuple[list[TokenLogprob], int] | None] = {}
 
     def of_stable(
-        self, windows: list[Window], texts: list[str], done: list[bool], decoded: list[Decoded]
+        self, spans: list[tuple[int, int, int]], texts: list[str], done: list[bool], decoded: list[Decoded]
     ) -> list[TokenLogprob]:
-        """The unsent logprobs of the stable prefix of windows' ``texts`` (``decoded``: each
-        window's tokens, live or kept)."""
-        out: list[TokenLogprob] = []
-        for i, lo, hi in stable_spans(windows, texts, done):
-            if done[i] and (i, lo, hi) in self._done:  # (a long file's many windows: once each)
-                lps = self._done[i, lo, hi]
+        """The unsent logprobs of the stable prefix ``spans`` of windows' ``texts`` (``decoded``:
+        each window's tokens, live or kept)."""
+        parts = []
+        for i, lo, hi in spans:
+            if done[i] and (i, lo, hi) in self._done:
+                part = self._done[i, lo, hi]
             else:
                 lps = span_logprobs(self.tokenizer, *decoded[i], texts[i], lo, hi, self.first_special)
+                part = None if lps is None else (lps, sum(len(lp.bytes) for lp in lps))
                 if done[i]:
-                    self._done[i, lo, hi] = lps
-            if lps is None:
-                break
-            out += lps
-        return self._unsent(out)
+                    self._done[i, lo, hi] = part
+            if part is not None:
+                parts.append(part)
+        return self._unsent(parts)
 
     def rest(self, transcript: Transcript) -> list[TokenLogprob]:
         """The transcript's logprobs not yet sent."""
-        return self._unsent(transcript.logprobs or [])
+        lps = transcript.logprobs or []
+        return self._unsent([(lps, sum(len(lp.bytes) for lp in lps))])
 
-    def _unsent(self, lps: list[TokenLogprob]) -> list[TokenLogprob]:
-        new = lps[self.sent :]
-        self.sent = max(self.sent, len(lps))
+    def _unsent(self, parts: list[tuple[list[TokenLogprob], int]]) -> list[TokenLogprob]:
+        new: list[TokenLogprob] = []
+        at = 0
+        for lps, size in parts:
+            if at + size <= self.sent_bytes:
+                at += size
+                continue
+            for lp in lps:
+                if at >= self.sent_bytes:
+                    new.append(lp)
+                at += len(lp.bytes)
+        self.sent_bytes = max(self.sent_bytes, at)
         return new
+
+
+def _extends(text: str, prefix: str) -> bool:
+    """Whether ``text`` adds words to ``prefix`` (not letters to its last word: a fallback
+    decode's "category" after a sent "cat")."""
+    return len(text) > len(prefix) and text.startswith(prefix) and (not prefix or text[len(prefix)].isspace())
 
 
 class TranscriptSoFar:
@@ -116,10 +134,11 @@ class TranscriptSoFar:
         self.texts[i], self.decoded[i] = text, decoded
         if result is not None:
             self.results[i], self.done[i] = result, True
-        stable = stable_text(self.windows, self.texts, self.done)
-        if not (stable.startswith(self.emitted) and len(stable) > len(self.emitted)):
+        spans = stable_spans(self.windows, self.texts, self.done)
+        stable = stable_text(self.texts, spans)
+        if not _extends(stable, self.emitted):
             return None
-        lps = self.logprobs.of_stable(self.windows, self.texts, self.done, self.decoded) if self.logprobs else None
+        lps = self.logprobs.of_stable(spans, self.texts, self.done, self.decoded) if self.logprobs else None
         delta = TranscriptDelta(stable[len(self.emitted) :], logprobs=lps)
         self.emitted = stable
         return delta
@@ -130,7 +149,8 @@ class TranscriptSoFar:
         assert len(results) == len(self.windows)  # (every window is done)
         transcript = assemble(self.req, self.windows, self.texts, results, self.tokenizer, self.first_special)
         out = []
-        if transcript.text.startswith(self.emitted) and len(transcript.text) > len(self.emitted):
-            lps = self.logprobs.rest(transcript) if self.logprobs else None
-            out.append(TranscriptDelta(transcript.text[len(self.emitted) :], logprobs=lps))
+        text = transcript.text[len(self.emitted) :] if _extends(transcript.text, self.emitted) else ""
+        lps = self.logprobs.rest(transcript) if self.logprobs else None
+        if text or lps:  # (tokens held back, as a window's that did not spell its live text, come with "")
+            out.append(TranscriptDelta(text, logprobs=lps))
         return [*out, TranscriptDelta("", transcript)]

@@ -175,10 +175,9 @@ def stable_spans(windows: list[Window], texts: list[str], done: list[bool]) -> l
     return spans
 
 
-def stable_text(windows: list[Window], texts: list[str], done: list[bool]) -> str:
-    """The transcript prefix that can no longer change (``stable_spans``)."""
-    parts = (_span_text(texts[i], lo, hi) for i, lo, hi in stable_spans(windows, texts, done))
-    return " ".join(p for p in parts if p)
+def stable_text(texts: list[str], spans: list[tuple[int, int, int]]) -> str:
+    """The transcript prefix that can no longer change, from its ``stable_spans``."""
+    return " ".join(p for i, lo, hi in spans if (p := _span_text(texts[i], lo, hi)))
 
 
 def window_segments(windows: list[Window], texts: list[str], results: list[WindowResult]) -> list[Segment]:
