@@ -101,11 +101,13 @@ def test_tts_celery_pcm_equals_local(gateway: str) -> None:
     from modalities.tts.piper_engine import PiperEngine
     from modalities.tts.protocol import TTSRequest
 
+    req = TTSRequest(TEXT, "joe", 1.0, 24_000)
+
     async def local() -> bytes:
         engine = PiperEngine(workers=1, threads=1, seed=0)
         encoder = StreamEncoder("pcm", 24_000)
         try:
-            data = b"".join([encoder.encode(c) async for c in engine.stream(TTSRequest(TEXT, "joe", 1.0, 24_000))])
+            data = b"".join([encoder.encode(c) async for c in engine.stream(req)])
         finally:
             await engine.shutdown()
         return data + encoder.close()
@@ -115,6 +117,16 @@ def test_tts_celery_pcm_equals_local(gateway: str) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-model"] == "piper-en_US-joe-medium" and resp.headers["x-sample-rate"] == "24000"
     assert len(want) > 24_000 and resp.content == want
+    # The worker's count of what the synthesis read comes back to the gateway (speech.audio.done).
+    body = {"input": TEXT, "response_format": "pcm", "stream_format": "sse"}
+    sse = httpx.post(f"{gateway}/v1/audio/speech", json=body, timeout=120).text.strip().splitlines()[-1]
+    done = json.loads(sse.removeprefix("data: "))
+    assert req.usage.input_tokens > len(TEXT) and req.usage.output_tokens == 0
+    assert done["usage"] == {
+        "input_tokens": req.usage.input_tokens,
+        "output_tokens": 0,
+        "total_tokens": req.usage.input_tokens,
+    }
 
 
 def test_tts_validation_in_gateway(gateway: str) -> None:

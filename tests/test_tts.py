@@ -409,6 +409,10 @@ def test_pcm_is_24khz_and_sse_carries_the_same_audio(base_url: str) -> None:
 
     events = [json.loads(line[6:]) for line in lines]
     assert events[-1]["type"] == "speech.audio.done"
+    # OpenAI's done event requires usage: Piper reads phoneme ids (with its pads, ~2 a letter) and generates no tokens.
+    usage = events[-1]["usage"]
+    assert usage["input_tokens"] > len("Hello there. Bye.") and usage["output_tokens"] == 0
+    assert usage["total_tokens"] == usage["input_tokens"]
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
     assert len(deltas) >= 2
     assert len(b"".join(base64.b64decode(e["audio"]) for e in deltas)) > 24000

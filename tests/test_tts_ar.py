@@ -18,7 +18,7 @@ import torch
 from modalities.audio import decode_audio
 from modalities.tts.ar_engine import ARTTSEngine
 from modalities.tts.codec_stream import CodecBatcher, CodecWindow, StreamingCodecDecoder, decode_windows
-from modalities.tts.protocol import TTSRequest
+from modalities.tts.protocol import TTSRequest, TTSUsage
 from modalities.tts.tiny import tiny_tts_ar_dir
 from tests.helpers import serve_app
 
@@ -204,13 +204,19 @@ def server(model_dir: Path) -> Iterator[tuple[str, ARTTSEngine]]:
 def test_engine_stream_yields_frames_as_they_decode_and_cancels(server: tuple[str, ARTTSEngine]) -> None:
     _, ar = server
 
+    req = TTSRequest("Hello there.", voice="tiny-a")
+
     async def chunks() -> list[np.ndarray]:
-        return [c async for c in ar.stream(TTSRequest("Hello there.", voice="tiny-a"))]
+        return [c async for c in ar.stream(req)]
 
     hop = int(ar.codec.config.hop_length)
     parts = asyncio.run(chunks())
     assert len(parts) >= 3
     assert sum(p.size for p in parts) == FRAMES * hop - 8  # DAC trims 8 samples at the end
+    # What it used: its prompt's tokens, and the codec tokens of its frames (the random model
+    # never says <|audio_end|>: it runs to the frame cap).
+    prompt = len(ar.prompt_ids("Hello there.", "tiny-a"))
+    assert req.usage == TTSUsage(prompt, FRAMES * ar.layout.num_codebooks)
 
     async def cancel() -> tuple[float, float]:
         ar.max_frames = 1000

@@ -3,7 +3,7 @@
 The handler waits for the first audio chunk before answering, so input and engine errors are
 proper 4xx/5xx JSON; after that every chunk is encoded and sent as soon as the engine yields it
 (chunked transfer; ``stream_format: "sse"`` wraps the same bytes in ``speech.audio.delta``
-events). Time-to-first-audio is therefore the time to synthesise the first text piece. A client
+events, then ``speech.audio.done`` with the request's token ``usage``, ``TTSUsage``). Time-to-first-audio is therefore the time to synthesise the first text piece. A client
 that disconnects closes the engine stream, which cancels the rest of the synthesis. A failure
 after the first chunk (a later sentence the phonemiser can't take) ends an SSE stream with an
 ``error`` event, and an audio stream without its closing chunk (the status line is gone).
@@ -116,6 +116,8 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
             kind = mapped.type if mapped is not None else "server_error"
             yield sse({"type": "error", "error": {"message": message, "type": kind}})
             return
-        yield sse({"type": "speech.audio.done"})
+        u = req.usage
+        usage = {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens}
+        yield sse({"type": "speech.audio.done", "usage": {**usage, "total_tokens": u.input_tokens + u.output_tokens}})
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from modalities.stream_resample import Resampler
-from modalities.tts.base import check_request
+from modalities.tts.base import ReportsUsage, check_request
 from modalities.tts.codec_stream import CodecBatcher, StreamingCodecDecoder
-from modalities.tts.protocol import TTSRequest
+from modalities.tts.protocol import TTSRequest, TTSUsage
 from modalities.tts.tempo import TimeStretch
 from modalities.tts.text import split_text
 from modalities.tts.tiny import TTS_CONFIG
@@ -69,7 +69,7 @@ class ARTTSLayout:
         return (arr % self.codebook_size).reshape(-1, q).T
 
 
-class ARTTSEngine:
+class ARTTSEngine(ReportsUsage):
     """AR TTS behind the TTS engine contract (``modalities.tts.base``). ``engine`` may be shared
     with text requests: ``engine.generate`` is the same call LLM routes make."""
 
@@ -180,15 +180,18 @@ class ARTTSEngine:
             stream_interval=self.stream_interval,  # woken when a window may be due, not per token
         )
 
-    async def _piece(self, text: str, voice: str) -> AsyncIterator[np.ndarray]:
-        """Waveform of one text piece at the codec's rate, as frames arrive."""
+    async def _piece(self, text: str, voice: str, usage: TTSUsage) -> AsyncIterator[np.ndarray]:
+        """Waveform of one text piece at the codec's rate, as frames arrive (its tokens counted in ``usage``)."""
         decoder = StreamingCodecDecoder(self.codec, self.layout.context_frames, self.decode_every, self.first_every)
         q = self.layout.num_codebooks
         tokens: list[int] = []
         used = 0
-        gen = self.engine.generate(None, self.prompt_ids(text, voice), self.sampling_params())
+        prompt = self.prompt_ids(text, voice)
+        usage.input_tokens += len(prompt)
+        gen = self.engine.generate(None, prompt, self.sampling_params())
         async with aclosing(gen):  # closing the stream aborts the engine request now, not at GC
             async for out in gen:
+                usage.output_tokens += len(out.outputs[0].delta_token_ids)
                 tokens.extend(t for t in out.outputs[0].delta_token_ids if t != self.layout.audio_end_id)
                 complete = len(tokens) // q * q
                 if complete > used:
@@ -211,7 +214,7 @@ class ARTTSEngine:
         stretch = TimeStretch(req.speed, self.sample_rate)
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         for piece in split_text(req.text):
-            async with aclosing(self._piece(piece, voice)) as audio_chunks:
+            async with aclosing(self._piece(piece, voice, req.usage)) as audio_chunks:
                 async for audio in audio_chunks:
                     out = resample(stretch(audio))
                     if out.size:

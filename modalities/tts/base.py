@@ -6,7 +6,8 @@ speaks; the first is its default), ``sample_rate`` (its native rate), ``supports
 
     def stream(req: TTSRequest) -> AsyncIterator[np.ndarray]
 
-yielding float32 mono chunks at ``req.sample_rate or sample_rate`` as soon as each exists.
+yielding float32 mono chunks at ``req.sample_rate or sample_rate`` as soon as each exists,
+and counting what it used in ``req.usage`` (whole when the stream ends).
 Input errors (``TTSInputError``) are raised at the first ``__anext__``, before any audio.
 Closing the iterator (``aclose()``, task cancellation, leaving an ``async for``) stops the work
 for that request inside the engine at once: queued pieces are dropped, AR sequences aborted.
@@ -15,11 +16,12 @@ for that request inside the engine at once: queued pieces are dropped, AR sequen
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, Protocol
 
 import numpy as np
 
-from modalities.tts.protocol import TTSInputError, TTSRequest
+from modalities.tts.protocol import TTSInputError, TTSRequest, TTSUsage
 
 
 class TTSEngine(Protocol):
@@ -48,6 +50,19 @@ def check_request(engine: TTSEngine, req: TTSRequest) -> str:
     if req.speed != 1.0 and not engine.supports_speed:
         raise TTSInputError(f"model {engine.model_name!r} does not support speed other than 1.0", "speed")
     return voice
+
+
+class ReportsUsage:
+    """What a TTS engine served by a worker process adds: ``stream_with_usage``."""
+
+    async def stream_with_usage(self, req: TTSRequest) -> AsyncIterator[np.ndarray | TTSUsage]:
+        """``stream(req)``'s chunks, then ``req.usage``: what the worker sends back, so that the
+        gateway's copy of the request is counted too (``RemoteTTSEngine.stream``)."""
+        engine: TTSEngine = self  # type: ignore[assignment]  # (mixed into TTS engines only)
+        async with aclosing(engine.stream(req)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        yield req.usage
 
 
 async def synthesize(engine: TTSEngine, req: TTSRequest) -> np.ndarray:

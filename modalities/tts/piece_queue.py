@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from modalities.tts.piper_voice import CONTEXT_FRAMES, Latent
+from modalities.tts.protocol import TTSUsage
 
 MIN_FRAMES = 32  # of a segment after a request's first (each decodes up to 24 frames of context too)
 END = object()  # on a job's queue after its last audio
@@ -58,6 +59,7 @@ class PieceJob:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     done: dict[int, np.ndarray] = field(default_factory=dict)  # audio not emitted yet, by segment
     next_emit: int = 0
+    usage: TTSUsage = field(default_factory=TTSUsage)  # the request's, counted as pieces are read
 
     def due(self, now: float) -> tuple[int, float]:
         """``(class, deadline)``: lower runs first."""

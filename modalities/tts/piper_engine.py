@@ -38,7 +38,7 @@ import numpy as np
 from engine.errors import EngineDeadError
 from engine.foreground import FOREGROUND
 from modalities.stream_resample import Resampler
-from modalities.tts.base import check_request
+from modalities.tts.base import ReportsUsage, check_request
 from modalities.tts.phonemizer import Phonemizer
 from modalities.tts.piece_queue import END, Item, PieceJob, PieceQueue
 from modalities.tts.piper_voice import PiperVoiceModel, cut_voice
@@ -86,7 +86,7 @@ def split_speed(speed: float) -> tuple[float, float]:
     return natural, speed / natural
 
 
-class PiperEngine:
+class PiperEngine(ReportsUsage):
     """Piper voice(s) behind the TTS engine contract (``modalities.tts.base``)."""
 
     modality = "tts"
@@ -227,9 +227,11 @@ class PiperEngine:
             return voice.decode(item.latent, item.start, item.stop)
         if voice.cut:
             latents = voice.latents(text, item.job.length_scale, first=item.segment == 0)
+            tokens = sum(z.tokens for z in latents)
         else:
-            latents, audio = [], voice.whole(text, item.job.length_scale)
+            latents, (audio, tokens) = [], voice.whole(text, item.job.length_scale)
         with self._cv:
+            item.job.usage.input_tokens += tokens
             frames = self._queue.fronted(item, latents)
             self._cv.notify()  # the rest of the piece can be handed out
         if voice.cut:
@@ -267,7 +269,8 @@ class PiperEngine:
                 return
             frames = max(MIN_FIRST_FRAMES, FIRST_FRAMES // load)
             loop = asyncio.get_running_loop()
-            job = PieceJob(next(self._seq), pieces, 1.0 / natural, req.priority, frames, loop, time.monotonic())
+            now = time.monotonic()
+            job = PieceJob(next(self._seq), pieces, 1.0 / natural, req.priority, frames, loop, now, usage=req.usage)
             self._queue.add(job)
             self._cv.notify(len(pieces))
         self._active += 1

@@ -107,12 +107,13 @@ class Latent:
     where they aren't yet: over all frames, except on the first call of a latent made ``partial``
     (a request's first audio), which runs it on the first ``n + FLOW_CONTEXT`` frames if that is
     at most half of them (a larger part saves little, and its frames would run twice). ``final``:
-    the prior needs no flow. Thread-safe: segments of one sentence may be decoded by several
-    workers."""
+    the prior needs no flow. ``tokens``: the phoneme ids it was made from. Thread-safe: segments
+    of one sentence may be decoded by several workers."""
 
-    def __init__(self, prior: np.ndarray, final: bool = False, partial: bool = False) -> None:
+    def __init__(self, prior: np.ndarray, final: bool = False, partial: bool = False, tokens: int = 0) -> None:
         self.prior = prior
         self.partial = partial
+        self.tokens = tokens
         self._z: np.ndarray | None = prior if final else None
         self._final = prior.shape[2] if final else 0  # frames of ``_z`` that are final
         self._lock = threading.Lock()
@@ -185,7 +186,7 @@ class PiperVoiceModel:
         assert self.cut
         final = self.flow is None
         out = [
-            Latent(self._front(ids, length_scale), final, first and i == 0)
+            Latent(self._front(ids, length_scale), final, first and i == 0, len(ids))
             for i, ids in enumerate(self._phoneme_ids(text))
         ]
         if not first:
@@ -193,13 +194,15 @@ class PiperVoiceModel:
                 z.upto(z.shape[2], self._run_flow)
         return out
 
-    def whole(self, text: str, length_scale: float) -> np.ndarray:
-        """``text``'s audio in one go (how an uncut voice speaks)."""
+    def whole(self, text: str, length_scale: float) -> tuple[np.ndarray, int]:
+        """``text``'s audio in one go (how an uncut voice speaks), and the phoneme ids it read."""
         if self.cut:
-            parts = [self.decode(z, 0, z.shape[2]) for z in self.latents(text, length_scale)]
+            latents = self.latents(text, length_scale)
+            parts, tokens = [self.decode(z, 0, z.shape[2]) for z in latents], sum(z.tokens for z in latents)
         else:
-            parts = [self._scale(self._front(ids, length_scale).reshape(-1)) for ids in self._phoneme_ids(text)]
-        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+            ids = self._phoneme_ids(text)
+            parts, tokens = [self._scale(self._front(x, length_scale).reshape(-1)) for x in ids], sum(map(len, ids))
+        return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), tokens
 
     def decode(self, latent: Latent, start: int, stop: int) -> np.ndarray:
         """Audio of frames ``[start, stop)`` of ``latent``, decoded with ``CONTEXT_FRAMES`` on each side."""

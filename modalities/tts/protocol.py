@@ -3,7 +3,7 @@ workers and the realtime pipeline can use it) and the OpenAI ``POST /v1/audio/sp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator
@@ -31,17 +31,29 @@ class TTSInputError(ValueError):
 
 
 @dataclass
+class TTSUsage:
+    """What one synthesis used, in OpenAI's ``speech.audio.done`` terms: ``input_tokens`` the
+    model read (Piper: phoneme ids; an AR model: its prompts' tokens), ``output_tokens`` it
+    generated (an AR model's codec tokens, its end-of-audio tokens included; Piper: none)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
 class TTSRequest:
     """One synthesis: ``text`` spoken by ``voice`` (None: the engine's default) at ``speed``
     (1.0 normal, >1 faster), as float32 mono chunks at ``sample_rate`` (None: the voice's own).
     ``priority``: lower first where the engine orders its work (set by the server, not the API:
-    ``engine.foreground.INTERACTIVE`` marks a live voice turn)."""
+    ``engine.foreground.INTERACTIVE`` marks a live voice turn). ``usage``: filled in by the
+    engine as it synthesises, whole once the stream has ended."""
 
     text: str
     voice: str | None = None
     speed: float = 1.0
     sample_rate: int | None = None
     priority: int = 0
+    usage: TTSUsage = field(default_factory=TTSUsage)
 
     def validate(self) -> None:
         if not self.text or not self.text.strip():

@@ -1,13 +1,19 @@
 """The gateway's TTS engines under ``--dispatch celery``: ``RemoteTTSEngine`` has what the routes,
 the voice registry and ``check_request`` read (``modality``, ``model_name``, ``voices``,
 ``sample_rate``, ``supports_speed``), taken from the model files without loading the model, and
-``stream`` runs on a ``mmserve worker --modality tts`` process. Closing the stream (a client that
-disconnected) aborts the synthesis on the worker."""
+``stream`` runs on a ``mmserve worker --modality tts`` process (its count of what was used comes
+back into ``req.usage``). Closing the stream (a client that disconnected) aborts the synthesis on
+the worker."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 
+import numpy as np
+
+from modalities.tts.protocol import TTSRequest, TTSUsage
 from workers.remote import Cluster, RemoteEngine
 
 
@@ -17,6 +23,15 @@ class RemoteTTSEngine(RemoteEngine):
     def __init__(self, cluster: Cluster, name: str, voices: list[str], sample_rate: int, supports_speed: bool) -> None:
         super().__init__(cluster, name, "tts")
         self.voices, self.sample_rate, self.supports_speed = list(voices), int(sample_rate), supports_speed
+
+    async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:  # type: ignore[override]
+        """The worker's chunks (``ReportsUsage.stream_with_usage``); its ``usage`` goes to ``req``."""
+        async with aclosing(self.stream_call("stream_with_usage", req)) as items:
+            async for item in items:
+                if isinstance(item, TTSUsage):
+                    req.usage = item
+                else:
+                    yield item
 
     @classmethod
     def piper(cls, cluster: Cluster, spec: str | None) -> RemoteTTSEngine:
