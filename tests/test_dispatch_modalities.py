@@ -119,8 +119,9 @@ def test_tts_celery_pcm_equals_local(gateway: str) -> None:
     assert len(want) > 24_000 and resp.content == want
     # The worker's count of what the synthesis read comes back to the gateway (speech.audio.done).
     body = {"input": TEXT, "response_format": "pcm", "stream_format": "sse"}
-    sse = httpx.post(f"{gateway}/v1/audio/speech", json=body, timeout=120).text.strip().splitlines()[-1]
-    done = json.loads(sse.removeprefix("data: "))
+    sse = httpx.post(f"{gateway}/v1/audio/speech", json=body, timeout=120)
+    assert sse.status_code == 200, sse.text
+    done = json.loads(sse.text.strip().splitlines()[-1].removeprefix("data: "))
     assert req.usage.input_tokens > len(TEXT) and req.usage.output_tokens == 0
     assert done["usage"] == {
         "input_tokens": req.usage.input_tokens,

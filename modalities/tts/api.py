@@ -3,8 +3,9 @@
 The handler waits for the first audio chunk before answering, so input and engine errors are
 proper 4xx/5xx JSON; after that every chunk is encoded and sent as soon as the engine yields it
 (chunked transfer; ``stream_format: "sse"`` wraps the same bytes in ``speech.audio.delta``
-events, then ``speech.audio.done`` with the request's token ``usage``, ``TTSUsage``). Time-to-first-audio is therefore the time to synthesise the first text piece. A client
-that disconnects closes the engine stream, which cancels the rest of the synthesis. A failure
+events, then ``speech.audio.done`` with the request's token ``usage``, ``TTSUsage``).
+Time-to-first-audio is therefore the time to synthesise the first text piece. A client that
+disconnects closes the engine stream, which cancels the rest of the synthesis. A failure
 after the first chunk (a later sentence the phonemiser can't take) ends an SSE stream with an
 ``error`` event, and an audio stream without its closing chunk (the status line is gone).
 

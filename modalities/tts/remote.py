@@ -28,8 +28,8 @@ class RemoteTTSEngine(RemoteEngine):
         """The worker's chunks (``ReportsUsage.stream_with_usage``); its ``usage`` goes to ``req``."""
         async with aclosing(self.stream_call("stream_with_usage", req)) as items:
             async for item in items:
-                if isinstance(item, TTSUsage):
-                    req.usage = item
+                if isinstance(item, TTSUsage):  # (in place: as a local engine counts)
+                    req.usage.input_tokens, req.usage.output_tokens = item.input_tokens, item.output_tokens
                 else:
                     yield item
 
