@@ -71,10 +71,35 @@ def ga_error(exc: EventError) -> EventError:
     return EventError(message, exc.code, ga_param(exc.param), exc.event_id)
 
 
-_AUDIO_FIELDS = {
+# The fields of a GA ``audio`` object, by side: a closed set (a misplaced field, e.g. ``include``,
+# would otherwise do nothing unseen).
+SESSION_AUDIO = {
     "input": frozenset(("format", "transcription", "turn_detection", "noise_reduction")),
     "output": frozenset(("format", "voice", "speed")),
 }
+
+
+def ga_audio(value: Any, param: str, fields: dict[str, frozenset[str]]) -> dict[str, dict[str, Any]]:
+    """The sides of a GA ``audio`` object at ``param`` (``session.audio``, ``response.audio``),
+    each an object ({} when left out or null) holding none but its ``fields``; an ``EventError``
+    names what is not so. Messages write fields as paths, which ``ga_error`` leaves as they are."""
+    name = param.removeprefix("session.")
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise EventError(f"{name} must be an object", param=param)
+    if unknown := sorted(set(value) - set(fields)):
+        raise EventError(f"{name}.{unknown[0]} is not a field of {name}", param=f"{param}.{unknown[0]}")
+    sides = {}
+    for side, known in fields.items():
+        conf = {} if value.get(side) is None else value[side]
+        if not isinstance(conf, dict):
+            raise EventError(f"{name}.{side} must be an object", param=f"{param}.{side}")
+        if unknown := sorted(set(conf) - known):
+            field = f"{name}.{side}.{unknown[0]}"
+            raise EventError(f"{field} is not a field of {name}.{side}", param=f"{param}.{side}.{unknown[0]}")
+        sides[side] = conf
+    return sides
 
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
@@ -86,19 +111,8 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
         out["modalities"] = ["text", "audio"] if audio_out else ["text"]  # audio comes with its transcript
     if "max_output_tokens" in ga:
         out["max_response_output_tokens"] = ga["max_output_tokens"]
-    audio = ga.get("audio") or {}
-    if not isinstance(audio, dict):
-        raise EventError("audio must be an object", param="session.audio")
-    if unknown := sorted(set(audio) - set(_AUDIO_FIELDS)):
-        raise EventError(f"audio.{unknown[0]} is not a field of audio", param=f"session.audio.{unknown[0]}")
-    sides = {side: audio.get(side) or {} for side in ("input", "output")}
+    sides = ga_audio(ga.get("audio"), "session.audio", SESSION_AUDIO)
     for side, conf in sides.items():
-        if not isinstance(conf, dict):
-            raise EventError(f"audio.{side} must be an object", param=f"session.audio.{side}")
-        # (a closed set in GA: a misplaced field, e.g. ``include``, would otherwise do nothing unseen)
-        if unknown := sorted(set(conf) - _AUDIO_FIELDS[side]):
-            field = f"audio.{side}.{unknown[0]}"  # (so written, ``ga_error`` leaves the name as it is)
-            raise EventError(f"{field} is not a field of audio.{side}", param=f"session.{field}")
         if conf.get("format") is not None:
             out[f"{side}_audio_format"] = ga_wire_format(conf["format"], f"session.audio.{side}.format")
     if "turn_detection" in sides["input"]:

@@ -24,6 +24,7 @@ from pipelines.realtime_events import (
     wants_audio,
     wire_format,
 )
+from pipelines.realtime_ga import ga_audio
 from pipelines.realtime_items import response_items
 from pipelines.services import Services
 
@@ -53,8 +54,10 @@ def response_request(
     limit = response.get(limit_key)
     max_tokens = None if limit is None else reply_tokens(check_max_tokens(limit, f"response.{limit_key}"))
     tools, grammar = _tools(response, config, services)
-    voice = _voice(response, ga, services)
-    audio_format = _format(response, ga)  # (after the voice, which checks GA's shapes)
+    # GA's response.audio has one side, its own output's format and voice (checked as a session's)
+    output = ga_audio(response.get("audio"), "response.audio", RESPONSE_AUDIO)["output"] if ga else None
+    voice = _voice(response, output, services)
+    audio_format = _format(response, output)
     return ResponseRequest(
         instructions,
         audio,
@@ -72,26 +75,26 @@ def response_request(
     )
 
 
-def _voice(response: dict[str, Any], ga: bool, services: Services) -> str | None:
-    """Its own voice (beta ``voice``, GA ``audio.output.voice``), checked."""
-    if not ga:
+RESPONSE_AUDIO = {"output": frozenset(("format", "voice"))}
+
+
+def _voice(response: dict[str, Any], output: dict[str, Any] | None, services: Services) -> str | None:
+    """Its own voice (beta ``voice``; GA ``audio.output.voice``, ``output`` the checked
+    ``audio.output``), checked."""
+    if output is None:
         check_voice(services.tts, response, "response.voice")
         return response.get("voice")
-    audio = response.get("audio") or {}
-    output = (audio.get("output") or {}) if isinstance(audio, dict) else None
-    if not isinstance(output, dict):
-        raise EventError("response.audio must be an object with an object output", param="response.audio")
     check_voice(services.tts, output, "response.audio.output.voice")
     return output.get("voice")
 
 
-def _format(response: dict[str, Any], ga: bool) -> str | None:
+def _format(response: dict[str, Any], output: dict[str, Any] | None) -> str | None:
     """Its own output format (beta ``output_audio_format``, GA ``audio.output.format``; None:
     the session's)."""
-    if not ga:
+    if output is None:
         fmt = response.get("output_audio_format")
         return None if fmt is None else wire_format(fmt, "response.output_audio_format")
-    fmt = ((response.get("audio") or {}).get("output") or {}).get("format")
+    fmt = output.get("format")
     return None if fmt is None else ga_wire_format(fmt, "response.audio.output.format")
 
 

@@ -49,15 +49,10 @@ def beta_patch(session: Any) -> dict[str, Any]:
 def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
     """The beta patch of a GA ``session.update`` of ``type`` "transcription" (its
     ``audio.input``: format, transcription, turn_detection, noise_reduction; and ``include``)."""
-    audio = session.get("audio") or {}
-    side = audio.get("input") if isinstance(audio, dict) else None
-    if not isinstance(audio, dict) or not isinstance(side or {}, dict):
-        raise EventError("audio.input must be an object", param="session.audio.input")
+    audio = realtime_ga.ga_audio(session.get("audio"), "session.audio", {"input": realtime_ga.SESSION_AUDIO["input"]})
+    side = audio["input"]
     renamed = {"format": "input_audio_format", "transcription": "input_audio_transcription"}
-    beta = {renamed.get(k, k): v for k, v in (side or {}).items() if k != "noise_reduction"}
-    unknown = sorted(set(beta) - (FIELDS - {"include"}))  # (``include`` is the session's, not audio.input's)
-    if unknown:
-        raise EventError(f"audio.input has no field {unknown[0]!r}", param=f"session.audio.input.{unknown[0]}")
+    beta = {renamed.get(k, k): v for k, v in side.items() if k != "noise_reduction"}
     if "input_audio_format" in beta:
         beta["input_audio_format"] = ga_wire_format(beta["input_audio_format"], "session.audio.input.format")
     if "include" in session:

@@ -267,7 +267,8 @@ def test_delta_logprobs_are_the_new_words_tokens_counted_in_bytes(engine: AsrEng
     words it adds; a fallback decode that splits words already sent into other tokens sends none
     of them again; a live text its tokens do not spell holds its tokens back until its window is
     done; the transcript's tokens not yet sent come last; a decode that lengthens the last word
-    sent ("cat" -> "category") is no delta."""
+    sent ("cat" -> "category") is no delta; a window decoded again after its text went out adds
+    no tokens at the end."""
     from modalities.asr.assemble import DeltaLogprobs, TranscriptSoFar
     from modalities.asr.longform import stable_spans
     from modalities.asr.types import Transcript
@@ -307,6 +308,17 @@ def test_delta_logprobs_are_the_new_words_tokens_counted_in_bytes(engine: AsrEng
     assert (d := so_far.update(0, " the cat sat", None, ([], []))) is not None and d.text == "the cat"
     assert so_far.update(0, " the category is", None, ([], [])) is None
     assert (d := so_far.update(0, " the cat sat on", None, ([], []))) is not None and d.text == " sat"
+    # A window decoded again after its live text went out (it failed the checks at its end): the
+    # stream ends with the done item alone, no tokens of a text that was never sent.
+    req = TranscriptionRequest(np.zeros(16_000, np.float32), logprobs=True)
+    so_far = TranscriptSoFar(req, windows[:1], tok, eos)
+    assert (d := so_far.update(0, " the cat sat on", None, decoded(" the cat sat on"))) is not None
+    assert spelled(d.logprobs or []) == " the cat sat"
+    ids, lps = decoded(" A dog ran.")
+    so_far.update(0, "A dog ran.", WindowResult("A dog ran.", ids, 0.2, -0.5, 1.0, 0.0, token_logprobs=lps), (ids, lps))
+    *deltas_left, done = so_far.finish()
+    assert deltas_left == [] and done.transcript is not None and done.transcript.text == "A dog ran."
+    assert spelled(done.transcript.logprobs or []) == " A dog ran."
 
 
 def _all(tok: Any, eos: int, *decodes: tuple[list[int], list[float]]) -> list[Any]:

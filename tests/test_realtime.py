@@ -1749,6 +1749,52 @@ def test_calls_asked_for_with_no_tools_are_refused() -> None:
     run(go())
 
 
+def test_ga_audio_objects_are_objects_of_known_fields() -> None:
+    """Stand-in, GA dialect: a session's ``audio`` (and each side) is null or an object holding
+    GA's fields only, and so is a response's (its ``output``: format, voice) and a transcription
+    session's (``input`` only); the error names the field as the client wrote it; a refused
+    update changes nothing."""
+    from pipelines.realtime_events import EventError
+    from pipelines.realtime_transcription import ga_patch
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+        assert sent[-1]["type"] == "session.updated"
+        bad = {
+            "session.audio": [[], 0, False, "x"],
+            "session.audio.input": [{"input": []}, {"input": ""}],
+            "session.audio.output": [{"output": 0}],
+            "session.audio.voice": [{"voice": "alloy"}],
+            "session.audio.input.input_audio_format": [{"input": {"input_audio_format": "pcm16"}}],
+            "session.audio.output.zzz": [{"output": {"zzz": 1}}],
+        }
+        for param, values in bad.items():
+            for audio in values:
+                await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": audio}}))
+                assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == param, (audio, sent[-1])
+        assert sent[-1]["error"]["message"] == "audio.output.zzz is not a field of audio.output"
+        for audio, param in (({"output": {"speed": 1.0}}, "response.audio.output.speed"), ([], "response.audio")):
+            await s._handle(json.dumps({"type": "response.create", "response": {"audio": audio}}))
+            assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == param, (audio, sent[-1])
+        assert s.inbox.empty() and not s.active
+        await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": None}}))
+        assert sent[-1]["type"] == "session.updated"  # (null: left as it is)
+
+    run(go())
+    for audio, param in (({"output": {"voice": "alloy"}}, "session.audio.output"), ("x", "session.audio")):
+        with pytest.raises(EventError) as refused:
+            ga_patch({"type": "transcription", "audio": audio})
+        assert refused.value.param == param
+    with pytest.raises(EventError) as beta_name:
+        ga_patch({"type": "transcription", "audio": {"input": {"input_audio_transcription": {"language": "en"}}}})
+    assert beta_name.value.param == "session.audio.input.input_audio_transcription"
+    assert ga_patch({"type": "transcription", "audio": {"input": {"noise_reduction": None}}}) == {}
+
+
 def test_the_llm_tells_a_finished_message_from_a_cut_off_one(server: dict[str, Any]) -> None:
     """``pipelines.turns.end_of_turn`` on the served SmolLM2: a pause after a cut-off sentence
     does not end the turn; one after a finished message does (eagerness "auto")."""

@@ -9,7 +9,8 @@ extension: seeds those sampled decodes, default 0, so a request is reproducible)
 ``words`` list of ``{word, start, end}``, aligned from Whisper's cross-attention, each word
 without the punctuation around it as OpenAI's; ``word`` alone leaves ``segments`` out, as OpenAI
 does), ``stream`` (SSE: ``transcript.text.delta``
-events as text decodes, then ``transcript.text.done``, whose text is the final one; json/text
+events as text decodes, then ``transcript.text.done``, whose text is the final one (it differs
+from the deltas' where a window's decode failed Whisper's checks at its end); json/text
 only, so never with word timestamps), ``include[]`` (``logprobs``, with json only, as OpenAI:
 the response's ``logprobs`` lists the text's tokens, each ``{token, logprob, bytes}``; a stream
 gives each delta's tokens with it, and them all in ``transcript.text.done``); the two list fields

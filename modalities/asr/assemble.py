@@ -149,8 +149,13 @@ class TranscriptSoFar:
         assert len(results) == len(self.windows)  # (every window is done)
         transcript = assemble(self.req, self.windows, self.texts, results, self.tokenizer, self.first_special)
         out = []
-        text = transcript.text[len(self.emitted) :] if _extends(transcript.text, self.emitted) else ""
-        lps = self.logprobs.rest(transcript) if self.logprobs else None
-        if text or lps:  # (tokens held back, as a window's that did not spell its live text, come with "")
+        extends = _extends(transcript.text, self.emitted)
+        text = transcript.text[len(self.emitted) :] if extends else ""
+        # Tokens held back (a window's that did not spell its live text) come last, with "" if need
+        # be; none when a window decoded again after its live text went out: the text differs then
+        # (the done event's is the one kept).
+        consistent = extends or transcript.text == self.emitted
+        lps = self.logprobs.rest(transcript) if self.logprobs and consistent else None
+        if text or lps:
             out.append(TranscriptDelta(text, logprobs=lps))
         return [*out, TranscriptDelta("", transcript)]
