@@ -117,6 +117,8 @@ def test_bad_params_are_400(base: str) -> None:
     for params in bad:
         r = httpx.post(f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
         assert r.status_code == 400, (params, r.text)
+        field = next(iter(set(params) - {"file_id"}), "file_id")  # (the one field that is wrong)
+        assert r.json()["error"]["param"] == f"params.{field}", r.text
     # The endpoint's granularity rules, with the endpoint's messages.
     granularities = (
         ({"timestamp_granularities": ["phrase"]}, "must be 'segment' or 'word' (got 'phrase')"),
@@ -135,8 +137,10 @@ def test_bad_params_are_400(base: str) -> None:
         assert r.status_code == 400, (params, r.text)
         error = r.json()["error"]
         assert error["message"].startswith("params.timestamp_granularities: ") and message in error["message"]
+        assert error["param"] == "params.timestamp_granularities"  # (the field, as OpenAI's errors name it)
     for params, message in includes:
         r = httpx.post(
             f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": {"file_id": "x", **params}}, timeout=30
         )
         assert r.status_code == 400 and message in r.json()["error"]["message"], (params, r.text)
+        assert r.json()["error"]["param"] == "params.include"

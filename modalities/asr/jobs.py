@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from workers.jobs import JobCancelled, JobContext, register_job_kind
+from workers.jobs import JobCancelled, JobContext, ParamError, register_job_kind
 
 KIND = "audio.transcription"
 _EXT = {"json": "json", "verbose_json": "json", "text": "txt", "srt": "srt", "vtt": "vtt"}
@@ -58,13 +58,13 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
         job = TranscriptionJob(**params)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise ValueError(f"params.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        raise ParamError(".".join(str(p) for p in first["loc"]), first["msg"]) from None
     if error := granularity_error(job.timestamp_granularities, job.response_format):
-        raise ValueError(f"params.timestamp_granularities: {error}")
+        raise ParamError("timestamp_granularities", error)
     if error := include_error(job.include, job.response_format):
-        raise ValueError(f"params.include: {error}")
+        raise ParamError("include", error)
     if job.include and job.task == "translate":  # (as /v1/audio/translations, which has no include)
-        raise ValueError("params.include: the translate task has no include")
+        raise ParamError("include", "the translate task has no include")
     return job.model_dump()
 
 

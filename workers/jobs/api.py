@@ -191,7 +191,7 @@ async def submit_or_raise(
             headers={"Retry-After": str(int(exc.retry_after_s))},
         ) from exc
     except ValueError as exc:
-        raise APIError(400, str(exc), param="params", code="invalid_value") from exc
+        raise APIError(400, str(exc), param=getattr(exc, "param", "params"), code="invalid_value") from exc
 
 
 def _kinds() -> list[str]:

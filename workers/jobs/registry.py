@@ -34,7 +34,7 @@ Contract of ``run(params, ctx)``:
 
 ``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
 raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
-never costs compute. ``engines`` are the gateway's engines (remote proxies under celery dispatch);
+never costs compute; a ``ParamError`` names the field in the error's ``param``. ``engines`` are the gateway's engines (remote proxies under celery dispatch);
 a hook with an ``aliases`` parameter also gets the gateway's model aliases (``validate(params,
 engines, aliases)``), to resolve ``model`` as the synchronous routes do.
 
@@ -56,6 +56,14 @@ from typing import Any, Protocol
 RunFn = Callable[[dict[str, Any], "JobContext"], "dict[str, Any] | None | Awaitable[dict[str, Any] | None]"]
 ValidateFn = Callable[..., dict[str, Any]]  # (params, engines[, aliases=]) -> params
 CostFn = Callable[..., tuple[str, float]]  # (params, engines[, file_bytes=]) -> (unit, amount)
+
+
+class ParamError(ValueError):
+    """A bad field of a job's params: the 400's ``param`` names it (``params.<field>``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"params.{field}: {message}")
+        self.param = f"params.{field}"
 
 
 class JobCancelled(Exception):
