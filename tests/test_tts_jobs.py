@@ -78,19 +78,20 @@ def test_long_text_job_writes_one_audio_file_with_progress(base: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "needle"),
+    ("params", "needle", "param"),
     [
-        ({"input": ""}, "non-empty"),
-        ({"input": "x" * 200_001}, "maximum"),
-        ({"input": "hi", "voice": "nobody"}, "nobody"),
-        ({"input": "hi", "voice": "tiny-a", "speed": 9.0}, "speed"),
-        ({"input": "hi", "response_format": "midi"}, "response_format"),
+        ({"input": ""}, "non-empty", "params.input"),
+        ({"input": "x" * 200_001}, "maximum", "params.input"),
+        ({"input": "hi", "voice": "nobody"}, "nobody", "voice"),  # (resolved as the route resolves it)
+        ({"input": "hi", "voice": "tiny-a", "speed": 9.0}, "speed", "params.speed"),
+        ({"input": "hi", "response_format": "midi"}, "response_format", "params.response_format"),
+        ({"input": 5}, "string", "params.input"),
     ],
 )
-def test_bad_job_params_are_400_at_submit(base: str, params: dict[str, Any], needle: str) -> None:
+def test_bad_job_params_are_400_at_submit(base: str, params: dict[str, Any], needle: str, param: str) -> None:
     resp = httpx.post(f"{base}/v1/jobs", json={"kind": "speech.generate", "params": params}, timeout=30)
     assert resp.status_code == 400, resp.text
-    assert needle in resp.json()["error"]["message"]
+    assert needle in resp.json()["error"]["message"] and resp.json()["error"]["param"] == param
 
 
 def test_plugin_registers_the_kind() -> None:

@@ -21,9 +21,9 @@ import json
 from contextlib import aclosing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from workers.jobs import JobCancelled, JobContext, ParamError, register_job_kind
+from workers.jobs import JobCancelled, JobContext, ParamError, parse_params, register_job_kind
 
 KIND = "audio.transcription"
 _EXT = {"json": "json", "verbose_json": "json", "text": "txt", "srt": "srt", "vtt": "vtt"}
@@ -54,11 +54,7 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     """400 before queueing: bad fields (the model is resolved where the job runs)."""
     from modalities.asr.formats import granularity_error, include_error
 
-    try:
-        job = TranscriptionJob(**params)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise ParamError(".".join(str(p) for p in first["loc"]), first["msg"]) from None
+    job = parse_params(TranscriptionJob, params)
     if error := granularity_error(job.timestamp_granularities, job.response_format):
         raise ParamError("timestamp_granularities", error)
     if error := include_error(job.include, job.response_format):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.jobs import JobCancelled, JobContext, register_job_kind
+from workers.jobs import JobCancelled, JobContext, parse_params, register_job_kind
 
 KINDS = {"images.generate": "image", "videos.generate": "video"}
 # Jobs at once per process: the engine batches concurrent ones (one at a time would forgo request
@@ -25,10 +25,7 @@ def _parse(kind: str, params: dict[str, Any]) -> Any:
     from modalities.diffusion.protocol import ImageGenerationRequest, VideoGenerationRequest
 
     model = ImageGenerationRequest if KINDS[kind] == "image" else VideoGenerationRequest
-    try:
-        return model.model_validate(params)
-    except Exception as exc:  # pydantic's ValidationError: a 400 in validate
-        raise ValueError(f"invalid {kind} params: {exc}") from None
+    return parse_params(model, params)  # (a 400 in validate)
 
 
 def _engine(engines: dict[str, Any], aliases: dict[str, str], model: str | None, modality: str) -> tuple[str, Any]:

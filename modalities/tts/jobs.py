@@ -13,7 +13,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from typing import Any
 
-from workers.jobs import JobCancelled, JobContext, register_job_kind
+from workers.jobs import JobCancelled, JobContext, ParamError, parse_params, register_job_kind
 
 KIND = "speech.generate"
 MAX_JOB_CHARS = 200_000
@@ -23,14 +23,11 @@ SEGMENT_CHARS = 1000
 def _parse(params: dict[str, Any]) -> Any:
     from modalities.tts.protocol import SpeechRequest
 
-    try:
-        body = SpeechRequest.model_validate(params)
-    except Exception as exc:  # pydantic's ValidationError: a 400 at submit
-        raise ValueError(f"invalid {KIND} params: {exc}") from None
+    body = parse_params(SpeechRequest, params)  # (a 400 at submit)
     if not body.input.strip():
-        raise ValueError("input must be a non-empty string")
+        raise ParamError("input", "must be a non-empty string")
     if len(body.input) > MAX_JOB_CHARS:
-        raise ValueError(f"input is {len(body.input)} characters; the maximum for a job is {MAX_JOB_CHARS}")
+        raise ParamError("input", f"{len(body.input)} characters; the maximum for a job is {MAX_JOB_CHARS}")
     return body
 
 
@@ -59,7 +56,7 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     try:
         check_request(engine, TTSRequest("x", voice, body.speed, body.sample_rate))
     except TTSInputError as exc:
-        raise ValueError(str(exc)) from None
+        raise ParamError(exc.param, str(exc)) from None
     return params
 
 

@@ -13,6 +13,7 @@ from workers.jobs.registry import (
     ResultStore,
     get_job_kind,
     job_kinds,
+    parse_params,
     register_job_kind,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "ResultStore",
     "get_job_kind",
     "job_kinds",
+    "parse_params",
     "register_job_kind",
 ]

@@ -39,6 +39,7 @@ from engine.errors import QueueFullError
 from gateway.errors import APIError
 from gateway.ratelimit import charge
 from workers.jobs import state
+from workers.jobs.registry import ParamError
 from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService
 
 
@@ -191,7 +192,8 @@ async def submit_or_raise(
             headers={"Retry-After": str(int(exc.retry_after_s))},
         ) from exc
     except ValueError as exc:
-        raise APIError(400, str(exc), param=getattr(exc, "param", "params"), code="invalid_value") from exc
+        param = exc.param if isinstance(exc, ParamError) else "params"
+        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
 
 
 def _kinds() -> list[str]:

@@ -59,11 +59,23 @@ CostFn = Callable[..., tuple[str, float]]  # (params, engines[, file_bytes=]) ->
 
 
 class ParamError(ValueError):
-    """A bad field of a job's params: the 400's ``param`` names it (``params.<field>``)."""
+    """A bad field of a job's params: the 400's ``param`` names it (``params.<field>``; ``params``
+    for the object as a whole, ``field`` "")."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"params.{field}: {message}")
-        self.param = f"params.{field}"
+        self.param = f"params.{field}" if field else "params"
+        super().__init__(f"{self.param}: {message}")
+
+
+def parse_params(model: Any, params: dict[str, Any]) -> Any:
+    """``params`` as the pydantic ``model``; a ``ParamError`` naming the first bad field."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(params)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ParamError(".".join(str(p) for p in first["loc"]), first["msg"]) from None
 
 
 class JobCancelled(Exception):
