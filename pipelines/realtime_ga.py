@@ -77,6 +77,7 @@ SESSION_AUDIO = {
     "input": frozenset(("format", "transcription", "turn_detection", "noise_reduction")),
     "output": frozenset(("format", "voice", "speed")),
 }
+RESPONSE_AUDIO = {"output": frozenset(("format", "voice"))}  # (a response's own output only)
 
 
 def ga_audio(value: Any, param: str, fields: dict[str, frozenset[str]]) -> dict[str, dict[str, Any]]:

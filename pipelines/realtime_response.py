@@ -24,7 +24,7 @@ from pipelines.realtime_events import (
     wants_audio,
     wire_format,
 )
-from pipelines.realtime_ga import ga_audio
+from pipelines.realtime_ga import RESPONSE_AUDIO, ga_audio
 from pipelines.realtime_items import response_items
 from pipelines.services import Services
 
@@ -73,9 +73,6 @@ def response_request(
         grammar,
         conv.clock,
     )
-
-
-RESPONSE_AUDIO = {"output": frozenset(("format", "voice"))}
 
 
 def _voice(response: dict[str, Any], output: dict[str, Any] | None, services: Services) -> str | None:

@@ -77,7 +77,7 @@ class DeltaLogprobs:
                 part = self._done[i, lo, hi]
             else:
                 lps = span_logprobs(self.tokenizer, *decoded[i], texts[i], lo, hi, self.first_special)
-                part = None if lps is None else (lps, sum(len(lp.bytes) for lp in lps))
+                part = None if lps is None else _sized(lps)
                 if done[i]:
                     self._done[i, lo, hi] = part
             if part is not None:
@@ -86,8 +86,7 @@ class DeltaLogprobs:
 
     def rest(self, transcript: Transcript) -> list[TokenLogprob]:
         """The transcript's logprobs not yet sent."""
-        lps = transcript.logprobs or []
-        return self._unsent([(lps, sum(len(lp.bytes) for lp in lps))])
+        return self._unsent([_sized(transcript.logprobs or [])])
 
     def _unsent(self, parts: list[tuple[list[TokenLogprob], int]]) -> list[TokenLogprob]:
         new: list[TokenLogprob] = []
@@ -102,6 +101,11 @@ class DeltaLogprobs:
                 at += len(lp.bytes)
         self.sent_bytes = max(self.sent_bytes, at)
         return new
+
+
+def _sized(lps: list[TokenLogprob]) -> tuple[list[TokenLogprob], int]:
+    """``lps`` and the bytes they hold."""
+    return lps, sum(len(lp.bytes) for lp in lps)
 
 
 def _extends(text: str, prefix: str) -> bool:

@@ -305,7 +305,7 @@ class AsrEngine:
                 text += delta
                 ids = ids_so_far
                 if delta and not finished and passes_so_far(text, lps, no_speech):
-                    yield text, None, (list(ids), lps)
+                    yield text, None, (ids, lps)  # (each output's token_ids is a list of its own)
             tokens = [x for x in ids if x != self._eos]
             text = text.strip()
             res = WindowResult(text, tokens, t, avg_logprob(lps, len(tokens)), compression_ratio(text), no_speech)

@@ -34,8 +34,8 @@ Contract of ``run(params, ctx)``:
 
 ``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
 raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
-never costs compute; a ``ParamError`` names the field in the error's ``param``. ``engines`` are the gateway's engines (remote proxies under celery dispatch);
-a hook with an ``aliases`` parameter also gets the gateway's model aliases (``validate(params,
+never costs compute; a ``ParamError`` names the field in the error's ``param``. ``engines`` are
+the gateway's engines (remote proxies under celery dispatch); a hook with an ``aliases`` parameter also gets the gateway's model aliases (``validate(params,
 engines, aliases)``), to resolve ``model`` as the synchronous routes do.
 
 ``cost(params, engines) -> (unit, amount)`` (optional) runs after ``validate``: the submitting
