@@ -162,6 +162,8 @@ def test_image_job_with_progress(server: Server, tmp_path: Path) -> None:
     assert np.abs(png_pixels(png).astype(int) - want.astype(int)).max() <= 1
     bad = server.post("/v1/jobs", {"kind": "images.generate", "params": {**params, "size": "10x10"}})
     assert bad.status_code == 400 and "multiple of 8" in bad.text
+    garbled = server.post("/v1/jobs", {"kind": "images.generate", "params": {**params, "size": "big"}})
+    assert garbled.status_code == 400 and garbled.json()["error"]["param"] == "params.size", garbled.text
 
 
 def test_job_models_resolve_like_the_routes(server: Server) -> None:
@@ -176,7 +178,7 @@ def test_job_models_resolve_like_the_routes(server: Server) -> None:
         sync = server.post(route, {"prompt": "x", "model": model})
         job = server.post("/v1/jobs", {"kind": kind, "params": {"prompt": "x", "model": model}})
         assert sync.status_code in (400, 404) and job.status_code == sync.status_code, (model, job.text)
-        assert job.json()["error"] == sync.json()["error"]
+        assert job.json()["error"] == {**sync.json()["error"], "param": "params.model"}
     params = {"model": ALIAS, "prompt": "alias", "size": "32x32", "steps": 2, "seed": 3}
     r = server.post("/v1/jobs", {"kind": "images.generate", "params": params})
     assert r.status_code == 202, r.text

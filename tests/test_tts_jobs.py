@@ -82,7 +82,7 @@ def test_long_text_job_writes_one_audio_file_with_progress(base: str) -> None:
     [
         ({"input": ""}, "non-empty", "params.input"),
         ({"input": "x" * 200_001}, "maximum", "params.input"),
-        ({"input": "hi", "voice": "nobody"}, "nobody", "voice"),  # (resolved as the route resolves it)
+        ({"input": "hi", "voice": "nobody"}, "nobody", "params.voice"),  # (resolved as the route resolves it)
         ({"input": "hi", "voice": "tiny-a", "speed": 9.0}, "speed", "params.speed"),
         ({"input": "hi", "response_format": "midi"}, "response_format", "params.response_format"),
         ({"input": 5}, "string", "params.input"),

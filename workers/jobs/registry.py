@@ -34,9 +34,11 @@ Contract of ``run(params, ctx)``:
 
 ``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
 raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
-never costs compute; a ``ParamError`` names the field in the error's ``param``. ``engines`` are
-the gateway's engines (remote proxies under celery dispatch); a hook with an ``aliases`` parameter also gets the gateway's model aliases (``validate(params,
-engines, aliases)``), to resolve ``model`` as the synchronous routes do.
+never costs compute; a ``ParamError`` names the field in the error's ``param``, and an
+``APIError`` naming a body field (a synchronous route's resolver: ``param="voice"``) is
+re-named ``params.voice``. ``engines`` are the gateway's engines (remote proxies under celery
+dispatch); a hook with an ``aliases`` parameter also gets the gateway's model aliases
+(``validate(params, engines, aliases)``), to resolve ``model`` as the synchronous routes do.
 
 ``cost(params, engines) -> (unit, amount)`` (optional) runs after ``validate``: the submitting
 tenant is charged ``amount`` of the rate-limit ``unit`` (``gateway.ratelimit``) before the job is

@@ -186,7 +186,11 @@ class JobService:
             raise KeyError(kind_name)
         if kind.validate is not None:
             takes_aliases = "aliases" in inspect.signature(kind.validate).parameters  # model-name resolvers
-            params = kind.validate(params, self.engines, **({"aliases": self.aliases} if takes_aliases else {}))
+            try:
+                params = kind.validate(params, self.engines, **({"aliases": self.aliases} if takes_aliases else {}))
+            except Exception as exc:
+                _name_in_params(exc)
+                raise
         fid, file_bytes = params.get("file_id"), None
         if file_size is not None and isinstance(fid, str):
             file_bytes = await file_size(fid)
@@ -264,3 +268,11 @@ class JobService:
     async def sweep(self, now: float | None = None) -> list[str]:
         """One retention sweep (``workers.jobs.upkeep.sweep``); ``now`` for tests."""
         return await sweep(self.backend, self.store, self.cfg.result_ttl_s, now)
+
+
+def _name_in_params(exc: BaseException) -> None:
+    """A validate hook reuses the synchronous routes' resolvers, whose errors name a body field
+    (``param="voice"``); in a job that field is ``params.voice``."""
+    param = getattr(exc, "param", None)
+    if isinstance(param, str) and param != "params" and not param.startswith("params."):
+        exc.param = f"params.{param}"  # type: ignore[attr-defined]
