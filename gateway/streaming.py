@@ -23,7 +23,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gateway.errors import APIError
+from gateway.errors import APIError, error_body, from_engine_error
 
 T = TypeVar("T")
 
@@ -55,6 +55,16 @@ def disconnected_response() -> JSONResponse:
 def sse(data: dict[str, Any]) -> str:
     """One server-sent event carrying ``data`` as compact JSON."""
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(exc: BaseException, param: str | None, doing: str) -> str:
+    """The ``error`` event an audio stream (transcription, speech) ends with when it fails after
+    its status line went out: OpenAI's error object (message, type, param, code) as the route
+    would have answered it (``from_engine_error``); a failure that maps to none (a bug) tells
+    only that it happened ``while {doing}``."""
+    mapped = from_engine_error(exc, param=param) if isinstance(exc, Exception) else None
+    body = mapped.to_dict() if mapped is not None else error_body(f"internal error while {doing}", "server_error")
+    return sse({"type": "error", **body})
 
 
 _DONE = object()

@@ -229,3 +229,22 @@ def test_error_json_escapes_what_utf8_cannot_encode() -> None:
     assert json.loads(body)["error"]["message"] == "The model `\ud800` does not exist."
     assert lone_surrogate({"messages": [{"content": "ok"}, {"content": "bad \udc00"}]}) == "messages[1].content"
     assert lone_surrogate({"fine": ["é", "😀", 1, None]}) is None
+
+
+def test_an_audio_streams_error_event_is_the_routes_error_object() -> None:
+    """``error_event``: a failure after the status line went out carries the whole OpenAI error
+    object the route would have sent (type, param, code); a bug's says nothing of its detail."""
+    from engine.errors import QueueFullError
+    from gateway.streaming import error_event
+
+    def event(exc: BaseException, param: str | None) -> dict[str, Any]:
+        text = error_event(exc, param, "transcribing")
+        assert text.startswith("data: ") and text.endswith("\n\n")
+        return json.loads(text[6:])
+
+    busy = event(QueueFullError(3), "file")
+    assert busy["type"] == "error" and busy["error"]["code"] == "rate_limit_exceeded"
+    bad = event(ValueError("no speech"), "input")["error"]
+    assert bad == {"message": "no speech", "type": "invalid_request_error", "param": "input", "code": None}
+    bug = event(KeyError("secret detail"), "file")["error"]
+    assert bug == {"message": "internal error while transcribing", "type": "server_error", "param": None, "code": None}

@@ -476,6 +476,8 @@ def test_a_later_sentence_that_cannot_be_spoken_ends_the_sse_stream_with_an_erro
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[0]["type"] == "speech.audio.delta"
     assert events[-1]["type"] == "error" and "phonemiser" in events[-1]["error"]["message"]
+    err = events[-1]["error"]  # the whole error object, as the route would have answered it
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "input", "invalid_value"), err
     assert "speech.audio.done" not in [e["type"] for e in events]
 
 

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.metrics import engine_modality
 from gateway.ratelimit import charge
-from gateway.streaming import SSE_HEADERS, sse
+from gateway.streaming import SSE_HEADERS, error_event, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
 from modalities.asr.formats import (
     RESPONSE_FORMATS,
@@ -223,8 +223,6 @@ async def _sse(first: Any, deltas: AsyncIterator[Any]) -> AsyncIterator[str]:
                 yield sse({"type": "transcript.text.delta", "delta": item.text, **logprobs_field(item.logprobs)})
             item = await anext(deltas, None)
     except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band
-        mapped = _mapped(exc)
-        message = mapped.message if isinstance(mapped, APIError) else "internal error while transcribing"
-        yield sse({"type": "error", "error": {"message": message, "type": "server_error"}})
+        yield error_event(exc, "file", "transcribing")
     finally:
         await deltas.aclose()

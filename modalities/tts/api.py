@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from gateway.errors import APIError, from_engine_error
 from gateway.ratelimit import charge
-from gateway.streaming import SSE_HEADERS, sse
+from gateway.streaming import SSE_HEADERS, error_event, sse
 from modalities.audio import MEDIA_TYPES, StreamEncoder
 from modalities.tts.base import check_request
 from modalities.tts.protocol import PCM_RATE, SpeechRequest
@@ -112,10 +112,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
                 if data:
                     yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report it in-band
-            mapped = from_engine_error(exc, param="input")
-            message = mapped.message if mapped is not None else "internal error while synthesising"
-            kind = mapped.type if mapped is not None else "server_error"
-            yield sse({"type": "error", "error": {"message": message, "type": kind}})
+            yield error_event(exc, "input", "synthesising")
             return
         u = req.usage
         usage = {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens}
