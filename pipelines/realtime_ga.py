@@ -65,8 +65,42 @@ def ga_param(param: str | None) -> str | None:
 _BETA_NAMES = re.compile(r"(?<![\w.])(" + "|".join(b.removeprefix("session.") for b in GA_PARAMS) + r")\b")
 
 
+class FieldError(EventError):
+    """A field a GA session does not have, named as the client sent it (``ga_error`` keeps it)."""
+
+
+# A GA session's fields (OpenAI's session create requests), with those of the object the server
+# sends (a client may send that back whole) and mmserve's ``temperature``: closed sets, so that a
+# beta field in a GA session.update is refused, not ignored unseen.
+_ECHOED = ("object", "id", "expires_at")
+REALTIME_FIELDS = frozenset(
+    ("type", "audio", "include", "instructions", "max_output_tokens", "model", "output_modalities", "prompt")
+    + ("parallel_tool_calls", "reasoning", "tool_choice", "tools", "tracing", "truncation", "temperature")
+    + _ECHOED
+)
+TRANSCRIPTION_FIELDS = frozenset(("type", "audio", "include") + _ECHOED)
+# Beta session fields the GA shape moved, where it has them.
+MOVED = {
+    **{beta.removeprefix("session."): ga for beta, ga in GA_PARAMS.items()},
+    "input_audio_format": "session.audio.input.format",
+    "output_audio_format": "session.audio.output.format",
+    "input_audio_noise_reduction": "session.audio.input.noise_reduction",
+}
+
+
+def check_fields(session: dict[str, Any], fields: frozenset[str]) -> None:
+    """A ``FieldError`` for the first of ``session``'s fields not in ``fields``; a beta field's
+    message says where the GA shape has it."""
+    for key in sorted(set(session) - fields):
+        where = f": a GA session has it as {MOVED[key]}" if key in MOVED else ""
+        raise FieldError(f"session.{key} is not a field of a GA session{where}", "unknown_parameter", f"session.{key}")
+
+
 def ga_error(exc: EventError) -> EventError:
-    """A ``session.update`` error in the GA client's terms: its param and the fields its message names."""
+    """A ``session.update`` error in the GA client's terms: its param and the fields its message
+    names (a ``FieldError`` already is)."""
+    if isinstance(exc, FieldError):
+        return exc
     message = _BETA_NAMES.sub(lambda m: GA_PARAMS["session." + m[1]].removeprefix("session."), str(exc))
     return EventError(message, exc.code, ga_param(exc.param), exc.event_id)
 
@@ -104,8 +138,10 @@ def ga_audio(value: Any, param: str, fields: dict[str, frozenset[str]]) -> dict[
 
 
 def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
-    """The beta ``session`` patch for a GA one: the fields mmserve honours (other session fields are
-    ignored; a field ``audio``, ``audio.input`` or ``audio.output`` does not have is refused)."""
+    """The beta ``session`` patch for a GA one: the fields mmserve honours (the other GA fields are
+    ignored; a field a GA session, ``audio``, ``audio.input`` or ``audio.output`` does not have
+    is refused)."""
+    check_fields(ga, REALTIME_FIELDS)
     out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice", "include") if k in ga}
     if "output_modalities" in ga:
         audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")

@@ -49,6 +49,7 @@ def beta_patch(session: Any) -> dict[str, Any]:
 def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
     """The beta patch of a GA ``session.update`` of ``type`` "transcription" (its
     ``audio.input``: format, transcription, turn_detection, noise_reduction; and ``include``)."""
+    realtime_ga.check_fields(session, realtime_ga.TRANSCRIPTION_FIELDS)
     audio = realtime_ga.ga_audio(session.get("audio"), "session.audio", {"input": realtime_ga.SESSION_AUDIO["input"]})
     side = audio["input"]
     renamed = {"format": "input_audio_format", "transcription": "input_audio_transcription"}

@@ -1795,6 +1795,51 @@ def test_ga_audio_objects_are_objects_of_known_fields() -> None:
     assert ga_patch({"type": "transcription", "audio": {"input": {"noise_reduction": None}}}) == {}
 
 
+def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
+    """Stand-in, GA dialect: a beta field at a GA session's top level (or one of neither shape)
+    is an ``unknown_parameter`` error naming it as sent, and a beta one's message says where GA
+    has it; the session is unchanged. GA's own fields and the session object the server sent,
+    sent back whole, are accepted; a transcription session's GA update likewise."""
+    from pipelines.realtime_events import EventError
+    from pipelines.realtime_transcription import ga_patch
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+        echoed = sent[-1]["session"]
+        for field, value, where in (
+            ("voice", "ash", "session.audio.output.voice"),
+            ("modalities", ["text"], "session.output_modalities"),
+            ("input_audio_format", "pcm16", "session.audio.input.format"),
+            ("max_response_output_tokens", 5, "session.max_output_tokens"),
+            ("zzz", 1, None),
+        ):
+            session = {"type": "realtime", "instructions": "Be brief.", field: value}
+            await s._handle(json.dumps({"type": "session.update", "session": session}))
+            err = sent[-1]["error"]
+            assert sent[-1]["type"] == "error" and err["param"] == f"session.{field}", sent[-1]
+            assert err["code"] == "unknown_parameter" and (where is None or where in err["message"]), err
+        # (a beta-shaped update after the switch to GA: refused too, not ignored)
+        await s._handle(json.dumps({"type": "session.update", "session": {"voice": "ash"}}))
+        assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == "session.voice"
+        assert s.config.instructions != "Be brief."
+        await s._handle(json.dumps({"type": "session.update", "session": {**echoed, "instructions": "Be brief."}}))
+        assert sent[-1]["type"] == "session.updated" and sent[-1]["session"]["instructions"] == "Be brief."
+        ga_only = {"type": "realtime", "tracing": None, "truncation": "auto", "parallel_tool_calls": True}
+        await s._handle(json.dumps({"type": "session.update", "session": ga_only}))
+        assert sent[-1]["type"] == "session.updated"
+
+    run(go())
+    with pytest.raises(EventError) as refused:
+        ga_patch({"type": "transcription", "input_audio_transcription": {"language": "en"}})
+    assert refused.value.param == "session.input_audio_transcription" and "session.audio.input" in str(refused.value)
+    echoed = {"type": "transcription", "object": "realtime.transcription_session", "id": "sess_1", "include": []}
+    assert ga_patch(echoed) == {"include": []}
+
+
 def test_the_llm_tells_a_finished_message_from_a_cut_off_one(server: dict[str, Any]) -> None:
     """``pipelines.turns.end_of_turn`` on the served SmolLM2: a pause after a cut-off sentence
     does not end the turn; one after a finished message does (eagerness "auto")."""
