@@ -60,10 +60,10 @@ def test_a_hung_phonemiser_is_cut_off(config: dict) -> None:
         os.kill(hung.pid, signal.SIGSTOP)  # it hangs (a timeout of 0 raced a fast child's answer)
         t0 = time.monotonic()
         with pytest.raises(PhonemizerError):
-            p.phonemize("Hello.")
+            p.phonemize("Hello there.")  # (a new text: "Hello." is answered from the cache)
         assert time.monotonic() - t0 < 2.0  # its timeout, then a kill: no wait for an exit that can't come
         assert hung.wait(timeout=10) == -signal.SIGKILL and p._proc is not hung  # killed, replaced
-        assert p.phonemize("Hello.") == expected
+        assert p.phonemize("Hello there.")[0][: len(expected[0]) - 1] == expected[0][:-1]
     finally:
         p.close()
 
@@ -74,8 +74,31 @@ def test_a_child_that_died_between_calls_is_replaced(phonemizer: Phonemizer) -> 
     assert proc is not None
     proc.kill()
     proc.wait()
-    assert phonemizer.phonemize("Hello.") == expected
-    assert phonemizer._proc is not proc
+    assert phonemizer.phonemize("Hello.") == expected  # (kept: no child needed)
+    assert phonemizer._proc is proc
+    assert phonemizer.phonemize("Goodbye.")  # a new text: a new child
+    assert phonemizer._proc is not proc and phonemizer._proc.poll() is None
+
+
+def test_the_last_texts_phonemes_are_kept_and_failures_are_not(config: dict) -> None:
+    """The cache the engine's look-ahead fills: a text phonemised once answers from it, the
+    oldest text leaves it first, and a text that failed is tried again (and fails again)."""
+    from modalities.tts import phonemizer as mod
+
+    p = Phonemizer(config)
+    try:
+        first = p.phonemize("One.")
+        for i in range(mod.CACHED - 1):
+            p._cache[f"filler {i}"] = [["x"]]
+        assert p.phonemize("One.") is first  # (read again: now the newest)
+        p.phonemize("Two.")  # one past the size: the oldest filler leaves, "One." stays
+        assert "filler 0" not in p._cache and "One." in p._cache and len(p._cache) == mod.CACHED
+        for _ in range(2):
+            with pytest.raises(PhonemizerError):
+                p.phonemize(CRASHES)
+        assert CRASHES not in p._cache
+    finally:
+        p.close()
 
 
 def test_a_phonemiser_that_cannot_start_is_the_servers_fault_not_the_texts(

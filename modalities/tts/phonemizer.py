@@ -10,7 +10,9 @@ and a fresh child serves the next one.
 
 The child speaks JSON lines: the voice's config first (it answers ``ready``), then a text in, its
 phonemes per sentence out. A round trip costs ~0.1 ms over the phonemisation itself; Piper serialises phonemisation
-under one lock anyway, so one child per engine loses no parallelism.
+under one lock anyway, so one child per engine loses no parallelism. The last ``CACHED`` texts'
+phonemes are kept: the engine phonemises a request's later pieces ahead, to refuse a text that
+can't be spoken before its first audio, and their synthesis then finds them done.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +35,7 @@ from modalities.tts.protocol import TTSInputError
 logger = logging.getLogger("mmserve.tts")
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the child imports this module by name
+CACHED = 256  # texts whose phonemes are kept (a few requests' pieces)
 
 
 class PhonemizerError(TTSInputError):
@@ -66,6 +70,7 @@ class Phonemizer:
         self._ready = False
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
+        self._cache: OrderedDict[str, list[list[str]]] = OrderedDict()
 
     def start(self) -> None:
         with self._lock:
@@ -78,6 +83,9 @@ class Phonemizer:
     def phonemize(self, text: str) -> list[list[str]]:
         line = (json.dumps(text.replace("\0", " ")) + "\n").encode()  # Piper's C bridge takes no NUL
         with self._lock:
+            if (done := self._cache.get(text)) is not None:
+                self._cache.move_to_end(text)
+                return done
             try:
                 self._send(self._ready_child(), line)
             except OSError:  # it died between calls (killed from outside): once more, on a fresh one
@@ -97,7 +105,10 @@ class Phonemizer:
                     logger.exception("the phonemiser could not be restarted (the next text tries again)")
                 logger.warning("the phonemiser %s on a text of %d characters", "hung" if hung else "crashed", len(text))
                 raise PhonemizerError("this text can't be spoken: the phonemiser (eSpeak NG) failed on it")
-        return json.loads(answer)
+            self._cache[text] = phonemes = json.loads(answer)
+            if len(self._cache) > CACHED:
+                self._cache.popitem(last=False)
+        return phonemes
 
     @staticmethod
     def _send(proc: subprocess.Popen[bytes], line: bytes) -> None:

@@ -273,6 +273,9 @@ class PiperEngine(ReportsUsage):
             job = PieceJob(next(self._seq), pieces, 1.0 / natural, req.priority, frames, loop, now, usage=req.usage)
             self._queue.add(job)
             self._cv.notify(len(pieces))
+        # The later pieces are phonemised meanwhile: one that can't be spoken fails the request
+        # before its first audio (a 400), not halfway through a stream that has sent its status.
+        ahead = asyncio.ensure_future(asyncio.to_thread(self._phonemize_ahead, job)) if len(pieces) > 1 else None
         self._active += 1
         try:
             while True:
@@ -282,6 +285,9 @@ class PiperEngine(ReportsUsage):
                 if isinstance(item, BaseException):
                     raise item
                 out = resample(stretch(item))
+                if ahead is not None:
+                    await ahead
+                    ahead = None
                 if out.size:
                     yield out
             tail = np.concatenate([resample(stretch.flush()), resample.flush()])
@@ -292,3 +298,13 @@ class PiperEngine(ReportsUsage):
             if not (job.exhausted and job.next_emit == job.segments):  # left early: drop what is queued
                 with self._cv:
                     self._queue.drop(job)
+            if ahead is not None and not ahead.cancel():  # done: its failure is nobody's now
+                ahead.exception()
+
+    def _phonemize_ahead(self, job: PieceJob) -> None:
+        """Phonemise ``job``'s pieces after the first (cached for their synthesis), one at a time
+        (other requests' pieces get the phonemiser between two); stops once the job is dropped."""
+        for text in job.pieces[1:]:
+            if job.cancelled:
+                return
+            self._phonemizer.phonemize(text)
