@@ -321,6 +321,40 @@ def test_delta_logprobs_are_the_new_words_tokens_counted_in_bytes(engine: AsrEng
     assert spelled(done.transcript.logprobs or []) == " A dog ran."
 
 
+def test_a_window_decoded_again_after_its_words_went_out_does_not_stop_the_stream(engine: AsrEngine) -> None:
+    """A window whose live words went out is kept with other words (a fallback decode): the
+    client keeps its words, gets the kept decode's words past as many (and their tokens), then
+    every later window as it comes; the deltas differ from the done text in that window only,
+    and their tokens add up to the deltas' text."""
+    from modalities.asr.assemble import TranscriptSoFar
+
+    tok, eos = engine.whisper.tokenizer, engine._eos
+
+    def decoded(text: str) -> tuple[list[int], list[float]]:
+        ids = tok(text, add_special_tokens=False).input_ids
+        return ids, [-0.01 * (k + 1) for k in range(len(ids))]
+
+    def kept(text: str) -> tuple[WindowResult, tuple[list[int], list[float]]]:
+        ids, lps = decoded(" " + text)
+        return WindowResult(text, ids, 1.0, -0.5, 1.0, 0.0, token_logprobs=lps), (ids, lps)
+
+    windows = [Window(0.0, 5.0), Window(6.0, 10.0), Window(11.0, 15.0)]
+    so_far = TranscriptSoFar(TranscriptionRequest(np.zeros(16 * 15_000, np.float32), logprobs=True), windows, tok, eos)
+    out = [so_far.update(0, " the cat sat on", None, decoded(" the cat sat on"))]
+    assert out[-1] is not None and out[-1].text == "the cat sat"
+    out.append(so_far.update(0, "A dog ran off home.", *kept("A dog ran off home.")))
+    assert out[-1] is not None and out[-1].text == " off home."  # (its first 3 words count as sent)
+    out.append(so_far.update(1, " Then we left", None, decoded(" Then we left")))
+    out.append(so_far.update(1, "Then we left.", *kept("Then we left.")))
+    out.append(so_far.update(2, "Bye.", *kept("Bye.")))
+    *rest, done = so_far.finish()
+    deltas = [d for d in [*out, *rest] if d is not None]
+    said = "".join(d.text for d in deltas)
+    assert said == "the cat sat off home. Then we left. Bye."
+    assert done.transcript is not None and done.transcript.text == "A dog ran off home. Then we left. Bye."
+    assert "".join(lp.token for d in deltas for lp in d.logprobs or []) == " " + said
+
+
 def _all(tok: Any, eos: int, *decodes: tuple[list[int], list[float]]) -> list[Any]:
     """Every token of whole-window ``decodes`` (``span_logprobs``)."""
     from modalities.asr.alignment import span_logprobs

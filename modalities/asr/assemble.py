@@ -71,6 +71,17 @@ class DeltaLogprobs:
     ) -> list[TokenLogprob]:
         """The unsent logprobs of the stable prefix ``spans`` of windows' ``texts`` (``decoded``:
         each window's tokens, live or kept)."""
+        return self._unsent(self._parts(spans, texts, done, decoded))
+
+    def rebase(
+        self, spans: list[tuple[int, int, int]], texts: list[str], done: list[bool], decoded: list[Decoded]
+    ) -> None:
+        """Count the tokens of ``spans`` as sent, whatever was (``TranscriptSoFar._rebase``)."""
+        self.sent_bytes = sum(size for _, size in self._parts(spans, texts, done, decoded))
+
+    def _parts(
+        self, spans: list[tuple[int, int, int]], texts: list[str], done: list[bool], decoded: list[Decoded]
+    ) -> list[tuple[list[TokenLogprob], int]]:
         parts = []
         for i, lo, hi in spans:
             if done[i] and (i, lo, hi) in self._done:
@@ -82,7 +93,7 @@ class DeltaLogprobs:
                     self._done[i, lo, hi] = part
             if part is not None:
                 parts.append(part)
-        return self._unsent(parts)
+        return parts
 
     def rest(self, transcript: Transcript) -> list[TokenLogprob]:
         """The transcript's logprobs not yet sent."""
@@ -117,7 +128,11 @@ def _extends(text: str, prefix: str) -> bool:
 class TranscriptSoFar:
     """One transcription stream's windows as they decode (``AsrEngine.stream``): each update
     (a window's live text, or its kept decode) may give a delta of the stable prefix
-    (``stable_text``); ``finish`` assembles the transcript once every window is done."""
+    (``stable_text``); ``finish`` assembles the transcript once every window is done.
+
+    A window whose live text went out may be decoded again (it failed the checks at its end) and
+    say something else: the client keeps the words it has, and the stream goes on after as many
+    words of the kept decode (``_rebase``), so the deltas differ from the done text there only."""
 
     def __init__(self, req: TranscriptionRequest, windows: list[Window], tokenizer: Any, first_special: int) -> None:
         self.req, self.windows = req, windows
@@ -127,7 +142,8 @@ class TranscriptSoFar:
         self.done = [False] * len(windows)
         self.decoded: list[Decoded] = [([], [])] * len(windows)
         self.logprobs = DeltaLogprobs(tokenizer, first_special) if req.logprobs else None
-        self.emitted = ""
+        self.emitted = ""  # the stable text the client has (after a rebase: as many words of it)
+        self.sent: tuple[int, int] | None = None  # the last window the client has words of, and how many
 
     @property
     def complete(self) -> bool:
@@ -140,12 +156,26 @@ class TranscriptSoFar:
             self.results[i], self.done[i] = result, True
         spans = stable_spans(self.windows, self.texts, self.done)
         stable = stable_text(self.texts, spans)
+        diverged = stable != self.emitted and not _extends(stable, self.emitted)
+        if diverged and self.sent is not None and self.done[self.sent[0]]:
+            self._rebase(spans)
         if not _extends(stable, self.emitted):
             return None
         lps = self.logprobs.of_stable(spans, self.texts, self.done, self.decoded) if self.logprobs else None
         delta = TranscriptDelta(stable[len(self.emitted) :], logprobs=lps)
         self.emitted = stable
+        self.sent = (spans[-1][0], spans[-1][2] - spans[-1][1])
         return delta
+
+    def _rebase(self, spans: list[tuple[int, int, int]]) -> None:
+        """The window the client last got words of is done and says something else: its first
+        as many words of the kept decode count as sent, so the stream goes on after them."""
+        assert self.sent is not None
+        last, words = self.sent
+        upto = [(i, lo, hi if i < last else min(hi, lo + words)) for i, lo, hi in spans if i <= last]
+        self.emitted = stable_text(self.texts, upto)
+        if self.logprobs:
+            self.logprobs.rebase(upto, self.texts, self.done, self.decoded)
 
     def finish(self) -> list[TranscriptDelta]:
         """The rest of the text, if any, then the item carrying the ``Transcript``."""
@@ -156,8 +186,7 @@ class TranscriptSoFar:
         extends = _extends(transcript.text, self.emitted)
         text = transcript.text[len(self.emitted) :] if extends else ""
         # Tokens held back (a window's that did not spell its live text) come last, with "" if need
-        # be; none when a window decoded again after its live text went out: the text differs then
-        # (the done event's is the one kept).
+        # be; none if the transcript does not go on from the text sent (``_rebase`` keeps it so).
         consistent = extends or transcript.text == self.emitted
         lps = self.logprobs.rest(transcript) if self.logprobs and consistent else None
         if text or lps:
