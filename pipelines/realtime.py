@@ -423,8 +423,8 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
             raise EventError("item_id must be the latest assistant item", code="item_not_found", param="item_id")
         if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
             raise EventError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
-        if end_ms > reply.audio_ms + 1:
-            raise EventError(
-                f"audio_end_ms {end_ms} is past the item's audio ({reply.audio_ms:.0f} ms)", param="audio_end_ms"
-            )
+        kept = reply.audio_ms if reply.heard_ms is None else min(reply.audio_ms, reply.heard_ms)
+        if end_ms > kept + 1:
+            what = "audio" if reply.heard_ms is None else "audio, truncated"
+            raise EventError(f"audio_end_ms {end_ms} is past the item's {what} ({kept:.0f} ms)", param="audio_end_ms")
         await self._truncate(reply, end_ms)

@@ -120,6 +120,10 @@ class SessionConfig:
         if not isinstance(patch, dict):
             raise EventError("session must be an object", param="session")
         new = dict(vars(self))
+        if "model" in patch and not isinstance(patch["model"], str):  # (a session keeps its model)
+            raise EventError("model must be a string", param="session.model")
+        if "input_audio_noise_reduction" in patch:
+            check_noise_reduction(patch["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
         if "modalities" in patch:  # (audio comes with its transcript: ["audio"] alone is no choice)
             audio = wants_audio(patch["modalities"], False, "session.modalities")
             new["modalities"] = ["text", "audio"] if audio else ["text"]
@@ -332,6 +336,21 @@ def check_language(asr: Any, heard: dict[str, Any] | None) -> None:
             raise ValueError(f"unsupported language {language!r}")
     except ValueError as exc:
         raise EventError(str(exc), param="session.input_audio_transcription.language") from None
+
+
+NOISE_REDUCTION_TYPES = ("near_field", "far_field")
+
+
+def check_noise_reduction(value: Any, param: str) -> None:
+    """Null or ``{"type": "near_field" | "far_field"}``. Accepted, not applied: the session
+    object says null."""
+    if value is not None and (
+        not isinstance(value, dict) or set(value) != {"type"} or value["type"] not in NOISE_REDUCTION_TYPES
+    ):
+        raise EventError(
+            f"{param.rsplit('.', 1)[-1]} must be null or an object with type one of {list(NOISE_REDUCTION_TYPES)}",
+            param=param,
+        )
 
 
 def wants_audio(mods: Any, ga: bool, param: str) -> bool:

@@ -50,6 +50,7 @@ GA_PARAMS = {
     "session.voice": "session.audio.output.voice",
     "session.speed": "session.audio.output.speed",
     "session.input_audio_transcription": "session.audio.input.transcription",
+    "session.input_audio_noise_reduction": "session.audio.input.noise_reduction",
 }
 
 
@@ -84,7 +85,6 @@ MOVED = {
     **{beta.removeprefix("session."): ga for beta, ga in GA_PARAMS.items()},
     "input_audio_format": "session.audio.input.format",
     "output_audio_format": "session.audio.output.format",
-    "input_audio_noise_reduction": "session.audio.input.noise_reduction",
 }
 
 
@@ -142,7 +142,7 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
     ignored; a field a GA session, ``audio``, ``audio.input`` or ``audio.output`` does not have
     is refused)."""
     check_fields(ga, REALTIME_FIELDS)
-    out = {k: ga[k] for k in ("instructions", "temperature", "tools", "tool_choice", "include") if k in ga}
+    out = {k: ga[k] for k in ("model", "instructions", "temperature", "tools", "tool_choice", "include") if k in ga}
     if "output_modalities" in ga:
         audio_out = wants_audio(ga["output_modalities"], True, "session.output_modalities")
         out["modalities"] = ["text", "audio"] if audio_out else ["text"]  # audio comes with its transcript
@@ -159,6 +159,8 @@ def session_patch(ga: dict[str, Any]) -> dict[str, Any]:
             out[key] = sides["output"][key]
     if "transcription" in sides["input"]:
         out["input_audio_transcription"] = sides["input"]["transcription"]
+    if "noise_reduction" in sides["input"]:
+        out["input_audio_noise_reduction"] = sides["input"]["noise_reduction"]
     return out
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelines import realtime_ga
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import EventError, SessionConfig, check_language, ga_wire_format
+from pipelines.realtime_events import EventError, SessionConfig, check_language, check_noise_reduction, ga_wire_format
 from pipelines.services import Services
 
 # The beta session fields a transcription session has (``transcription_session.update``).
@@ -39,6 +39,8 @@ def beta_patch(session: Any) -> dict[str, Any]:
         raise EventError(f"a transcription session has no field {unknown[0]!r}", param=f"session.{unknown[0]}")
     if "input_audio_transcription" in session and session["input_audio_transcription"] is None:
         raise EventError("a transcription session transcribes: its settings cannot be null", param=TRANSCRIPTION_PARAM)
+    if "input_audio_noise_reduction" in session:
+        check_noise_reduction(session["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
     td = session.get("turn_detection")
     for key in ("create_response", "interrupt_response"):
         if isinstance(td, dict) and td.get(key):
@@ -52,8 +54,12 @@ def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
     realtime_ga.check_fields(session, realtime_ga.TRANSCRIPTION_FIELDS)
     audio = realtime_ga.ga_audio(session.get("audio"), "session.audio", {"input": realtime_ga.SESSION_AUDIO["input"]})
     side = audio["input"]
-    renamed = {"format": "input_audio_format", "transcription": "input_audio_transcription"}
-    beta = {renamed.get(k, k): v for k, v in side.items() if k != "noise_reduction"}
+    renamed = {
+        "format": "input_audio_format",
+        "transcription": "input_audio_transcription",
+        "noise_reduction": "input_audio_noise_reduction",
+    }
+    beta = {renamed.get(k, k): v for k, v in side.items()}
     if "input_audio_format" in beta:
         beta["input_audio_format"] = ga_wire_format(beta["input_audio_format"], "session.audio.input.format")
     if "include" in session:

@@ -211,6 +211,9 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             await c.send("conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=300)
             cut = await c.until("conversation.item.truncated")
             assert cut["item_id"] == item_id and cut["audio_end_ms"] == 300
+            await c.send("conversation.item.truncate", item_id=item_id, content_index=0, audio_end_ms=600)
+            longer = await c.until("error")  # (a truncation only shortens: the rest is gone)
+            assert longer["error"]["param"] == "audio_end_ms" and "truncated" in longer["error"]["message"]
 
             # Items read back: the reply as heard (cut), the user's speech as its transcript.
             await c.send("conversation.item.retrieve", item_id=item_id)
@@ -1800,6 +1803,7 @@ def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
     is an ``unknown_parameter`` error naming it as sent, and a beta one's message says where GA
     has it; the session is unchanged. GA's own fields and the session object the server sent,
     sent back whole, are accepted; a transcription session's GA update likewise."""
+    from pipelines import realtime_ga
     from pipelines.realtime_events import EventError
     from pipelines.realtime_transcription import ga_patch
     from pipelines.services import Services
@@ -1831,6 +1835,23 @@ def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
         ga_only = {"type": "realtime", "tracing": None, "truncation": "auto", "parallel_tool_calls": True}
         await s._handle(json.dumps({"type": "session.update", "session": ga_only}))
         assert sent[-1]["type"] == "session.updated"
+        # Fields read but not used still have their shape: a model is a string, noise reduction
+        # null or {"type": "near_field" | "far_field"}.
+        near = {"input": {"noise_reduction": {"type": "near_field"}}}
+        for session, param in (
+            ({"model": 5}, "session.model"),
+            ({"audio": {"input": {"noise_reduction": "near"}}}, "session.audio.input.noise_reduction"),
+            ({"audio": {"input": {"noise_reduction": {"type": "loud"}}}}, "session.audio.input.noise_reduction"),
+            ({"audio": near, "model": "m"}, None),
+        ):
+            await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime", **session}}))
+            got = sent[-1]
+            assert (
+                got["type"] == ("error" if param else "session.updated") and got.get("error", {}).get("param") == param
+            )
+        beta = _stand_in(Services(), sent)
+        await beta._handle(json.dumps({"type": "session.update", "session": {"input_audio_noise_reduction": "x"}}))
+        assert sent[-1]["error"]["param"] == "session.input_audio_noise_reduction"
 
     run(go())
     with pytest.raises(EventError) as refused:
@@ -1838,6 +1859,9 @@ def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
     assert refused.value.param == "session.input_audio_transcription" and "session.audio.input" in str(refused.value)
     echoed = {"type": "transcription", "object": "realtime.transcription_session", "id": "sess_1", "include": []}
     assert ga_patch(echoed) == {"include": []}
+    with pytest.raises(EventError) as noisy:
+        ga_patch({"type": "transcription", "audio": {"input": {"noise_reduction": {"type": "x"}}}})
+    assert realtime_ga.ga_error(noisy.value).param == "session.audio.input.noise_reduction"
 
 
 def test_the_llm_tells_a_finished_message_from_a_cut_off_one(server: dict[str, Any]) -> None:
