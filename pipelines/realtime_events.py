@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from gateway.errors import lone_surrogate, may_hold_lone_surrogate
-from modalities.asr.types import whisper_languages
+from modalities.asr.types import check_asr_language
 from modalities.llm.structured import reply_grammar
 from modalities.llm.tools import MAX_TOOLS, ToolError, check_function, check_tool_choice
 from modalities.llm.tools import check_template as tools_template
@@ -328,12 +328,8 @@ def check_language(asr: Any, heard: dict[str, Any] | None) -> None:
     language = (heard or {}).get("language")
     if language is None:
         return
-    check = getattr(asr, "prompt_ids", None)
     try:
-        if check is not None:
-            check(language)
-        elif language not in whisper_languages():
-            raise ValueError(f"unsupported language {language!r}")
+        check_asr_language(asr, language)
     except ValueError as exc:
         raise EventError(str(exc), param="session.input_audio_transcription.language") from None
 

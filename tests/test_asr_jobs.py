@@ -28,9 +28,11 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from workers.jobs.runner import JobsConfig, JobService
 
     engine = AsrEngine(load_whisper("tiny.en"), AsrConfig())
-    app = create_app({engine.model_name: engine}, routers=[plugin.router, jobs_router])
+    aliases = {"whisper-1": engine.model_name}
+    app = create_app({engine.model_name: engine}, aliases=aliases, routers=[plugin.router, jobs_router])
     root = tmp_path_factory.mktemp("results")
-    app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
+    cfg = JobsConfig(store={"type": "local", "root": str(root)})
+    app.state.jobs = JobService(cfg, app.state.engines, app.state.aliases)
     with serve_app(app) as url:
         yield url
 
@@ -144,3 +146,60 @@ def test_bad_params_are_400(base: str) -> None:
         )
         assert r.status_code == 400 and message in r.json()["error"]["message"], (params, r.text)
         assert r.json()["error"]["param"] == "params.include"
+
+
+def test_model_language_and_task_are_checked_at_submit(base: str) -> None:
+    """As the online routes answer them: an unknown model is a 404, a language or the translate
+    task the English-only model cannot do a 400, each with the route's message and its field
+    inside params; a good submission stores the served model's name for the worker."""
+    wav = encode_audio(np.zeros(16_000, np.float32), 16_000, "wav")
+    route = {
+        "language": httpx.post(
+            f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, data={"language": "de"}, timeout=60
+        ),
+        "long": httpx.post(
+            f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, data={"language": "x" * 1000}, timeout=60
+        ),
+        "model": httpx.post(
+            f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", wav)}, data={"model": "nope"}, timeout=60
+        ),
+        "translate": httpx.post(f"{base}/v1/audio/translations", files={"file": ("a.wav", wav)}, timeout=60),
+    }
+    cases = {
+        "language": {"language": "de"},
+        "long": {"language": "x" * 1000},
+        "model": {"model": "nope"},
+        "translate": {"task": "translate"},
+    }
+    for case, params in cases.items():
+        r = httpx.post(
+            f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": {"file_id": "x", **params}}, timeout=30
+        )
+        online = route[case]
+        assert r.status_code == online.status_code and online.status_code in (400, 404), (case, r.text, online.text)
+        error, expected = r.json()["error"], online.json()["error"]
+        assert error["message"] == expected["message"] and error["code"] == expected["code"], (case, r.text)
+        assert error["param"] == f"params.{expected['param']}", (case, r.text)
+    params = {"file_id": _upload(base, np.zeros(16_000, np.float32)), "model": "whisper-1", "language": "EN"}
+    job = httpx.post(f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
+    assert job.status_code == 202 and job.json()["params"]["model"] == "whisper-tiny.en", job.text
+    assert _wait(base, job.json()["id"])["status"] == "succeeded"
+
+
+def test_validate_resolves_the_model_among_remote_engines() -> None:
+    """Under celery the gateway's engines are proxies: the model resolves by name as locally (a
+    non-ASR model is a 400), and a language no Whisper takes is refused without asking a worker."""
+    from gateway.errors import APIError
+    from modalities.asr.jobs import validate
+    from workers.remote import RemoteEngine
+
+    engines = {"whisper-tiny.en": RemoteEngine(None, "whisper-tiny.en", "asr"), "tts": RemoteEngine(None, "tts", "tts")}
+    aliases = {"whisper-1": "whisper-tiny.en"}
+    params = validate({"file_id": "x", "model": "whisper-1", "language": "de"}, engines, aliases)
+    assert params["model"] == "whisper-tiny.en"  # (an English-only worker refuses "de" as it runs)
+    with pytest.raises(APIError) as other:
+        validate({"file_id": "x", "model": "tts"}, engines, aliases)
+    assert other.value.status_code == 400 and other.value.param == "model" and "transcription" in other.value.message
+    with pytest.raises(APIError) as unknown:
+        validate({"file_id": "x", "language": "x" * 1000}, engines, aliases)
+    assert unknown.value.status_code == 400 and unknown.value.param == "language"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -94,7 +95,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, _Eve
         """What the image routes do with ``response_format=url``: keep the PNG as a file."""
         return {"url": await _store_file(request, b"\x89PNG fake", "image.png", "image/png")}
 
-    app = create_app({}, keys=keys, routers=[jobs_router, extra])
+    # An ASR model by name only: audio.transcription resolves its model at submit; the jobs here
+    # fail before they decode.
+    asr = types.SimpleNamespace(modality="asr")
+    app = create_app({"whisper-stub": asr}, keys=keys, routers=[jobs_router, extra])
     root = tmp_path_factory.mktemp("results")
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     watch = _EventsWatch(app.state.jobs.backend)
@@ -121,7 +125,7 @@ def test_jobs_read_only_the_callers_files(server: tuple[str, _EventsWatch]) -> N
     for kind in ("audio.transcription", "audio.pipeline"):
         resp = _post(url, "bob", "/v1/jobs", {"kind": kind, "params": {"file_id": fid}})
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found", resp.text
-    # the owner may (the job then fails here: no ASR engine is served)
+    # the owner may (the job then fails here: the stand-in ASR decodes nothing)
     assert (
         _post(url, "alice", "/v1/jobs", {"kind": "audio.transcription", "params": {"file_id": fid}}).status_code == 202
     )

@@ -50,6 +50,7 @@ from modalities.asr.formats import (
     to_verbose,
     to_vtt,
 )
+from modalities.asr.types import check_asr_language
 from modalities.audio import ASR_RATE, MAX_AUDIO_S, AudioDecodeError, AudioTooLong, decode_audio
 
 router = APIRouter(tags=["audio"])
@@ -87,6 +88,30 @@ def _check_options(response_format: str, temperature: float) -> None:
 MIN_AUDIO_S = 0.1  # OpenAI's minimum
 
 
+def check_model_can(served: str, engine: Any, language: str | None, task: str = "transcribe") -> None:
+    """400 for what the model cannot do, before any audio is read: translating on an English-only
+    model (naming ``model``), a language it does not take (naming ``language``; see
+    ``check_asr_language`` for a model in another process, which says the rest where it runs)."""
+    if task == "translate" and getattr(engine, "multilingual", None) is False:
+        raise APIError(400, f"model {served} is English-only: it cannot translate", param="model")
+    if language:
+        try:
+            check_asr_language(engine, language)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="language") from exc
+
+
+def check_duration(duration: float) -> None:
+    """400 ``audio_too_short`` under ``MIN_AUDIO_S`` (as OpenAI's: nothing to hear in less)."""
+    if duration < MIN_AUDIO_S:
+        raise APIError(
+            400,
+            f"audio file is too short: {duration * 1000:.0f} ms; the minimum is {MIN_AUDIO_S * 1000:.0f} ms",
+            param="file",
+            code="audio_too_short",
+        )
+
+
 async def _read_audio(file: UploadFile, engine: Any) -> Any:
     """The upload decoded to 16 kHz mono (``modalities.audio.DecodedAudio``); a 413 past the
     engine's file or duration limit, a 400 for what no decoder reads."""
@@ -101,13 +126,7 @@ async def _read_audio(file: UploadFile, engine: Any) -> Any:
         raise APIError(413, str(exc), param="file", code="audio_too_long") from exc
     except AudioDecodeError as exc:
         raise APIError(400, f"could not read the audio file: {exc}", param="file", code="invalid_audio") from exc
-    if audio.duration < MIN_AUDIO_S:  # (as OpenAI's: nothing to hear in less)
-        raise APIError(
-            400,
-            f"audio file is too short: {audio.duration * 1000:.0f} ms; the minimum is {MIN_AUDIO_S * 1000:.0f} ms",
-            param="file",
-            code="audio_too_short",
-        )
+    check_duration(audio.duration)
     return audio
 
 
@@ -167,6 +186,7 @@ async def create_transcription(
     if error := include_error(include, response_format):
         raise APIError(400, error, param="include[]")
     served, engine = resolve_asr_engine(request, model)
+    check_model_can(served, engine, language or None)
     audio = await _read_audio(file, engine)
     req = TranscriptionRequest(
         audio.samples,
@@ -201,8 +221,7 @@ async def create_translation(
 
     _check_options(response_format, temperature)
     served, engine = resolve_asr_engine(request, model)
-    if getattr(engine, "multilingual", None) is False:  # (a remote engine's model says so when it runs)
-        raise APIError(400, f"model {served} is English-only: it cannot translate", param="model")
+    check_model_can(served, engine, None, "translate")
     audio = await _read_audio(file, engine)
     cues = shows_segments(response_format)
     req = TranscriptionRequest(

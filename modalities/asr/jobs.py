@@ -7,8 +7,8 @@ verbose_json), ``timestamp_granularities`` (``segment`` and/or ``word``, verbose
 the online route: ``word`` puts OpenAI's ``words`` in the verbose_json transcript; ``include``
 (``logprobs``, json only: the tokens' logprobs in the json transcript; not with ``translate``);
 and ``task``: ``transcribe`` (default) or ``translate`` (English text, as
-``/v1/audio/translations``: a multilingual model only, else the job fails saying so). A list
-given as null is left out.
+``/v1/audio/translations``: a multilingual model only). A list given as null is left out. The
+model, and the language and task it can do, are checked at submit as the online routes check them.
 The transcript goes to the result store as ``transcript.<ext>``; the job result also carries the
 text, duration and segment count (and the word count when words were asked for). Cancelling the
 job closes the transcription stream, which aborts its decodes in the engine.
@@ -50,8 +50,12 @@ class TranscriptionJob(BaseModel):
         return [] if value is None else value  # (as an optional field left out)
 
 
-def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
-    """400 before queueing: bad fields (the model is resolved where the job runs)."""
+def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """400 (or the route's 404) before queueing: bad fields, and the model, language and task as
+    the online routes check them (under celery the gateway's engines are remote ones with the
+    same names). The stored params name the served model, so a worker, which knows no aliases,
+    finds it."""
+    from modalities.asr.api import check_model_can, pick_asr_engine
     from modalities.asr.formats import granularity_error, include_error
 
     job = parse_params(TranscriptionJob, params)
@@ -61,7 +65,9 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
         raise ParamError("include", error)
     if job.include and job.task == "translate":  # (as /v1/audio/translations, which has no include)
         raise ParamError("include", "the translate task has no include")
-    return job.model_dump()
+    name, engine = pick_asr_engine(engines, aliases, job.model)
+    check_model_can(name, engine, job.language, job.task)
+    return {**job.model_dump(), "model": name}
 
 
 # What a job's audio is charged before it is decoded (the gateway does not read the file): its size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -12,6 +13,17 @@ def whisper_languages() -> frozenset[str]:
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     return frozenset(LANGUAGES)
+
+
+def check_asr_language(asr: Any, language: str) -> None:
+    """``ValueError`` for a ``language`` the ASR engine cannot be asked: its model's own check
+    where the engine is local (``AsrEngine.prompt_ids``). A model in another process is not asked:
+    only what no Whisper takes is refused there (an English-only one also takes "english")."""
+    check = getattr(asr, "prompt_ids", None)
+    if check is not None:
+        check(language)
+    elif language.lower() not in whisper_languages() | {"english"}:
+        raise ValueError(f"unsupported language {language!r}")
 
 
 @dataclass
