@@ -115,12 +115,16 @@ def test_bad_params_are_400(base: str) -> None:
         {"file_id": "x", "response_format": "xml"},
         {"file_id": "x", "seed": -1},
         {"file_id": "x", "timestamp_granularities": "word"},  # a list, as the JSON body has it
+        {"file_id": "x", "temperature": True},  # (not 1.0: a number, as the speech body's)
+        {"file_id": "x", "seed": False},
     )
     for params in bad:
         r = httpx.post(f"{base}/v1/jobs", json={"kind": "audio.transcription", "params": params}, timeout=30)
         assert r.status_code == 400, (params, r.text)
         field = next(iter(set(params) - {"file_id"}), "file_id")  # (the one field that is wrong)
         assert r.json()["error"]["param"] == f"params.{field}", r.text
+        if isinstance(params.get(field), bool):
+            assert "not a boolean" in r.json()["error"]["message"], r.text
     # The endpoint's granularity rules, with the endpoint's messages.
     granularities = (
         ({"timestamp_granularities": ["phrase"]}, "must be 'segment' or 'word' (got 'phrase')"),

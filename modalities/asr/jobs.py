@@ -49,6 +49,13 @@ class TranscriptionJob(BaseModel):
     def _null_is_none(cls, value: Any) -> Any:
         return [] if value is None else value  # (as an optional field left out)
 
+    @field_validator("temperature", "seed", mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would take true as 1 (the speech body refuses it too)
+            raise ValueError("must be a number, not a boolean")
+        return value
+
 
 def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
     """400 (or the route's 404) before queueing: bad fields, and the model, language and task as
