@@ -207,3 +207,21 @@ def test_validate_resolves_the_model_among_remote_engines() -> None:
     with pytest.raises(APIError) as unknown:
         validate({"file_id": "x", "language": "x" * 1000}, engines, aliases)
     assert unknown.value.status_code == 400 and unknown.value.param == "language"
+
+
+def test_too_short_audio_fails_the_job_as_the_route_refuses_it(base: str) -> None:
+    """10 ms of audio: the online route's 400 ``audio_too_short``; a job fails with its message
+    rather than succeed with an empty transcript."""
+    short = np.zeros(160, np.float32)
+    online = httpx.post(
+        f"{base}/v1/audio/transcriptions", files={"file": ("s.wav", encode_audio(short, 16_000, "wav"))}, timeout=60
+    )
+    assert online.status_code == 400 and online.json()["error"]["code"] == "audio_too_short", online.text
+    resp = httpx.post(
+        f"{base}/v1/jobs",
+        json={"kind": "audio.transcription", "params": {"file_id": _upload(base, short)}},
+        timeout=30,
+    )
+    assert resp.status_code == 202, resp.text
+    job = _wait(base, resp.json()["id"])
+    assert job["status"] == "failed" and online.json()["error"]["message"] in job["error"]["message"], job

@@ -98,7 +98,7 @@ def render(transcript: Any, fmt: str, granularities: list[str] | None = None, ta
 
 
 async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
-    from modalities.asr.api import pick_asr_engine
+    from modalities.asr.api import check_duration, pick_asr_engine
     from modalities.asr.engine import TranscriptionRequest
     from modalities.asr.formats import openai_words, shows_segments
     from modalities.audio import ASR_RATE, MAX_AUDIO_S, decode_audio
@@ -108,7 +108,9 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     name, engine = pick_asr_engine(ctx.engines, ctx.aliases, job.model)
     data, _ = await asyncio.to_thread(ctx.store.get, *parse_file_id(job.file_id))
     max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
-    audio = (await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)).samples
+    decoded = await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)
+    check_duration(decoded.duration)  # (the gateway does not read the file: the route's 400 fails the job)
+    audio = decoded.samples
     words = "word" in job.timestamp_granularities
     req = TranscriptionRequest(
         audio,
