@@ -1,6 +1,7 @@
 """``speech.generate`` jobs under the local runner over real HTTP: text longer than the online
 limit becomes one audio file in the result store, with progress; bad params are 400 at submit.
-Uses the tiny AR TTS (fast) next to the Piper voice (routing by voice)."""
+Uses the tiny AR TTS (fast) next to the Piper voice (routing by voice); a text the voice makes
+no audio of fails the job as the route refuses it."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from gateway.app import create_app
     from modalities.tts import plugin  # registers the job kind
     from modalities.tts.ar_engine import ARTTSEngine
+    from modalities.tts.piper_engine import PiperEngine
     from workers.jobs.plugin import router as jobs_router
     from workers.jobs.runner import JobsConfig, JobService
 
     ar = ARTTSEngine.from_dir(tiny_tts_ar_dir(), num_kv_blocks=128, max_frames=FRAMES, decode_every=4)
-    app = create_app({ar.model_name: ar}, routers=[plugin.router, jobs_router])
+    piper = PiperEngine(workers=1, threads=1)
+    app = create_app({ar.model_name: ar, piper.model_name: piper}, routers=[plugin.router, jobs_router])
     root = tmp_path_factory.mktemp("results")
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     with serve_app(app) as url:
@@ -92,6 +95,21 @@ def test_bad_job_params_are_400_at_submit(base: str, params: dict[str, Any], nee
     resp = httpx.post(f"{base}/v1/jobs", json={"kind": "speech.generate", "params": params}, timeout=30)
     assert resp.status_code == 400, resp.text
     assert needle in resp.json()["error"]["message"] and resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("text", ["...", "\u200b"])
+def test_text_the_voice_makes_no_audio_of_fails_the_job(base: str, text: str) -> None:
+    """Piper speaks nothing of lone punctuation or a zero-width space (the route's 400), where the
+    AR voice speaks something: only the voice knows, so the job is queued, then fails with the
+    route's message rather than succeed with an empty file."""
+    online = httpx.post(f"{base}/v1/audio/speech", json={"input": text, "voice": "joe"}, timeout=60)
+    assert online.status_code == 400 and online.json()["error"]["param"] == "input", online.text
+    assert httpx.post(f"{base}/v1/audio/speech", json={"input": text, "voice": "tiny-a"}, timeout=60).content
+    resp = httpx.post(f"{base}/v1/jobs", json={"kind": "speech.generate", "params": {"input": text, "voice": "joe"}})
+    assert resp.status_code == 202, resp.text
+    job = _wait(base, resp.json()["id"])
+    assert job["status"] == "failed" and online.json()["error"]["message"] in job["error"]["message"], job
+    assert not job["files"]
 
 
 def test_plugin_registers_the_kind() -> None:

@@ -44,6 +44,12 @@ def estimate_seconds(text: str, speed: float) -> float:
     return max(1.0, len(text) / CHARS_PER_SECOND / speed)
 
 
+def nothing_to_speak() -> APIError:
+    """The 400 for an input the voice made no audio of (zero-width spaces, lone punctuation: what
+    is silent depends on the voice, so only its synthesis tells): an empty file is no answer."""
+    return APIError(400, "input has nothing the voice can speak", param="input", code="invalid_value")
+
+
 async def _first_chunk(gen: AsyncIterator[np.ndarray]) -> np.ndarray | None:
     try:
         return await gen.__anext__()
@@ -76,10 +82,10 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
         await gen.aclose()
         await ch.refund()
         raise
-    if first is None:  # (zero-width spaces, lone punctuation: an empty file is no answer)
+    if first is None:
         await gen.aclose()
         await ch.refund()
-        raise APIError(400, "input has nothing the voice can speak", param="input", code="invalid_value")
+        raise nothing_to_speak()
     encoder = StreamEncoder(fmt, rate)
     samples = len(first)
 

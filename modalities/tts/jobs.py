@@ -4,8 +4,9 @@
 chapter rather than a reply). The text is synthesised in segments of at most ``SEGMENT_CHARS``
 on the same engines as the online route; progress is characters done of the total, cancelling
 the job closes the stream (which stops the engine work), and the encoded file goes to the result
-store as ``speech.<response_format>``. A submission is charged the route's ``audio_seconds``
-estimate for the whole text.
+store as ``speech.<response_format>``; a text the voice made no audio of at all fails the job with
+the route's 400 message. A submission is charged the route's ``audio_seconds`` estimate for the
+whole text.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def cost(params: dict[str, Any], engines: dict[str, Any]) -> tuple[str, float]:
 
 async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     from modalities.audio import MEDIA_TYPES, StreamEncoder
+    from modalities.tts.api import nothing_to_speak
     from modalities.tts.protocol import PCM_RATE, TTSRequest
     from modalities.tts.registry import resolve_tts
 
@@ -92,6 +94,8 @@ async def run(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
                 samples += chunk.size
         done += len(part)
         ctx.progress(done, total)
+    if not samples:  # (the route's 400 for it: not refused at submit, as only the voice knows)
+        raise nothing_to_speak()
     data += encoder.close()
     url = ctx.store.put(ctx.job_id, f"speech.{fmt}", bytes(data), MEDIA_TYPES[fmt])
     return {"url": url, "model": name, "voice": voice, "format": fmt, "sample_rate": rate, "seconds": samples / rate}
