@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # imported lazily at run time: the plugin stays light
     from pipelines.chain import ChainOptions, StageStore
@@ -50,13 +50,10 @@ class PipelineParams(BaseModel):
 
 
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
-    """Params are checked in the gateway, before any compute (ValueError -> 400)."""
-    try:
-        return PipelineParams(**params).model_dump()
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"params.{where}: {first['msg']}") from exc
+    """Params are checked in the gateway, before any compute (a 400 naming the field)."""
+    from workers.jobs import parse_params
+
+    return parse_params(PipelineParams, params).model_dump()
 
 
 def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -> tuple[str, float]:

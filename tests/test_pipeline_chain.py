@@ -59,9 +59,9 @@ def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any]) -> dict[str,
     up = http.post("/v1/files", files={"file": ("q.wav", wav, "audio/wav")}, data={"purpose": "user_data"})
     assert up.status_code == 200, up.text
     params = {"file_id": up.json()["id"], **params}
-    for bad in ({**params, "max_tokens": 0}, {**params, "nope": 1}, {"max_tokens": 4}):
+    for bad, field in (({**params, "max_tokens": 0}, "max_tokens"), ({**params, "nope": 1}, "nope"), ({}, "file_id")):
         resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad})
-        assert resp.status_code == 400 and resp.json()["error"]["message"], resp.text
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == f"params.{field}", resp.text
     resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": params})
     assert resp.status_code == 202, resp.text
     job_id = resp.json()["id"]

@@ -33,9 +33,14 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     ar = ARTTSEngine.from_dir(tiny_tts_ar_dir(), num_kv_blocks=128, max_frames=FRAMES, decode_every=4)
     piper = PiperEngine(workers=1, threads=1)
-    app = create_app({ar.model_name: ar, piper.model_name: piper}, routers=[plugin.router, jobs_router])
+    aliases = {"voice-ar": ar.model_name}
+    app = create_app(
+        {ar.model_name: ar, piper.model_name: piper}, aliases=aliases, routers=[plugin.router, jobs_router]
+    )
     root = tmp_path_factory.mktemp("results")
-    app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
+    app.state.jobs = JobService(
+        JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines, app.state.aliases
+    )
     with serve_app(app) as url:
         yield url
 
@@ -110,6 +115,19 @@ def test_text_the_voice_makes_no_audio_of_fails_the_job(base: str, text: str) ->
     job = _wait(base, resp.json()["id"])
     assert job["status"] == "failed" and online.json()["error"]["message"] in job["error"]["message"], job
     assert not job["files"]
+
+
+def test_a_job_names_its_model_as_the_route_does(base: str) -> None:
+    """An alias resolves at submit as on ``/v1/audio/speech``; the stored params name the served
+    model (a worker knows no aliases), and the job runs on it."""
+    params = {"input": "Hi there.", "model": "voice-ar", "voice": "tiny-a", "response_format": "wav"}
+    route = httpx.post(f"{base}/v1/audio/speech", json=params, timeout=60)
+    assert route.status_code == 200, route.text
+    resp = httpx.post(f"{base}/v1/jobs", json={"kind": "speech.generate", "params": params}, timeout=30)
+    assert resp.status_code == 202, resp.text
+    assert resp.json()["params"]["model"] == route.headers["x-model"] != "voice-ar"
+    job = _wait(base, resp.json()["id"])
+    assert job["status"] == "succeeded" and job["result"]["model"] == route.headers["x-model"], job
 
 
 def test_plugin_registers_the_kind() -> None:

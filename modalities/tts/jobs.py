@@ -46,19 +46,21 @@ def segments(text: str, size: int = SEGMENT_CHARS) -> list[str]:
     return out
 
 
-def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
-    """400 before queueing: bad body, unknown model or voice, speed the backend cannot do."""
+def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """400 before queueing: bad body, unknown model or voice, speed the backend cannot do. The
+    model resolves as on the route (aliases too); the stored params name the served model, so a
+    worker, which knows no aliases, finds it."""
     from modalities.tts.base import check_request
     from modalities.tts.protocol import TTSInputError, TTSRequest
     from modalities.tts.registry import resolve_tts
 
     body = _parse(params)
-    _, engine, voice = resolve_tts(engines, body.model, body.voice)
+    name, engine, voice = resolve_tts(engines, body.model, body.voice, aliases)
     try:
         check_request(engine, TTSRequest("x", voice, body.speed, body.sample_rate))
     except TTSInputError as exc:
         raise ParamError(exc.param, str(exc)) from None
-    return params
+    return {**params, "model": name}
 
 
 def cost(params: dict[str, Any], engines: dict[str, Any]) -> tuple[str, float]:
