@@ -354,6 +354,28 @@ def test_a_window_decoded_again_after_its_words_went_out_does_not_stop_the_strea
     assert done.transcript is not None and done.transcript.text == "A dog ran off home. Then we left. Bye."
     assert "".join(lp.token for d in deltas for lp in d.logprobs or []) == " " + said
 
+    def said_by(windows: list[Window], *updates: tuple[int, str, bool]) -> str:
+        so_far = TranscriptSoFar(TranscriptionRequest(np.zeros(16 * 55_000, np.float32)), windows, tok, eos)
+        out = [so_far.update(i, text, kept(text)[0] if done else None, ([], [])) for i, text, done in updates]
+        return "".join(d.text for d in [*out, *so_far.finish()] if d is not None)
+
+    # Kept as silence: the client's words stay, the next window's come after a space.
+    two = [Window(0.0, 5.0), Window(6.0, 10.0)]
+    got = said_by(
+        two, (0, " the cat sat on", False), (0, "", True), (1, " Then we left", False), (1, "Then we left.", True)
+    )
+    assert got == "the cat sat Then we left."
+
+    # Overlapping windows: 28 of 40 live words went out (12 wait for the stitch); the kept decode
+    # has 30; the stitch with the next window keeps them all: the stream goes on from word 29.
+    def words(n: int, p: str) -> str:
+        return " ".join(f"{p}{k}" for k in range(n))
+
+    chain = [Window(0.0, 30.0), Window(25.0, 55.0, overlaps_prev=True)]
+    later = " ".join(words(30, "k").split()[-5:]) + " " + words(20, "b")
+    got = said_by(chain, (0, words(40, "x"), False), (0, words(30, "k"), True), (1, later, True))
+    assert got == words(28, "x") + " k28 k29 " + words(20, "b")
+
 
 def _all(tok: Any, eos: int, *decodes: tuple[list[int], list[float]]) -> list[Any]:
     """Every token of whole-window ``decodes`` (``span_logprobs``)."""

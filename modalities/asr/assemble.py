@@ -143,7 +143,11 @@ class TranscriptSoFar:
         self.decoded: list[Decoded] = [([], [])] * len(windows)
         self.logprobs = DeltaLogprobs(tokenizer, first_special) if req.logprobs else None
         self.emitted = ""  # the stable text the client has (after a rebase: as many words of it)
+        self.said = False  # whether any text went out (a rebase may leave ``emitted`` empty)
         self.sent: tuple[int, int] | None = None  # the last window the client has words of, and how many
+        # After a window was decoded again: the client has this many words from that window on,
+        # of other decodes; until the stable text holds as many, it is all the client has.
+        self.cap: tuple[int, int] | None = None
 
     @property
     def complete(self) -> bool:
@@ -157,25 +161,45 @@ class TranscriptSoFar:
         spans = stable_spans(self.windows, self.texts, self.done)
         stable = stable_text(self.texts, spans)
         diverged = stable != self.emitted and not _extends(stable, self.emitted)
-        if diverged and self.sent is not None and self.done[self.sent[0]]:
+        if diverged and self.cap is None and self.sent is not None and self.done[self.sent[0]]:
+            self.cap = self.sent
+        if self.cap is not None:
             self._rebase(spans)
         if not _extends(stable, self.emitted):
             return None
         lps = self.logprobs.of_stable(spans, self.texts, self.done, self.decoded) if self.logprobs else None
-        delta = TranscriptDelta(stable[len(self.emitted) :], logprobs=lps)
-        self.emitted = stable
+        delta = TranscriptDelta(self._past_emitted(stable), logprobs=lps)
+        self.emitted, self.said = stable, True
         self.sent = (spans[-1][0], spans[-1][2] - spans[-1][1])
         return delta
 
     def _rebase(self, spans: list[tuple[int, int, int]]) -> None:
-        """The window the client last got words of is done and says something else: its first
-        as many words of the kept decode count as sent, so the stream goes on after them."""
-        assert self.sent is not None
-        last, words = self.sent
-        upto = [(i, lo, hi if i < last else min(hi, lo + words)) for i, lo, hi in spans if i <= last]
+        """The client's words from window ``cap[0]`` on are of decodes since replaced: as many
+        words of the stable text count as sent (up to the end of that window and of any that
+        overlap it in a chain), so the stream goes on after them (for good, once the stable
+        text holds them)."""
+        assert self.cap is not None
+        last, left = self.cap
+        upto = []
+        for i, lo, hi in spans:
+            if i > last and not self.windows[i].overlaps_prev:
+                left = 0  # (the client's words were of audio before this window: only a stitch moves words)
+            if i >= last:
+                hi = min(hi, lo + left)
+                left -= hi - lo
+            upto.append((i, lo, hi))
+            if i >= last and not left:
+                self.cap = None
+                break
         self.emitted = stable_text(self.texts, upto)
         if self.logprobs:
             self.logprobs.rebase(upto, self.texts, self.done, self.decoded)
+
+    def _past_emitted(self, text: str) -> str:
+        """``text`` past ``emitted``, which it extends; a space first where the client has text
+        that ``emitted`` does not show (a rebase to nothing: a window kept as silence)."""
+        rest = text[len(self.emitted) :]
+        return " " + rest if self.said and not self.emitted and rest and not rest[0].isspace() else rest
 
     def finish(self) -> list[TranscriptDelta]:
         """The rest of the text, if any, then the item carrying the ``Transcript``."""
@@ -184,7 +208,7 @@ class TranscriptSoFar:
         transcript = assemble(self.req, self.windows, self.texts, results, self.tokenizer, self.first_special)
         out = []
         extends = _extends(transcript.text, self.emitted)
-        text = transcript.text[len(self.emitted) :] if extends else ""
+        text = self._past_emitted(transcript.text) if extends else ""
         # Tokens held back (a window's that did not spell its live text) come last, with "" if need
         # be; none if the transcript does not go on from the text sent (``_rebase`` keeps it so).
         consistent = extends or transcript.text == self.emitted
