@@ -11,8 +11,9 @@ and a fresh child serves the next one.
 The child speaks JSON lines: the voice's config first (it answers ``ready``), then a text in, its
 phonemes per sentence out. A round trip costs ~0.1 ms over the phonemisation itself; Piper serialises phonemisation
 under one lock anyway, so one child per engine loses no parallelism. The last ``CACHED`` texts'
-phonemes are kept: the engine phonemises a request's later pieces ahead, to refuse a text that
-can't be spoken before its first audio, and their synthesis then finds them done.
+phonemes (or failures: eSpeak NG fails on a text every time) are kept: the engine phonemises a
+request's later pieces ahead, to refuse a text that can't be spoken before its first audio, and
+their synthesis then finds them done.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Phonemizer:
         self._ready = False
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
-        self._cache: OrderedDict[str, list[list[str]]] = OrderedDict()
+        self._cache: OrderedDict[str, list[list[str]] | str] = OrderedDict()  # phonemes, or why it failed
 
     def start(self) -> None:
         with self._lock:
@@ -85,7 +86,9 @@ class Phonemizer:
         with self._lock:
             if (done := self._cache.get(text)) is not None:
                 self._cache.move_to_end(text)
-                return done
+                if isinstance(done, str):
+                    raise PhonemizerError(done)
+                return [list(p) for p in done]  # (copies: the cache's own stay as made)
             try:
                 self._send(self._ready_child(), line)
             except OSError:  # it died between calls (killed from outside): once more, on a fresh one
@@ -104,11 +107,17 @@ class Phonemizer:
                 except OSError:
                     logger.exception("the phonemiser could not be restarted (the next text tries again)")
                 logger.warning("the phonemiser %s on a text of %d characters", "hung" if hung else "crashed", len(text))
-                raise PhonemizerError("this text can't be spoken: the phonemiser (eSpeak NG) failed on it")
-            self._cache[text] = phonemes = json.loads(answer)
-            if len(self._cache) > CACHED:
-                self._cache.popitem(last=False)
+                failed = "this text can't be spoken: the phonemiser (eSpeak NG) failed on it"
+                self._keep(text, failed)
+                raise PhonemizerError(failed)
+            phonemes = json.loads(answer)
+            self._keep(text, [list(p) for p in phonemes])
         return phonemes
+
+    def _keep(self, text: str, outcome: list[list[str]] | str) -> None:
+        self._cache[text] = outcome
+        if len(self._cache) > CACHED:
+            self._cache.popitem(last=False)
 
     @staticmethod
     def _send(proc: subprocess.Popen[bytes], line: bytes) -> None:

@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,8 @@ class PiperEngine(ReportsUsage):
         self._wide: PiperVoiceModel | None = None  # sessions over every core, for live turns' first chunks
         self._wide_lock = threading.Lock()
         self._phonemizer = Phonemizer(self._config_dict)  # one child process for every session
+        # Look-aheads wait there for the phonemiser, not in the default executor's few threads.
+        self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="mmserve-piper-ahead")
         self._cv = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -167,11 +170,11 @@ class PiperEngine(ReportsUsage):
             for t in self._threads:
                 await asyncio.to_thread(t.join)
             self._threads.clear()
-            self._phonemizer.close()
             with self._cv:
                 for job in list(self._queue.jobs):
-                    self._queue.drop(job)
+                    self._queue.drop(job)  # (before the phonemiser closes: a look-ahead stops, starts no child)
                     self._deliver(job, None, EngineDeadError("the TTS engine was shut down"))
+            self._phonemizer.close()
 
     def stats(self) -> dict[str, float]:
         return {
@@ -275,7 +278,10 @@ class PiperEngine(ReportsUsage):
             self._cv.notify(len(pieces))
         # The later pieces are phonemised meanwhile: one that can't be spoken fails the request
         # before its first audio (a 400), not halfway through a stream that has sent its status.
-        ahead = asyncio.ensure_future(asyncio.to_thread(self._phonemize_ahead, job)) if len(pieces) > 1 else None
+        # Not a live turn's: it has no status line to keep, only a first audio to hurry.
+        ahead = None
+        if len(pieces) > 1 and req.priority >= 0:
+            ahead = loop.run_in_executor(self._ahead_pool, self._phonemize_ahead, job)
         self._active += 1
         try:
             while True:
@@ -298,8 +304,8 @@ class PiperEngine(ReportsUsage):
             if not (job.exhausted and job.next_emit == job.segments):  # left early: drop what is queued
                 with self._cv:
                     self._queue.drop(job)
-            if ahead is not None and not ahead.cancel():  # done: its failure is nobody's now
-                ahead.exception()
+            if ahead is not None and not ahead.cancel() and not ahead.cancelled():
+                ahead.exception()  # (done: its failure is nobody's now)
 
     def _phonemize_ahead(self, job: PieceJob) -> None:
         """Phonemise ``job``'s pieces after the first (cached for their synthesis), one at a time
