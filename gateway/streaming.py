@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Generic, TypeVar
@@ -28,6 +29,7 @@ from gateway.errors import APIError, error_body, from_engine_error
 T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
+logger = logging.getLogger("mmserve.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -63,6 +65,8 @@ def error_event(exc: BaseException, param: str | None, doing: str) -> str:
     would have answered it (``from_engine_error``); a failure that maps to none (a bug) tells
     only that it happened ``while {doing}``."""
     mapped = from_engine_error(exc, param=param) if isinstance(exc, Exception) else None
+    if mapped is None:  # (the client learns only that it happened: the log has what)
+        logger.error("stream failed while %s", doing, exc_info=exc)
     body = mapped.to_dict() if mapped is not None else error_body(f"internal error while {doing}", "server_error")
     return sse({"type": "error", **body})
 

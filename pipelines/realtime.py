@@ -427,4 +427,5 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         if end_ms > kept + 1:
             what = "audio" if reply.heard_ms is None else "audio, truncated"
             raise EventError(f"audio_end_ms {end_ms} is past the item's {what} ({kept:.0f} ms)", param="audio_end_ms")
+        reply.heard_ms = end_ms  # (the client's word: a barge-in's own estimate does not bound it)
         await self._truncate(reply, end_ms)

@@ -114,7 +114,7 @@ class Reply:
     text: str = ""
     spoken: list[Spoken] = field(default_factory=list)
     audio_ms: float = 0.0
-    heard_ms: float | None = None  # once truncated: the audio the item keeps (a truncation only shortens)
+    heard_ms: float | None = None  # once the client truncated it: the audio it kept (a truncation only shortens)
     first_audio: float | None = None  # monotonic time the first audio delta was sent
     done: bool = False
     usage: dict[str, Any] = field(default_factory=dict)

@@ -137,7 +137,6 @@ class ServerEvents:
         return fmt.encode(samples)
 
     async def _truncate(self, reply: Reply, audio_end_ms: float) -> None:
-        reply.heard_ms = audio_end_ms
         item = self.conv.get(reply.item_id)
         if item is not None:
             item.text = heard_text(reply.spoken, audio_end_ms) if reply.audio else item.text

@@ -231,9 +231,10 @@ def test_error_json_escapes_what_utf8_cannot_encode() -> None:
     assert lone_surrogate({"fine": ["é", "😀", 1, None]}) is None
 
 
-def test_an_audio_streams_error_event_is_the_routes_error_object() -> None:
+def test_an_audio_streams_error_event_is_the_routes_error_object(caplog: pytest.LogCaptureFixture) -> None:
     """``error_event``: a failure after the status line went out carries the whole OpenAI error
-    object the route would have sent (type, param, code); a bug's says nothing of its detail."""
+    object the route would have sent (type, param, code); a bug's says nothing of its detail,
+    which goes to the log."""
     from engine.errors import QueueFullError
     from gateway.streaming import error_event
 
@@ -246,5 +247,7 @@ def test_an_audio_streams_error_event_is_the_routes_error_object() -> None:
     assert busy["type"] == "error" and busy["error"]["code"] == "rate_limit_exceeded"
     bad = event(ValueError("no speech"), "input")["error"]
     assert bad == {"message": "no speech", "type": "invalid_request_error", "param": "input", "code": None}
+    assert not caplog.records
     bug = event(KeyError("secret detail"), "file")["error"]
     assert bug == {"message": "internal error while transcribing", "type": "server_error", "param": None, "code": None}
+    assert [r.exc_info[1] for r in caplog.records if r.exc_info] and "secret detail" in caplog.text

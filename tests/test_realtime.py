@@ -1724,6 +1724,34 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
     run(go())
 
 
+def test_a_client_truncation_only_shortens_but_a_barge_ins_estimate_does_not_bound_it() -> None:
+    """Stand-in: after the server cut a reply at its own estimate of what was played (a
+    barge-in), the client's truncate says what it really played, later or earlier; after a
+    client's truncate, only a shorter one is taken."""
+    from pipelines.realtime_items import Reply
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        reply = Reply("resp_1", "item_1", audio=True, audio_ms=2000.0)
+        s.in_band = reply
+        await s._truncate(reply, 300.0)  # (the barge-in's estimate)
+
+        async def truncate(ms: int) -> dict[str, Any]:
+            event = {"type": "conversation.item.truncate", "item_id": "item_1", "content_index": 0, "audio_end_ms": ms}
+            await s._handle(json.dumps(event))
+            return sent[-1]
+
+        assert (await truncate(450))["type"] == "conversation.item.truncated"
+        refused = await truncate(600)
+        assert refused["type"] == "error" and refused["error"]["param"] == "audio_end_ms", refused
+        assert (await truncate(400))["audio_end_ms"] == 400
+
+    run(go())
+
+
 def test_calls_asked_for_with_no_tools_are_refused() -> None:
     """Stand-in: a ``tool_choice`` that asks for a call ("required", a named function) with no
     tools is an error, for the session and for one response; "auto" and "none" are not, nor a
