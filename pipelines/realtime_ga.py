@@ -91,7 +91,8 @@ MOVED = {
 def check_fields(session: dict[str, Any], fields: frozenset[str]) -> None:
     """A ``FieldError`` for the first of ``session``'s fields not in ``fields``; a beta field's
     message says where the GA shape has it."""
-    for key in sorted(set(session) - fields):
+    if unknown := sorted(set(session) - fields):
+        key = unknown[0]
         where = f": a GA session has it as {MOVED[key]}" if key in MOVED else ""
         raise FieldError(f"session.{key} is not a field of a GA session{where}", "unknown_parameter", f"session.{key}")
 

@@ -5,9 +5,11 @@ proper 4xx/5xx JSON; after that every chunk is encoded and sent as soon as the e
 (chunked transfer; ``stream_format: "sse"`` wraps the same bytes in ``speech.audio.delta``
 events, then ``speech.audio.done`` with the request's token ``usage``, ``TTSUsage``).
 Time-to-first-audio is therefore the time to synthesise the first text piece. A client that
-disconnects closes the engine stream, which cancels the rest of the synthesis. A failure
-after the first chunk (a later sentence the phonemiser can't take) ends an SSE stream with an
-``error`` event, and an audio stream without its closing chunk (the status line is gone).
+disconnects closes the engine stream, which cancels the rest of the synthesis. A later
+sentence the phonemiser can't take is a 400 before the first chunk (Piper phonemises ahead); a
+failure after the first chunk (an engine's) ends an SSE stream with an ``error`` event
+(``gateway.streaming.error_event``), and an audio stream without its closing chunk (the status
+line is gone).
 
 Rate limit (``audio_seconds``): admission charges an estimate from the text
 (``estimate_seconds``: about 15 characters of English per second of speech at speed 1); when
