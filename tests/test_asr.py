@@ -308,6 +308,13 @@ def test_delta_logprobs_are_the_new_words_tokens_counted_in_bytes(engine: AsrEng
     assert (d := so_far.update(0, " the cat sat", None, ([], []))) is not None and d.text == "the cat"
     assert so_far.update(0, " the category is", None, ([], [])) is None
     assert (d := so_far.update(0, " the cat sat on", None, ([], []))) is not None and d.text == " sat"
+    # Two spaces in a decode: the live words keep them, so the done text goes on from them (the
+    # stream stalled there when a part of a text was rebuilt with single spaces).
+    so_far = TranscriptSoFar(TranscriptionRequest(np.zeros(16_000, np.float32)), windows[:1], tok, eos)
+    assert (d := so_far.update(0, " the cat  sat on", None, ([], []))) is not None and d.text == "the cat  sat"
+    kept = WindowResult("the cat  sat on.", [], 0.2, -0.5, 1.0, 0.0)
+    assert (d := so_far.update(0, kept.text, kept, ([], []))) is not None and d.text == " on."
+    assert [d.text for d in so_far.finish()] == [""]
     # A window decoded again after its live text went out (it failed the checks at its end): the
     # stream ends with the done item alone, no tokens of a text that was never sent.
     req = TranscriptionRequest(np.zeros(16_000, np.float32), logprobs=True)

@@ -90,6 +90,7 @@ def plan_windows(
 
 
 _WORD = re.compile(r"[^\w']+")
+_NON_SPACE = re.compile(r"\S+")  # a word as ``str.split`` cuts it
 _TAIL_WORDS = 12  # how far from the end of the earlier window's text the shared words are looked for
 _MIN_MATCH = 2  # shared words needed to trust the match
 # Faster than anyone speaks for long: the words both windows heard (and any either heard in part)
@@ -146,9 +147,13 @@ def stitched_texts(windows: list[Window], texts: list[str]) -> list[str]:
 
 
 def _span_text(text: str, lo: int, hi: int) -> str:
-    """Words ``[lo, hi)`` of ``text`` (the whole text as written when that is all of it)."""
-    words = text.split()
-    return text.strip() if (lo, hi) == (0, len(words)) else " ".join(words[lo:hi])
+    """Words ``[lo, hi)`` of ``text`` as written, with the whitespace between them: a part of a
+    text is then a prefix of a longer part (a stream's stable text grows by appending even where
+    the decoder wrote two spaces)."""
+    if hi <= lo:
+        return ""
+    words = list(_NON_SPACE.finditer(text))
+    return text[words[lo].start() : words[hi - 1].end()]
 
 
 def stable_spans(windows: list[Window], texts: list[str], done: list[bool]) -> list[tuple[int, int, int]]:
