@@ -173,6 +173,7 @@ class ResponseRequest(Frame):
     # in its prompt, and its item goes before them (None: as the conversation is when it starts).
     asked: int | None = None
     number: int = 0  # the session's count of the client's requests (0: a turn's own reply)
+    event_id: str | None = None  # the client's response.create (an error about the reply names it)
     # The client cancelled it before it started (the session sets it on the queued request;
     # the reply stage skips it, and stops a reply it had already started: LLMStarted.request).
     cancelled: bool = False
@@ -207,6 +208,7 @@ class LLMStarted(ReplyFrame):
     audio_format: str | None = None  # the same
     calls: bool = False  # it may call functions (then its text may be none at all)
     request: int = 0  # the ``ResponseRequest.number`` it answers
+    event_id: str | None = None  # the same
 
 
 @dataclass

@@ -199,7 +199,8 @@ class _Concurrent:
                 logger.exception("%s failed on %s", proc.name, type(frame).__name__)
             item = getattr(frame, "item_id", "")
             reply = proc.reply_of(frame)
-            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", proc.name, code, item, response_id=reply))
+            event_id = getattr(frame, "event_id", None)  # (the client event it came from, if any)
+            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", proc.name, code, item, event_id, reply))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

@@ -395,7 +395,7 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
                 "the conversation already has an active response", code="conversation_already_has_active_response"
             )
         request = response_request(event.get("response"), self.ga, self.config, self.services, self.conv)
-        request.number = next(self._requests)
+        request.number, request.event_id = next(self._requests), event.get("event_id")
         self.requested = request  # only once the request is valid: a refused one leaves none queued
         await self.inbox.put(request)
 

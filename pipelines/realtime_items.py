@@ -130,6 +130,8 @@ class Reply:
     cut: bool = False  # its text ended at max_output_tokens: the response is "incomplete"
     # The call being written: its event fields (response_id, output_index, item_id, call_id) and item.
     writing: tuple[dict[str, Any], dict[str, Any]] | None = None
+    event_id: str | None = None  # the client's response.create that asked for it, if any
+    error: dict[str, Any] | None = None  # why it failed (OpenAI's status_details.error)
 
     def played_ms(self) -> float:
         """How much the client can have played: real-time clock since the first chunk, capped."""
@@ -143,6 +145,8 @@ class Reply:
 
 def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
     details = {"type": status, "reason": reason} if reason else None
+    if details is not None and r.error is not None:
+        details["error"] = {"type": r.error["type"], "code": r.error["code"]}
     return {
         "id": r.id,
         "object": "realtime.response",

@@ -233,8 +233,8 @@ class ServerEvents:
                 r.writing[1]["arguments"] += frame.delta
                 await self.send("response.function_call_arguments.delta", **r.writing[0], delta=frame.delta)
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
-            err = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
-            await self.send("error", error=err)
+            r.error = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
+            await self.send("error", error={**r.error, "event_id": r.event_id})
             await self._finish(r, "failed", "error")
         elif isinstance(frame, LLMDone):
             r.text, r.cut = frame.text, frame.cut
@@ -318,6 +318,7 @@ class ServerEvents:
             conversation_id=None if frame.out_of_band else self.conversation_id,
             metadata=frame.metadata,
             audio_format=frame.audio_format or self.config.output_audio_format,
+            event_id=frame.event_id,
         )
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio

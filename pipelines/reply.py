@@ -184,6 +184,7 @@ class LLM(Processor):
             req.audio_format,
             calls=names is not None,
             request=req.number,
+            event_id=req.event_id,
         )
         final, error, mapped = None, None, None
         whole = False  # it ran to its end

@@ -965,16 +965,26 @@ def test_a_response_cancelled_before_it_started_ends_cancelled(server: dict[str,
 
 
 def test_a_user_item_too_long_for_the_context_is_refused_not_dropped(server: dict[str, Any]) -> None:
+    """The reply fails: an error naming the response.create, and a failed response.done that
+    says why (OpenAI's status_details.error)."""
+
     async def go() -> None:
         async with websockets.connect(server["url"], max_size=None) as ws:
             c = Client(ws)
             await text_session(c, 8)
             await c.send("conversation.item.create", item=user_item("hello " * 12_000))  # > 8k tokens
-            await c.send("response.create")
+            await c.send("response.create", event_id="evt_long")
             err = await c.until("error")
             assert err["error"]["code"] == "context_length_exceeded"
             assert err["error"]["type"] == "invalid_request_error"
-            assert (await c.until("response.done"))["response"]["status"] == "failed"
+            assert err["error"]["event_id"] == "evt_long"
+            done = (await c.until("response.done"))["response"]
+            assert done["status"] == "failed"
+            assert done["status_details"] == {
+                "type": "failed",
+                "reason": "error",
+                "error": {"type": "invalid_request_error", "code": "context_length_exceeded"},
+            }
 
     run(go())
 
