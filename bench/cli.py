@@ -10,7 +10,20 @@ import sys
 # ``mmserve bench NAME ...``: the module whose ``main(argv)`` parses the rest of the line.
 OWN_PARSERS = {
     name: f"bench.{name}"
-    for name in ("diffusion", "embed", "tts", "jobs", "cp", "cluster", "asr", "voice", "step", "threads", "attention")
+    for name in (
+        "diffusion",
+        "embed",
+        "tts",
+        "jobs",
+        "cp",
+        "cluster",
+        "asr",
+        "voice",
+        "noise",
+        "step",
+        "threads",
+        "attention",
+    )
 }
 
 
@@ -35,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("asr", help="speech-to-text throughput: engine vs transformers pipeline (see asr --help)")
     sub.add_parser("voice", help="voice-to-voice latency on /v1/realtime, 1 and 4 sessions (see voice --help)")
+    sub.add_parser("noise", help="turn detection and ASR in noise, with and without noise reduction (see noise --help)")
     sub.add_parser("step", help="engine step time A/B: prepacked vs plain oneDNN weights (see step --help)")
     sub.add_parser("threads", help="engine decode step time on the main thread vs a worker thread (see threads --help)")
     both = sub.add_parser("all", help="offline, then online --launch mmserve,vllm (same workload flags)")

@@ -155,6 +155,7 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         c = self.config
         td = c.turn_detection
         self.vad_config.server_vad = td is not None
+        self.vad_config.noise_reduction = (c.input_audio_noise_reduction or {}).get("type")
         self.fill_known = td is None and (self.fill_known or self.appended_ms == 0)
         eagerness = EAGERNESS[td["eagerness"]] if td is not None and td["type"] == "semantic_vad" else None
         self.vad_config.semantic = eagerness is not None

@@ -94,6 +94,8 @@ class SessionConfig:
     tool_choice: str = "auto"
     # [LOGPROBS]: the transcription events carry the transcript's token logprobs.
     include: list[str] | None = None
+    # {"type": "near_field" | "far_field"}: turn detection hears the input noise-suppressed.
+    input_audio_noise_reduction: dict[str, str] | None = None
 
     def to_dict(self, session_id: str) -> dict[str, Any]:
         return {
@@ -113,6 +115,7 @@ class SessionConfig:
             "temperature": self.temperature,
             "max_response_output_tokens": self.max_response_output_tokens,
             "include": self.include,
+            "input_audio_noise_reduction": self.input_audio_noise_reduction,
         }
 
     def update(self, patch: Any) -> None:
@@ -123,7 +126,9 @@ class SessionConfig:
         if "model" in patch and not isinstance(patch["model"], str):  # (a session keeps its model)
             raise EventError("model must be a string", param="session.model")
         if "input_audio_noise_reduction" in patch:
-            check_noise_reduction(patch["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
+            value = patch["input_audio_noise_reduction"]
+            check_noise_reduction(value, "session.input_audio_noise_reduction")
+            new["input_audio_noise_reduction"] = None if value is None else {"type": value["type"]}
         if "modalities" in patch:  # (audio comes with its transcript: ["audio"] alone is no choice)
             audio = wants_audio(patch["modalities"], False, "session.modalities")
             new["modalities"] = ["text", "audio"] if audio else ["text"]
@@ -338,8 +343,7 @@ NOISE_REDUCTION_TYPES = ("near_field", "far_field")
 
 
 def check_noise_reduction(value: Any, param: str) -> None:
-    """Null or ``{"type": "near_field" | "far_field"}``. Accepted, not applied: the session
-    object says null."""
+    """Null or ``{"type": "near_field" | "far_field"}``."""
     if value is not None and (
         not isinstance(value, dict) or set(value) != {"type"} or value["type"] not in NOISE_REDUCTION_TYPES
     ):

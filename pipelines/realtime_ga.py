@@ -179,7 +179,7 @@ def session_object(beta: dict[str, Any]) -> dict[str, Any]:
                 "format": dict(FORMATS[beta["input_audio_format"]].ga),
                 "transcription": beta["input_audio_transcription"],
                 "turn_detection": beta["turn_detection"],
-                "noise_reduction": None,
+                "noise_reduction": beta["input_audio_noise_reduction"],
             },
             "output": {
                 "format": dict(FORMATS[beta["output_audio_format"]].ga),

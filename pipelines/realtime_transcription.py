@@ -30,8 +30,7 @@ REFUSED = frozenset(("response.create", "response.cancel", "conversation.item.cr
 
 
 def beta_patch(session: Any) -> dict[str, Any]:
-    """The ``SessionConfig`` patch of a ``transcription_session.update``'s ``session``. Noise
-    reduction is accepted and not applied (the session object says ``null``)."""
+    """The ``SessionConfig`` patch of a ``transcription_session.update``'s ``session``."""
     if not isinstance(session, dict):
         raise EventError("session must be an object", param="session")
     unknown = sorted(set(session) - FIELDS - {"modalities"})
@@ -45,7 +44,7 @@ def beta_patch(session: Any) -> dict[str, Any]:
     for key in ("create_response", "interrupt_response"):
         if isinstance(td, dict) and td.get(key):
             raise EventError("a transcription session makes no responses", param=f"session.turn_detection.{key}")
-    return {k: v for k, v in session.items() if k in FIELDS - {"input_audio_noise_reduction"}}
+    return {k: v for k, v in session.items() if k in FIELDS}
 
 
 def ga_patch(session: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +75,7 @@ def beta_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
         "input_audio_format": config.input_audio_format,
         "input_audio_transcription": config.input_audio_transcription,
         "turn_detection": _shown(config.turn_detection),
-        "input_audio_noise_reduction": None,
+        "input_audio_noise_reduction": config.input_audio_noise_reduction,
         "include": config.include,
     }
 
@@ -92,7 +91,7 @@ def ga_object(config: SessionConfig, session_id: str) -> dict[str, Any]:
                 "format": dict(FORMATS[config.input_audio_format].ga),
                 "transcription": config.input_audio_transcription,
                 "turn_detection": _shown(config.turn_detection),
-                "noise_reduction": None,
+                "noise_reduction": config.input_audio_noise_reduction,
             }
         },
         "include": config.include,

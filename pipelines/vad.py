@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 
 from modalities.audio import ASR_RATE
-from modalities.vad import VadParams, VadStream, make_classifier
+from modalities.vad import NOISE_SUPPRESSION, NoiseSuppressor, VadParams, VadStream, make_classifier
 
 
 @dataclass
@@ -35,6 +35,9 @@ class VADConfig:
     eager_ms: int = 60
     backend: Literal["webrtc", "silero"] = "webrtc"
     floor_dbfs: float = -50.0  # quieter frames are not speech (modalities.vad.VadParams)
+    # "near_field" | "far_field": the detector hears the audio noise-suppressed (the session's
+    # noise_reduction; modalities.vad.NoiseSuppressor); the utterances keep the original audio.
+    noise_reduction: str | None = None
     # semantic_vad: a pause judged to end the user's turn (``pipelines.turns``: the LLM finds the
     # end of the user's message likely there) ends it once silent ``complete_ms``; any other
     # waits ``silence_duration_ms`` (then the eagerness's longest wait).
@@ -74,6 +77,7 @@ class VADSegmenter:
         self.paused_key: int | None = None  # the key of the pause reported, while no speech followed
         self.judged_key: int | None = None  # the key of a pause judged to end its turn (semantic)
         self.origin = 0  # input sample of the stream's time 0
+        self.denoiser: NoiseSuppressor | None = None
 
     def _vad(self) -> VadStream | None:
         """The detector, made at the first chunk after ``take`` (before ``pos`` counts that
@@ -139,7 +143,7 @@ class VADSegmenter:
         if vad is None:
             return []
         out = []
-        for ev in vad.push(samples):
+        for ev in vad.push(self._heard(samples)):
             key = self.origin + round(ev.time * ASR_RATE)
             at = min(self.pos, max(self.buf_start, key))
             if ev.kind == "speech_started":
@@ -157,8 +161,20 @@ class VADSegmenter:
                 self._keep_from(self.buf_start + self.size - keep)
         return out
 
+    def _heard(self, samples: np.ndarray) -> np.ndarray:
+        """What the detector hears of a chunk: the chunk, or its noise-suppressed frames."""
+        level = NOISE_SUPPRESSION.get(self.config.noise_reduction or "")
+        if level is None:
+            held, self.denoiser = self.denoiser, None
+            return samples if held is None else np.concatenate([held.rest, samples])  # (none lost)
+        if self.denoiser is None or self.denoiser.level != level:
+            self.denoiser = NoiseSuppressor(level)
+        return self.denoiser(samples)
+
     def take(self) -> tuple[np.ndarray, int, int]:
         """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
+        if self.denoiser is not None:
+            self.denoiser.drop_rest()  # (its stream starts at the next chunk)
         audio, start = self.buf, self.buf_start
         self.chunks, self.size, self.buf_start = [], 0, self.pos
         self.stream = None  # a fresh detector after a commit or a clear

@@ -516,6 +516,35 @@ def test_vad_segmenter_pause_then_stop_on_real_speech() -> None:
     assert stop.samples[: last_pause.samples.size].tolist() == last_pause.samples.tolist()
 
 
+def _in_noise(audio: np.ndarray, snr_db: float, lead_s: float, seed: int = 0) -> np.ndarray:
+    """``audio`` after ``lead_s`` of silence, in white noise ``snr_db`` below its speech."""
+    audio = np.concatenate([np.zeros(round(lead_s * 16_000), np.float32), audio])
+    noise = np.random.default_rng(seed).standard_normal(audio.size).astype(np.float32)
+    voiced = audio[np.abs(audio) > 0.01]
+    return audio + noise * np.sqrt(np.mean(voiced**2) / 10 ** (snr_db / 10) / np.mean(noise**2))
+
+
+def test_noise_reduction_lets_a_turn_end_in_noise_and_keeps_the_original_audio() -> None:
+    """White noise at 10 dB SNR: webrtcvad takes it for speech, so the turn never ends; with the
+    session's noise reduction the detector hears the noise suppressed (once it has heard some
+    noise alone) and ends the turn after the speech, and the utterance is the original audio."""
+    from pipelines.vad import VADConfig, VADSegmenter
+
+    clean = _spoken("What is the capital of France?")  # (speech from 0.5 s)
+    audio = _in_noise(clean, 10, 1.5)
+    end_ms = 1500 + (np.flatnonzero(np.abs(clean) > 0.01)[-1] + 1) // 16  # where the speech ends
+
+    def events(reduction: str | None) -> list[Any]:
+        seg = VADSegmenter(VADConfig(silence_duration_ms=500, noise_reduction=reduction))
+        return [ev for i in range(0, audio.size, 640) for ev in seg.feed(audio[i : i + 640])]
+
+    assert [e.kind for e in events(None) if e.kind in ("start", "stop")] == ["start"]  # (at 0 ms: the noise)
+    for reduction in ("near_field", "far_field"):
+        start, stop = (e for e in events(reduction) if e.kind in ("start", "stop"))
+        assert 1500 <= start.ms <= 2000 <= end_ms < stop.ms <= end_ms + 800, (start.ms, end_ms, stop.ms)
+        assert np.array_equal(stop.samples, audio[start.ms * 16 : stop.ms * 16])  # (not the suppressed audio)
+
+
 def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     from engine.foreground import INTERACTIVE
     from pipelines.frames import UserAudio

@@ -1833,7 +1833,13 @@ def test_ga_audio_objects_are_objects_of_known_fields() -> None:
     with pytest.raises(EventError) as beta_name:
         ga_patch({"type": "transcription", "audio": {"input": {"input_audio_transcription": {"language": "en"}}}})
     assert beta_name.value.param == "session.audio.input.input_audio_transcription"
-    assert ga_patch({"type": "transcription", "audio": {"input": {"noise_reduction": None}}}) == {}
+    near = {"type": "near_field"}
+    assert ga_patch({"type": "transcription", "audio": {"input": {"noise_reduction": None}}}) == {
+        "input_audio_noise_reduction": None
+    }
+    assert ga_patch({"type": "transcription", "audio": {"input": {"noise_reduction": near}}}) == {
+        "input_audio_noise_reduction": near
+    }
 
 
 def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:

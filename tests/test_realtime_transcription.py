@@ -173,3 +173,40 @@ def test_a_committed_buffer_of_silence_is_heard_as_nothing(asr_server: dict[str,
 
     silence, question = asyncio.run(go())
     assert silence == "" and _heard(question)
+
+
+def test_noise_reduction_ends_a_turn_spoken_in_noise(asr_server: dict[str, Any]) -> None:
+    """The question in white noise (10 dB below it, from 1.5 s before it to the end): with
+    ``noise_reduction`` near_field the turn ends once the question does, and is heard (without
+    it webrtcvad takes the noise for speech: tests/test_pipeline_core.py). Both dialects show it."""
+    from modalities.audio import to_pcm16
+
+    question = np.frombuffer(asr_server["question"], "<i2").astype(np.float32) / 32768
+    audio = np.concatenate([np.zeros(RATE * 3 // 2, np.float32), question])
+    voiced = np.flatnonzero(np.abs(audio) > 0.01)
+    noise = np.random.default_rng(0).standard_normal(audio.size).astype(np.float32)
+    noisy = to_pcm16(audio + noise * np.sqrt(np.mean(audio[voiced] ** 2) / 10 / np.mean(noise**2)))
+    near = {"type": "near_field"}
+
+    async def go() -> Client:
+        url = asr_server["url"] + "?intent=transcription"
+        async with websockets.connect(url, additional_headers=BETA, max_size=None) as ws:
+            c = Client(ws)
+            await c.until("transcription_session.created")
+            await c.send(
+                "session.update", session={"type": "transcription", "audio": {"input": {"noise_reduction": near}}}
+            )
+            assert (await c.until("session.updated"))["session"]["audio"]["input"]["noise_reduction"] == near
+            await c.send("transcription_session.update", session={"input_audio_noise_reduction": near})
+            assert (await c.until("transcription_session.updated"))["session"]["input_audio_noise_reduction"] == near
+            await c.stream(noisy)
+            await c.until("conversation.item.input_audio_transcription.completed", timeout=30)
+            return c
+
+    c = asyncio.run(go())
+    (started,) = (e["audio_start_ms"] for e in c.events if e["type"] == "input_audio_buffer.speech_started")
+    (stopped,) = (e["audio_end_ms"] for e in c.events if e["type"] == "input_audio_buffer.speech_stopped")
+    onset_ms, end_ms = voiced[0] * 1000 // RATE, (voiced[-1] + 1) * 1000 // RATE
+    assert onset_ms - 400 <= started <= onset_ms and end_ms < stopped <= end_ms + 800, (started, stopped)
+    # (tiny.en in this much noise: a word may go amiss when the speculative transcript's batch differs)
+    assert "capital" in c.events[-1]["transcript"].lower()
