@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from pipelines.frames import End, ErrorFrame, Frame, Interrupt, SystemFrame
 
@@ -126,7 +126,7 @@ class Pipeline(Processor):
             out.extend([f async for f in self.process(frame) if not isinstance(f, End)])
         return out
 
-    def stream(self, source: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+    def stream(self, source: AsyncIterator[Frame]) -> AsyncGenerator[Frame, None]:
         """Run the stages concurrently over ``source``; yields the output frames (``End`` last)."""
         return _Concurrent(self.stages).run(source)
 
@@ -217,7 +217,7 @@ class _Concurrent:
             self._emit(-1, ErrorFrame(f"{type(exc).__name__}: {exc}", stage="source"))
         self._emit(-1, End())
 
-    async def run(self, source: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+    async def run(self, source: AsyncIterator[Frame]) -> AsyncGenerator[Frame, None]:
         tasks = [asyncio.create_task(self._run_stage(i)) for i in range(len(self.stages))]
         tasks.append(asyncio.create_task(self._feed(source)))
         try:

@@ -229,8 +229,11 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
 
     async def _write(self) -> None:
         try:
-            async for frame in self.pipeline.stream(self._source()):
-                await self._on_frame(frame)
+            # (closed at once when the client goes: the pipeline's stages and engine requests stop
+            # then, not whenever the generator is collected)
+            async with contextlib.aclosing(self.pipeline.stream(self._source())) as frames:
+                async for frame in frames:
+                    await self._on_frame(frame)
         except (WebSocketDisconnect, RuntimeError):
             pass  # client gone
         except Exception as exc:  # a bug here must end the session visibly, not hang it
