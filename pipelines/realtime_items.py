@@ -144,9 +144,9 @@ class Reply:
 
 
 def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
-    details = {"type": status, "reason": reason} if reason else None
-    if details is not None and r.error is not None:
-        details["error"] = {"type": r.error["type"], "code": r.error["code"]}
+    details: dict[str, Any] | None = {"type": status, "reason": reason} if reason else None
+    if status == "failed":  # (OpenAI's: no reason, the error's type and code)
+        details = {"type": status, "error": None if r.error is None else {k: r.error[k] for k in ("type", "code")}}
     return {
         "id": r.id,
         "object": "realtime.response",

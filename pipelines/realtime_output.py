@@ -235,7 +235,7 @@ class ServerEvents:
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
             r.error = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
             await self.send("error", error={**r.error, "event_id": r.event_id})
-            await self._finish(r, "failed", "error")
+            await self._finish(r, "failed")
         elif isinstance(frame, LLMDone):
             r.text, r.cut = frame.text, frame.cut
             cached = frame.cached_tokens

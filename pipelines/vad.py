@@ -89,6 +89,8 @@ class VADSegmenter:
         if self.stream is None:
             self.stream = VadStream(make_classifier(c.backend), VadParams())
             self.origin = self.pos
+            if self.denoiser is not None:
+                self.denoiser.drop_rest()  # (audio from before the new detector's time 0)
         p = self.stream.params
         p.threshold, p.min_speech_ms = c.threshold, c.min_speech_ms
         p.min_silence_ms, p.pad_ms, p.floor_dbfs = c.silence_duration_ms, c.prefix_padding_ms, c.floor_dbfs
@@ -162,19 +164,22 @@ class VADSegmenter:
         return out
 
     def _heard(self, samples: np.ndarray) -> np.ndarray:
-        """What the detector hears of a chunk: the chunk, or its noise-suppressed frames."""
+        """What the detector hears of a chunk: the chunk, or its noise-suppressed frames (the
+        suppressor's ~6 ms delay puts its events that much late: well inside the padding).
+        Switching the suppression on, off or to another level loses no sample of the stream."""
         level = NOISE_SUPPRESSION.get(self.config.noise_reduction or "")
+        held = self.denoiser
         if level is None:
-            held, self.denoiser = self.denoiser, None
-            return samples if held is None else np.concatenate([held.rest, samples])  # (none lost)
-        if self.denoiser is None or self.denoiser.level != level:
+            self.denoiser = None
+            return samples if held is None else np.concatenate([held.rest, samples])
+        if held is None or held.level != level:
             self.denoiser = NoiseSuppressor(level)
+            if held is not None:
+                self.denoiser.rest = held.rest
         return self.denoiser(samples)
 
     def take(self) -> tuple[np.ndarray, int, int]:
         """The buffered audio (commit or clear) as ``(samples, start_ms, end_ms)``; resets the turn."""
-        if self.denoiser is not None:
-            self.denoiser.drop_rest()  # (its stream starts at the next chunk)
         audio, start = self.buf, self.buf_start
         self.chunks, self.size, self.buf_start = [], 0, self.pos
         self.stream = None  # a fresh detector after a commit or a clear

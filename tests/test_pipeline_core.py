@@ -545,6 +545,28 @@ def test_noise_reduction_lets_a_turn_end_in_noise_and_keeps_the_original_audio()
         assert np.array_equal(stop.samples, audio[start.ms * 16 : stop.ms * 16])  # (not the suppressed audio)
 
 
+def test_noise_reduction_switched_on_off_or_over_loses_no_sample_of_the_detectors_stream() -> None:
+    """The detector hears every sample since its time 0, once: through a level switch, turning
+    the suppression on and off, a commit, and turn detection off and on again."""
+    from pipelines.vad import VADConfig, VADSegmenter
+
+    config = VADConfig(noise_reduction="near_field")
+    seg = VADSegmenter(config)
+    audio = _in_noise(_spoken("Hello there."), 10, 0.5)
+    steps = {3: ("noise_reduction", "far_field"), 6: ("noise_reduction", None), 9: ("noise_reduction", "near_field")}
+    steps |= {12: ("server_vad", False), 14: ("server_vad", True)}
+    for k, at in enumerate(range(0, 20 * 371, 371)):  # (chunks that are no multiple of a frame)
+        if k in steps:
+            setattr(config, *steps[k])
+        if k == 17:
+            seg.take()
+        seg.feed(audio[at : at + 371])
+        if seg.stream is not None:
+            held = 0 if seg.denoiser is None else seg.denoiser.rest.size
+            heard = seg.stream._frames * seg.stream.classifier.frame_samples + seg.stream._buf.size + held
+            assert seg.pos - seg.origin == heard, k
+
+
 def test_asr_reuses_the_early_transcript_only_for_the_same_turn() -> None:
     from engine.foreground import INTERACTIVE
     from pipelines.frames import UserAudio
@@ -1274,7 +1296,7 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
     with pytest.raises(EventError) as misplaced:
         session_patch({"type": "realtime", "audio": {"voice": "alloy"}})
     assert misplaced.value.param == "session.audio.voice"
-    # The GA session object a client got back is a valid update (noise_reduction: taken, unused).
+    # The GA session object a client got back is a valid update.
     echoed = session_object(SessionConfig("smollm2").to_dict("sess_1"))
     assert session_patch(echoed)["input_audio_format"] == "pcm16"
     item = {"id": "i1", "role": "assistant", "status": "completed", "content": [{"type": "audio", "transcript": "Hi"}]}

@@ -982,7 +982,6 @@ def test_a_user_item_too_long_for_the_context_is_refused_not_dropped(server: dic
             assert done["status"] == "failed"
             assert done["status_details"] == {
                 "type": "failed",
-                "reason": "error",
                 "error": {"type": "invalid_request_error", "code": "context_length_exceeded"},
             }
 
@@ -1879,8 +1878,8 @@ def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
         ga_only = {"type": "realtime", "tracing": None, "truncation": "auto", "parallel_tool_calls": True}
         await s._handle(json.dumps({"type": "session.update", "session": ga_only}))
         assert sent[-1]["type"] == "session.updated"
-        # Fields read but not used still have their shape: a model is a string, noise reduction
-        # null or {"type": "near_field" | "far_field"}.
+        # A model is a string; noise reduction null or {"type": "near_field" | "far_field"} (the
+        # last one, valid, is shown and applied).
         near = {"input": {"noise_reduction": {"type": "near_field"}}}
         for session, param in (
             ({"model": 5}, "session.model"),
@@ -1893,6 +1892,8 @@ def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
             assert (
                 got["type"] == ("error" if param else "session.updated") and got.get("error", {}).get("param") == param
             )
+        assert sent[-1]["session"]["audio"]["input"]["noise_reduction"] == {"type": "near_field"}
+        assert s.vad_config.noise_reduction == "near_field"
         beta = _stand_in(Services(), sent)
         await beta._handle(json.dumps({"type": "session.update", "session": {"input_audio_noise_reduction": "x"}}))
         assert sent[-1]["error"]["param"] == "session.input_audio_noise_reduction"
