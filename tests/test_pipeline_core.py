@@ -18,6 +18,7 @@ from pipelines.frames import (
     Heard,
     Interrupt,
     LLMDone,
+    ResponseRequest,
     SpeechStarted,
     TextDelta,
     Transcript,
@@ -141,7 +142,7 @@ def test_errors_become_error_frames_and_the_stage_keeps_going() -> None:
 
 def test_an_error_names_the_reply_its_work_was_for() -> None:
     """A stage failing on a reply's frame: the ErrorFrame names that reply (a realtime session
-    drops the errors of replies it already ended)."""
+    drops the errors of replies it already ended); on a client event's frame, that event."""
 
     class Fails(Processor):
         async def process(self, frame: Frame) -> AsyncIterator[Frame]:
@@ -150,10 +151,14 @@ def test_an_error_names_the_reply_its_work_was_for() -> None:
             yield frame
 
     async def run() -> list[Frame]:
-        return [f async for f in Pipeline([Fails()]).stream(_source([TextDelta("resp_3", "Hi."), Transcript("x")]))]
+        asked = ResponseRequest(event_id="evt_9")  # (a client's response.create)
+        frames = [TextDelta("resp_3", "Hi."), Transcript("x"), asked]
+        return [f async for f in Pipeline([Fails()]).stream(_source(frames))]
 
     out = asyncio.run(run())
-    assert [f.response_id for f in out if isinstance(f, ErrorFrame)] == ["resp_3", None]
+    errors = [f for f in out if isinstance(f, ErrorFrame)]
+    assert [f.response_id for f in errors] == ["resp_3", None, None]
+    assert [f.event_id for f in errors] == [None, None, "evt_9"]  # (the client event it failed on)
 
 
 def test_a_nested_pipeline_passes_interrupts_to_its_stages() -> None:
