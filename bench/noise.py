@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,7 @@ def _suppressed(audio: np.ndarray, reduction: str) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.report import print_table, save_result, versions_of
+    from bench.report import print_table, result_head, save_result
     from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
     from modalities.asr.speech_corpus import SENTENCES, corpus, word_error_rate
 
@@ -89,14 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         asyncio.run(engine.shutdown())
     print_table(rows, ["noise", "snr_db", "noise_reduction", "one_turn", "end_to_stop_ms", "asr_wer"])
-    result = {
-        "bench": "noise",
-        "command": "mmserve bench noise " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "noise"] else []),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "versions": versions_of(),
-        "cpus": os.cpu_count(),
-        "rows": rows,
-    }
+    result = {**result_head("noise", args), "rows": rows}
     if args.out:
         save_result(result, args.out)
     return result

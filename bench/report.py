@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,19 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print("-+-".join("-" * w for w in widths))
     for row in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)))
+
+
+def result_head(bench: str, args: Any) -> dict[str, Any]:
+    """The fields every ``mmserve bench NAME --out`` result starts with: its name, the command
+    line, its arguments, the versions and the CPU count."""
+    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", bench] else sys.argv[1:]
+    return {
+        "bench": bench,
+        "command": f"mmserve bench {bench} " + " ".join(argv),
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "versions": versions_of(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def save_result(obj: dict[str, Any], path: Path) -> Path:

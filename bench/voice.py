@@ -272,7 +272,7 @@ def _launch(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.report import percentiles, print_table, save_result, versions_of
+    from bench.report import percentiles, print_table, result_head, save_result
     from modalities.asr.speech_corpus import word_error_rate
     from modalities.audio import from_pcm16, resample
 
@@ -313,15 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if server is not None:
             server.stop()
     print_table(rows, ["sessions", "turns", "per turn", "p50", "p99", "mean"])
-    result = {
-        "bench": "voice",
-        "command": "mmserve bench voice "
-        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "voice"] else sys.argv[1:]),
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "versions": versions_of(),
-        "cpus": os.cpu_count(),
-        "levels": levels,
-    }
+    result = {**result_head("voice", args), "levels": levels}
     if args.out:
         save_result(result, args.out)
     return result
