@@ -15,6 +15,8 @@ last speech sample was sent):
 P50/P99 over all turns for each concurrency in ``--sessions`` (default 1 and 4 sessions at once).
 ``--transcription``: transcription sessions (``?intent=transcription``, no replies): the end of
 speech to the transcript, and the transcripts' word error rate against the questions.
+``--noise-snr``: white noise on everything the client sends (the speech and the silence between
+turns), with ``--noise-reduction`` the session's setting against it.
 The server is launched (``mmserve serve --only llm,asr,tts``) unless ``--url`` names one.
 Times are from the end of the speech in the clip, not from the server's commit, so the silence
 wait and any work done speculatively during it are all counted.
@@ -92,6 +94,18 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         default=0,
         help="meanwhile, this many clients upload a ~60 s recording to /v1/audio/transcriptions in a loop",
     )
+    ap.add_argument(
+        "--noise-snr",
+        type=float,
+        default=None,
+        help="white noise this many dB below each question's speech, on all the audio sent (between turns too)",
+    )
+    ap.add_argument(
+        "--noise-reduction",
+        choices=["near_field", "far_field"],
+        default=None,
+        help="the session's input_audio_noise_reduction (default: none)",
+    )
     ap.add_argument("--timeout", type=float, default=120.0, help="per-turn timeout (s)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
 
@@ -123,10 +137,17 @@ async def _mic(
     fmt = FORMATS[args.audio_format]
     step = fmt.rate * args.chunk_ms // 1000 * fmt.width
     silence = fmt.encode(np.zeros(step // fmt.width, np.float32))
+    noise_rms, rng = 0.0, np.random.default_rng(0)
+    if args.noise_snr is not None:
+        speech = fmt.decode(pcm)
+        noise_rms = float(np.sqrt(np.mean(speech[np.abs(speech) > 0.01] ** 2))) * 10 ** (-args.noise_snr / 20)
     t0 = time.monotonic()
     i = 0
     while not done.is_set():
         chunk = pcm[i * step : (i + 1) * step] if i * step < len(pcm) else silence
+        if noise_rms:
+            samples = fmt.decode(chunk)
+            chunk = fmt.encode(samples + rng.standard_normal(samples.size).astype(np.float32) * noise_rms)
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}))
         if "end" not in marks and (i + 1) * step >= end_s * fmt.rate * fmt.width:
             marks["end"] = time.monotonic()
@@ -151,6 +172,8 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
         session |= {"input_audio_format": fmt.name, "output_audio_format": fmt.name}
         if args.transcription:
             session = {"input_audio_format": fmt.name, "turn_detection": td}
+        if args.noise_reduction:
+            session["input_audio_noise_reduction"] = {"type": args.noise_reduction}
         kind = "transcription_session.update" if args.transcription else "session.update"
         await ws.send(json.dumps({"type": kind, "session": session}))
         for turn in range(turns):
@@ -162,6 +185,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             done = asyncio.Event()
 
             sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
+            timed_out = False
             try:
                 deadline = time.monotonic() + args.timeout
                 while True:
@@ -186,6 +210,8 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
                 # A listener speaks again once the reply has played (earlier would be a barge-in,
                 # which truncates the reply to what was heard).
                 await asyncio.sleep(0.0 if math.isnan(player.end) else max(0.0, player.end - time.monotonic()))
+            except TimeoutError:  # (e.g. a turn in noise the VAD never hears end: the session ends here)
+                timed_out = True
             finally:
                 done.set()
                 await sender
@@ -194,6 +220,9 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             results.append(
                 {**times, "stall": player.stall, "reply": "".join(reply), "heard": heard, "said": turn % len(clips)}
             )
+            if timed_out:
+                results[-1]["timed_out"] = True
+                break
     return results
 
 
@@ -299,6 +328,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stats = {k: percentiles([t[k] for t in turns if k in t], (50, 99)) for k in labels}
             wer = word_error_rate([t["said"] for t in turns], [t["heard"] for t in turns])
             print(f"{n} session(s): word error rate of the transcripts {wer:.1%}")
+            if late := sum(1 for t in turns if t.get("timed_out")):
+                print(
+                    f"{n} session(s): {late} turn(s) timed out after --timeout {args.timeout:g} s (their sessions ended)"
+                )
             levels[str(n)] = {"turns": turns, "stats": stats, "uploads": uploads, "wer": wer}
             for k, s in stats.items():
                 rows.append(
