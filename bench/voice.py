@@ -130,17 +130,21 @@ def synthesise(texts: list[str]) -> list[tuple[bytes, float]]:
 
 
 async def _mic(
-    ws: Any, pcm: bytes, end_s: float, marks: dict[str, float], done: asyncio.Event, args: argparse.Namespace
+    ws: Any,
+    pcm: bytes,
+    end_s: float,
+    marks: dict[str, float],
+    done: asyncio.Event,
+    args: argparse.Namespace,
+    noise: tuple[float, np.random.Generator] | None = None,
 ) -> None:
     """Send ``pcm`` (in ``args.audio_format``) then silence in ``chunk_ms`` pieces at ``pace`` x
-    real time until ``done``; ``marks["end"]`` is when the chunk holding the end of speech went out."""
+    real time until ``done``, all with white ``noise`` (its RMS and generator) if given;
+    ``marks["end"]`` is when the chunk holding the end of speech went out."""
     fmt = FORMATS[args.audio_format]
     step = fmt.rate * args.chunk_ms // 1000 * fmt.width
     silence = fmt.encode(np.zeros(step // fmt.width, np.float32))
-    noise_rms, rng = 0.0, np.random.default_rng(0)
-    if args.noise_snr is not None:
-        speech = fmt.decode(pcm)
-        noise_rms = float(np.sqrt(np.mean(speech[np.abs(speech) > 0.01] ** 2))) * 10 ** (-args.noise_snr / 20)
+    noise_rms, rng = noise or (0.0, np.random.default_rng())
     t0 = time.monotonic()
     i = 0
     while not done.is_set():
@@ -176,6 +180,12 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             session["input_audio_noise_reduction"] = {"type": args.noise_reduction}
         kind = "transcription_session.update" if args.transcription else "session.update"
         await ws.send(json.dumps({"type": kind, "session": session}))
+        # Steady noise, as a room's: one level for every question (a step up would sound like speech)
+        noise = None
+        if args.noise_snr is not None:
+            speech = np.concatenate([fmt.decode(pcm) for pcm, _ in clips])
+            rms = float(np.sqrt(np.mean(speech[np.abs(speech) > 0.01] ** 2)))
+            noise = (rms * 10 ** (-args.noise_snr / 20), np.random.default_rng(0))
         for turn in range(turns):
             pcm, end_s = clips[turn % len(clips)]
             marks: dict[str, float] = {}
@@ -184,7 +194,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
             player = Playback(args.pace)
             done = asyncio.Event()
 
-            sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args))
+            sender = asyncio.create_task(_mic(ws, pcm, end_s, marks, done, args, noise))
             timed_out = False
             try:
                 deadline = time.monotonic() + args.timeout
