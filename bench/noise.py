@@ -23,18 +23,6 @@ import numpy as np
 REDUCTIONS = (None, "near_field", "far_field")
 
 
-def _noisy(audio: np.ndarray, snr_db: float, kind: str, rng: np.random.Generator) -> np.ndarray:
-    if kind == "white":
-        noise = rng.standard_normal(audio.size).astype(np.float32)
-    else:
-        t = np.arange(audio.size) / 16_000
-        walk = np.cumsum(rng.standard_normal(audio.size)).astype(np.float32) * 0.02
-        noise = (np.sin(2 * np.pi * 60 * t) + 0.5 * np.sin(2 * np.pi * 120 * t)).astype(np.float32) + walk
-        noise -= noise.mean()
-    voiced = audio[np.abs(audio) > 0.01]
-    return audio + noise * np.sqrt(np.mean(voiced**2) / 10 ** (snr_db / 10) / np.mean(noise**2))
-
-
 def _turns(audio: np.ndarray, reduction: str | None, end_ms: int) -> float | None:
     """The end of the one turn the VAD hears, in ms after ``end_ms``; None unless it hears one."""
     from pipelines.vad import VADConfig, VADSegmenter
@@ -53,7 +41,7 @@ def _suppressed(audio: np.ndarray, reduction: str) -> np.ndarray:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.report import print_table, result_head, save_result
     from modalities.asr.engine import AsrConfig, AsrEngine, TranscriptionRequest
-    from modalities.asr.speech_corpus import SENTENCES, corpus, word_error_rate
+    from modalities.asr.speech_corpus import SENTENCES, corpus, in_noise, word_error_rate
 
     clips, refs = corpus("piper")[: args.clips], SENTENCES[: args.clips]
     lead, tail = np.zeros(round(args.lead_s * 16_000), np.float32), np.zeros(24_000, np.float32)
@@ -68,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for kind in args.noise.split(","):
             for snr in [float(s) for s in args.snr.split(",")]:
-                noisy = [_noisy(np.concatenate([lead, c, tail]), snr, kind, rng) for c in clips]
+                noisy = [in_noise(np.concatenate([lead, c, tail]), snr, rng, kind) for c in clips]
                 ends = [(lead.size + np.flatnonzero(np.abs(c) > 0.01)[-1] + 1) // 16 for c in clips]
                 for reduction in REDUCTIONS:
                     stops = [_turns(a, reduction, e) for a, e in zip(noisy, ends, strict=True)]

@@ -183,8 +183,9 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
         # Steady noise, as a room's: one level for every question (a step up would sound like speech)
         noise = None
         if args.noise_snr is not None:
-            speech = np.concatenate([fmt.decode(pcm) for pcm, _ in clips])
-            rms = float(np.sqrt(np.mean(speech[np.abs(speech) > 0.01] ** 2)))
+            from modalities.asr.speech_corpus import speech_rms
+
+            rms = speech_rms(np.concatenate([fmt.decode(pcm) for pcm, _ in clips]))
             noise = (rms * 10 ** (-args.noise_snr / 20), np.random.default_rng(0))
         for turn in range(turns):
             pcm, end_s = clips[turn % len(clips)]

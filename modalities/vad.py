@@ -118,7 +118,7 @@ class NoiseSuppressor:
         return np.frombuffer(out, "<i2").astype(np.float32) / 32768
 
     def drop_rest(self) -> None:
-        """Forget the part frame held back (its audio was taken; the next chunk starts afresh)."""
+        """Forget the part frame held back (a new detector's stream starts after it)."""
         self.rest = np.zeros(0, np.float32)
 
 

@@ -523,10 +523,10 @@ def test_vad_segmenter_pause_then_stop_on_real_speech() -> None:
 
 def _in_noise(audio: np.ndarray, snr_db: float, lead_s: float, seed: int = 0) -> np.ndarray:
     """``audio`` after ``lead_s`` of silence, in white noise ``snr_db`` below its speech."""
+    from modalities.asr.speech_corpus import in_noise
+
     audio = np.concatenate([np.zeros(round(lead_s * 16_000), np.float32), audio])
-    noise = np.random.default_rng(seed).standard_normal(audio.size).astype(np.float32)
-    voiced = audio[np.abs(audio) > 0.01]
-    return audio + noise * np.sqrt(np.mean(voiced**2) / 10 ** (snr_db / 10) / np.mean(noise**2))
+    return in_noise(audio, snr_db, np.random.default_rng(seed))
 
 
 def test_noise_reduction_lets_a_turn_end_in_noise_and_keeps_the_original_audio() -> None:

@@ -179,13 +179,13 @@ def test_noise_reduction_ends_a_turn_spoken_in_noise(asr_server: dict[str, Any])
     """The question in white noise (10 dB below it, from 1.5 s before it to the end): with
     ``noise_reduction`` near_field the turn ends once the question does, and is heard (without
     it webrtcvad takes the noise for speech: tests/test_pipeline_core.py). Both dialects show it."""
+    from modalities.asr.speech_corpus import in_noise
     from modalities.audio import to_pcm16
 
     question = np.frombuffer(asr_server["question"], "<i2").astype(np.float32) / 32768
     audio = np.concatenate([np.zeros(RATE * 3 // 2, np.float32), question])
     voiced = np.flatnonzero(np.abs(audio) > 0.01)
-    noise = np.random.default_rng(0).standard_normal(audio.size).astype(np.float32)
-    noisy = to_pcm16(audio + noise * np.sqrt(np.mean(audio[voiced] ** 2) / 10 / np.mean(noise**2)))
+    noisy = to_pcm16(in_noise(audio, 10, np.random.default_rng(0), rate=RATE))
     near = {"type": "near_field"}
 
     async def go() -> Client:

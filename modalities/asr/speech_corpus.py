@@ -57,6 +57,26 @@ def word_error_rate(refs: list[str], hyps: list[str]) -> float:
     return float(jiwer.wer([normalize_text(r) for r in refs], [normalize_text(h) for h in hyps]))
 
 
+def speech_rms(audio: np.ndarray) -> float:
+    """The RMS of ``audio``'s speech: its samples louder than 0.01 (the silence around is left out)."""
+    return float(np.sqrt(np.mean(audio[np.abs(audio) > 0.01] ** 2)))
+
+
+def in_noise(
+    audio: np.ndarray, snr_db: float, rng: np.random.Generator, kind: str = "white", rate: int = RATE
+) -> np.ndarray:
+    """``audio`` with noise ``snr_db`` below its speech (``speech_rms``) from its first sample to
+    its last: ``white`` (Gaussian) or ``hum`` (60 + 120 Hz and a random walk)."""
+    if kind == "white":
+        noise = rng.standard_normal(audio.size).astype(np.float32)
+    else:
+        t = np.arange(audio.size) / rate
+        walk = np.cumsum(rng.standard_normal(audio.size)).astype(np.float32) * 0.02
+        noise = (np.sin(2 * np.pi * 60 * t) + 0.5 * np.sin(2 * np.pi * 120 * t)).astype(np.float32) + walk
+        noise -= noise.mean()
+    return audio + noise * (speech_rms(audio) * 10 ** (-snr_db / 20) / np.sqrt(np.mean(noise**2)))
+
+
 def corpus_dir() -> Path:
     from engine.model_loader import cache_root
 
