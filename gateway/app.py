@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from engine.heap import freeze_startup_heap, record_pauses, take_pauses
 from engine.openmp import release_thread_team
 from gateway.auth import KeyCheckMiddleware, KeyStore, auth_dependency, keystore_from_args
 from gateway.drain import InFlight, InFlightMiddleware
@@ -27,6 +29,7 @@ from gateway.metrics import HTTPMetricsMiddleware, Metrics, engine_modality
 from gateway.ratelimit import MemoryRateLimiter, RateLimiter, limiter_from_args
 
 logger = logging.getLogger("mmserve.gateway")
+_GC_HELP = "the process's garbage collections since start-up, every thread stopped meanwhile (engine.heap)"
 
 
 def _stats(engine: Any) -> dict[str, Any]:
@@ -78,6 +81,9 @@ def _common_router() -> APIRouter:
         stats = {name: _stats(engine) for name, engine in state.engines.items()}
         modalities = {name: engine_modality(engine) for name, engine in state.engines.items()}
         state.metrics.set_gauge("http_inflight_requests", state.inflight.count, help="HTTP requests in progress")
+        for generation, seconds in take_pauses():
+            state.metrics.observe("gc_pause_seconds", seconds, help=_GC_HELP, generation=str(generation))
+        state.metrics.set_gauge("gc_frozen_objects", gc.get_freeze_count(), help="objects frozen at start-up")
         text = state.metrics.render(stats, modalities)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -127,6 +133,7 @@ def create_app(
     ratelimiter: RateLimiter | None = None,
     drain_timeout_s: float = 30.0,
     warm_ups: Sequence[Callable[[dict[str, Any]], Awaitable[Any]]] = (),
+    freeze_heap: bool = False,
 ) -> FastAPI:
     """An app serving ``engines`` (served model name -> ``AsyncEngine``).
 
@@ -146,6 +153,8 @@ def create_app(
     ``routers`` are the modality routers to mount under the auth dependency (default: every
     modality plugin's router). The lifespan calls ``start()`` on every engine, then each of
     ``warm_ups`` with the engines (before ``/ready`` turns ready), and ``shutdown()`` on exit.
+    ``freeze_heap``: once warmed, the process's objects are frozen out of the garbage collector's
+    full collections (``engine.heap``; for a server process, not one that builds many apps).
     """
     if routers is None:
         from gateway.plugins import body_limits as plugin_body_limits
@@ -169,6 +178,8 @@ def create_app(
                 except Exception:  # noqa: BLE001 - only the first requests lose: serve them cold
                     logger.exception("start-up warm-up failed")
             release_thread_team()  # loading's OpenMP team: the engines' threads compute from here
+            if freeze_heap:
+                logger.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
             app.state.ready = True
             yield
         finally:
@@ -189,6 +200,7 @@ def create_app(
                         logger.exception("engine shutdown failed")
             await app.state.ratelimiter.aclose()
 
+    record_pauses()
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     app.state.engines = dict(engines)
     app.state.aliases = dict(aliases or {})
@@ -219,9 +231,10 @@ def create_app(
     return app
 
 
-def build_app(args: Any) -> FastAPI:
+def build_app(args: Any, freeze_heap: bool = False) -> FastAPI:
     """The app for ``mmserve serve``: every enabled modality's plugin builds its engines from
-    ``args`` (``args.only`` restricts the modalities) and mounts its router."""
+    ``args`` (``args.only`` restricts the modalities) and mounts its router. ``freeze_heap``:
+    ``create_app``'s."""
     from gateway import plugins
 
     cluster = None
@@ -244,6 +257,7 @@ def build_app(args: Any) -> FastAPI:
         drain_timeout_s=getattr(args, "drain_timeout", 30.0),
         # Engines in worker processes (celery dispatch) are not warmed from here.
         warm_ups=[] if cluster is not None or getattr(args, "no_warmup", False) else plugins.warm_ups(),
+        freeze_heap=freeze_heap,
     )
     app.state.cluster = cluster  # /ready reports its workers
     app.state.args = args  # services without engines (workers.jobs) read their options from it

@@ -29,7 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Before the engines load, so their start-up records (kernels, GGUF blocks) are kept too.
     configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
     try:
-        app = build_app(args)
+        app = build_app(args, freeze_heap=True)  # a server process: start-up's objects live on
     except (ValueError, FileNotFoundError) as exc:  # a bad model or option: say which, no traceback
         logging.getLogger("mmserve.gateway").debug("start-up failed", exc_info=True)
         print(f"mmserve serve: error: {exc}", file=sys.stderr)

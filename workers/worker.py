@@ -21,6 +21,7 @@ import uuid
 
 from celery import signals
 
+from engine.heap import freeze_startup_heap
 from workers.celery_app import DEFAULT_PREFIX, make_celery, modality_queue, worker_queue
 
 logger = logging.getLogger("mmserve.worker")
@@ -82,6 +83,7 @@ def run_worker(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
     )
     rt.start()
+    freeze_startup_heap()  # engine.heap: full collections skip the loaded models' objects
     logger.info("worker %s serving %s", worker_id, ", ".join(built.engines))
     app = make_celery(args.redis_url)
 
