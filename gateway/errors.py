@@ -37,6 +37,10 @@ _TYPES = {
 }
 
 
+class ClientDisconnected(Exception):
+    """The HTTP client went away; its work was aborted (answered ``disconnected_response``)."""
+
+
 class APIError(Exception):
     """An error to send to the client as OpenAI error JSON."""
 
@@ -253,12 +257,21 @@ def validation_error(request: Request, exc: RequestValidationError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if first.get("type") != "missing" else None)
 
 
+def disconnected_response() -> JSONResponse:
+    """What a request whose client left is logged as answering (nobody reads it)."""
+    return APIError(499, "client closed the request", type="client_closed_request").response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that render every error as OpenAI JSON."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> JSONResponse:
+        return disconnected_response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -17,24 +17,20 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
-from gateway.errors import APIError, error_body, from_engine_error
+from gateway.errors import ClientDisconnected, error_body, from_engine_error
+from gateway.ratelimit import charge
 
 T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 logger = logging.getLogger("mmserve.gateway")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away; the generation was aborted."""
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.2) -> T:
@@ -49,9 +45,17 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
     raise AssertionError("the work yielded nothing")
 
 
-def disconnected_response() -> JSONResponse:
-    """What a request whose client left is logged as answering (nobody reads it)."""
-    return APIError(499, "client closed the request", type="client_closed_request").response()
+async def charged(request: Request, unit: str, amount: float, work: Callable[[], Awaitable[T]]) -> T:
+    """``await work()`` with ``amount`` of ``unit`` taken from the tenant's budget first
+    (``gateway.ratelimit.charge``: a 429 before it starts), cancelled as soon as the client goes
+    away (``unless_disconnected``: ``ClientDisconnected``, answered 499). The charge is given
+    back when the work fails, is cancelled, or its client leaves."""
+    ch = await charge(request, unit, amount)
+    try:
+        return await unless_disconnected(request, work())
+    except BaseException:
+        await ch.refund()
+        raise
 
 
 def sse(data: dict[str, Any]) -> str:

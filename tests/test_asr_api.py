@@ -266,3 +266,52 @@ def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
     assert 400 <= r.status_code < 500 and "error" in r.json()
     r = httpx.post(url, files={"file": ("a.wav", io.BytesIO(wav))}, timeout=60)  # no key
     assert r.status_code == 401
+
+
+def test_a_client_that_leaves_aborts_the_decode(
+    server: tuple[str, AsrEngine], two_sentences: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone from a non-streamed transcription stops its decode: the decoder is held
+    after its first step until the server has had time to see the client leave (it polls every
+    0.2 s), then must stop instead of decoding every window to the end (before, a 2-minute
+    upload whose client left after 1 s kept the decoder busy to its last token, logged a 200)."""
+    import threading
+    import time
+
+    url, asr = server
+    llm = asr.engine.engine
+    real_step, release, steps = llm.step, threading.Event(), [0]
+
+    def held_step() -> list[object]:
+        steps[0] += 1
+        if steps[0] > 1:
+            release.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", held_step)
+    audio = np.tile(two_sentences, int(60 * RATE / two_sentences.size) + 1)  # ~60 s: several windows
+    data = encode_audio(audio, RATE, "ogg")
+    tokens_before = llm.stats()["generation_tokens_total"]
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{url}/v1/audio/transcriptions",
+                files={"file": ("long.ogg", data)},
+                data={"model": "whisper-1"},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=httpx.Timeout(60, read=1.0),
+            )
+        deadline = time.monotonic() + 10
+        while steps[0] < 2 and time.monotonic() < deadline:  # decoding: held at its second step
+            time.sleep(0.05)
+        time.sleep(1.0)  # the server sees the client gone and aborts the windows' requests
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while llm.stats()["num_running"] + llm.stats()["num_waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.stats()["num_running"] + llm.stats()["num_waiting"] == 0
+    # a few steps' tokens for the windows in flight, not every window's transcript (~150 each)
+    assert llm.stats()["generation_tokens_total"] - tokens_before < 40
+    metrics = httpx.get(f"{url}/metrics").text
+    assert re.search(r'mmserve_http_requests_total\{[^}]*path="/v1/audio/transcriptions"[^}]*status="499"\} 1', metrics)

@@ -188,3 +188,47 @@ def test_job_models_resolve_like_the_routes(server: Server) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert job["status"] == "succeeded", job
+
+
+def test_a_client_that_leaves_stops_the_generation(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client gone from an image request stops its denoising loop at the next step: the loop
+    is held at its second step until the server has had time to see the client leave (it polls
+    every 0.2 s); released, it must stop there (before, it ran every step and made the image)."""
+    import threading
+
+    engine = server.engines[IMAGE]
+    real_generate, release, steps = engine.model.generate, threading.Event(), [0]
+
+    def held_generate(shape: Any, items: Any, on_step: Any) -> Any:
+        def step(i: int, latents: Any) -> None:
+            steps[0] += 1
+            if steps[0] == 2:
+                release.wait(30)
+            on_step(i, latents)
+
+        return real_generate(shape, items, step)
+
+    monkeypatch.setattr(engine.model, "generate", held_generate)
+    before = engine.stats()
+    body = {"model": IMAGE, "prompt": "a fox", "size": "64x64", "steps": 20}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{server.base_url}/v1/images/generations",
+                json=body,
+                headers=server.headers,
+                timeout=httpx.Timeout(60, read=1.0),
+            )
+        deadline = time.monotonic() + 10
+        while steps[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the server sees the client gone and cancels the request
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while engine.stats()["num_cancelled"] == before["num_cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = engine.stats()
+    assert after["num_cancelled"] == before["num_cancelled"] + 1
+    assert after["num_outputs"] == before["num_outputs"]
+    assert steps[0] == 2  # stopped at the held step, not after all 20

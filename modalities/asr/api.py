@@ -36,8 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.metrics import engine_modality
-from gateway.ratelimit import charge
-from gateway.streaming import SSE_HEADERS, error_event, sse
+from gateway.streaming import SSE_HEADERS, charged, error_event, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
 from modalities.asr.formats import (
     RESPONSE_FORMATS,
@@ -131,13 +130,12 @@ async def _read_audio(file: UploadFile, engine: Any) -> Any:
 
 
 async def _charged(request: Request, duration: float, bad_option: str, work: Callable[[], Awaitable[T]]) -> T:
-    """``work()`` charged ``duration`` audio seconds against the tenant (refunded when it fails);
-    a ``ValueError`` (what the model can't do) is a 400 naming ``bad_option``."""
-    ch = await charge(request, "audio_seconds", duration)  # the tenant's audio_seconds budget
+    """``work()`` charged ``duration`` audio seconds against the tenant (``gateway.streaming.
+    charged``: refunded when it fails, cancelled when the client leaves); a ``ValueError`` (what
+    the model can't do) is a 400 naming ``bad_option``."""
     try:
-        return await work()
+        return await charged(request, "audio_seconds", duration, work)
     except Exception as exc:
-        await ch.refund()
         raise _mapped(exc, bad_option if isinstance(exc, ValueError) else "file") from exc
 
 

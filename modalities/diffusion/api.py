@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from gateway.errors import APIError, from_engine_error, pick_engine
-from gateway.ratelimit import charge
+from gateway.streaming import charged
 from modalities.diffusion.protocol import ImageGenerationRequest, VideoGenerationRequest, parse_size
 
 router = APIRouter(tags=["diffusion"], strict_content_type=False)
@@ -88,20 +88,17 @@ def _map_engine_error(exc: Exception) -> Exception:
 
 
 async def _generate(request: Request, engine: Any, req: Any) -> Any:
-    """Validate (400 before compute), charge ``image_steps``, then run; engine errors become
-    OpenAI errors and give the charge back."""
+    """Validate (400 before compute), charge ``image_steps``, then run (``gateway.streaming.
+    charged``: cancelled when the client leaves); engine errors become OpenAI errors and give the
+    charge back."""
     try:
         cost = image_steps(engine, req)
     except Exception as exc:
         raise _map_engine_error(exc) from None
-    ch = await charge(request, "image_steps", cost)
     try:
-        return await engine.run(req)
-    except BaseException as exc:
-        await ch.refund()
-        if isinstance(exc, Exception):
-            raise _map_engine_error(exc) from None
-        raise
+        return await charged(request, "image_steps", cost, lambda: engine.run(req))
+    except Exception as exc:
+        raise _map_engine_error(exc) from None
 
 
 async def _store_file(request: Request, data: bytes, filename: str, content_type: str) -> str:

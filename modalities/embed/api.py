@@ -23,8 +23,7 @@ from fastapi.responses import JSONResponse
 from gateway.errors import APIError, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
-from gateway.ratelimit import charge
-from gateway.streaming import ClientDisconnected, disconnected_response, unless_disconnected
+from gateway.streaming import charged
 from modalities.embed.protocol import EmbeddingRequest
 
 if TYPE_CHECKING:  # the engine module imports torch; plugin loading must not
@@ -88,16 +87,14 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
     model, engine = resolve_embedding_engine(request, body.model)
     check_dimensions(body.dimensions, engine.dim)
     inputs = body.inputs()
-    ch = await charge(request, "embed_inputs", len(inputs))
-    try:
-        result = await unless_disconnected(request, engine.embed(inputs, truncate=body.truncation()))
-    except BaseException as exc:
-        await ch.refund()
-        if isinstance(exc, ClientDisconnected):  # its queued inputs are dropped
-            return disconnected_response()
-        if isinstance(exc, InputTooLongError):
-            raise APIError(400, str(exc), param="input", code="context_length_exceeded") from exc
-        mapped = from_engine_error(exc, param="input") if isinstance(exc, Exception) else None
+    try:  # (a client gone: its queued inputs are dropped)
+        result = await charged(
+            request, "embed_inputs", len(inputs), lambda: engine.embed(inputs, truncate=body.truncation())
+        )
+    except InputTooLongError as exc:
+        raise APIError(400, str(exc), param="input", code="context_length_exceeded") from exc
+    except Exception as exc:
+        mapped = from_engine_error(exc, param="input")
         if mapped is None:
             raise
         raise mapped from exc

@@ -20,8 +20,8 @@ from fastapi import APIRouter, Request, Response
 
 from engine.offload import run_sized
 from engine.outputs import CompletionOutput
-from gateway.errors import APIError
-from gateway.streaming import disconnected_response, sse
+from gateway.errors import APIError, disconnected_response
+from gateway.streaming import sse
 from modalities.llm.chat import render_chat, render_chat_text, tokenize_chat_text
 from modalities.llm.protocol import ChatCompletionRequest, CompletionRequest
 from modalities.llm.serving import (

@@ -26,11 +26,11 @@ from engine.errors import InvalidParamError, PromptTooLongError, check_token_ids
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.token_bound import check_length
-from gateway.errors import APIError, from_engine_error, pick_engine
+from gateway.errors import APIError, ClientDisconnected, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import Charge, charge
-from gateway.streaming import SSE_DONE, SSE_HEADERS, ClientDisconnected, MergedGeneration, sse
+from gateway.streaming import SSE_DONE, SSE_HEADERS, MergedGeneration, sse
 
 
 def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
