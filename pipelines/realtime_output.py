@@ -357,13 +357,14 @@ class ServerEvents:
     async def _close_message(self, r: Reply, status: str) -> None:
         where = self._where(r)
         part = self._part(r)
-        if status in ("completed", "incomplete"):  # (incomplete: cut at max_output_tokens, its text whole so far)
-            if r.audio:
-                await self.send("response.audio.done", **where)
-                await self.send("response.audio_transcript.done", **where, transcript=part["transcript"])
-            else:
-                await self.send("response.text.done", **where, text=part["text"])
-            await self.send("response.content_part.done", **where, part=part)
+        # Whatever ended it (as OpenAI's: also when interrupted, incomplete or cancelled): the
+        # part's text as the conversation has it (what was heard, after a barge-in's truncate).
+        if r.audio:
+            await self.send("response.audio.done", **where)
+            await self.send("response.audio_transcript.done", **where, transcript=part["transcript"])
+        else:
+            await self.send("response.text.done", **where, text=part["text"])
+        await self.send("response.content_part.done", **where, part=part)
         item = item_event(r.item_id, "assistant", [part], status="completed" if status == "completed" else "incomplete")
         if (conv_item := self.conv.get(r.item_id)) is not None:
             conv_item.status = item["status"]

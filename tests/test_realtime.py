@@ -595,6 +595,15 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
             heard = cancelled["response"]["output"][0]["content"][0]["transcript"]
             streamed = "".join(e["delta"] for e in c.events if e["type"] == "response.audio_transcript.delta")
             assert len(heard) < len(streamed) and streamed.startswith(heard.split(" ")[0] if heard else "")
+            # The part is closed as OpenAI closes an interrupted one, with what was heard.
+            closing = [e for e in c.events if e.get("response_id") == rid and e["type"].endswith(".done")]
+            assert [e["type"] for e in closing] == [
+                "response.audio.done",
+                "response.audio_transcript.done",
+                "response.content_part.done",
+                "response.output_item.done",
+            ]
+            assert closing[1]["transcript"] == heard == closing[2]["part"]["transcript"]
             await c.send("conversation.item.retrieve", item_id=item_id)
             got = (await c.until("conversation.item.retrieved"))["item"]
             assert got["status"] == "incomplete" and got["content"][0]["transcript"] == heard
@@ -611,6 +620,9 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
             done = await c.until("response.done", response__id=created["response"]["id"])
             assert done["response"]["status"] == "cancelled"
             assert done["response"]["status_details"]["reason"] == "client_cancelled"
+            if done["response"]["output"]:  # its message was opened: its part is closed too
+                kinds = [e["type"] for e in c.events if e.get("response_id") == created["response"]["id"]]
+                assert "response.content_part.done" in kinds and "response.audio_transcript.done" in kinds
             await feeder
 
     run(go())
