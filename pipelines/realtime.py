@@ -404,8 +404,19 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         await self.inbox.put(request)
 
     async def _ev_response_cancel(self, event: dict[str, Any]) -> None:
+        """Cancel the active response; with ``response_id``, only if that is the one in progress
+        (a cancel of a reply that just ended must not stop the next one)."""
         if not self.active:
             raise EventError("there is no active response to cancel", code="response_cancel_not_active")
+        if (rid := event.get("response_id")) is not None:
+            if not isinstance(rid, str):
+                raise EventError("response_id must be a string", param="response_id")
+            if self.reply is None or self.reply.done or self.reply.id != rid:
+                raise EventError(
+                    f"response {rid!r} is not in progress", code="response_cancel_not_active", param="response_id"
+                )
+            await self._cancel(rid)
+            return
         if self.requested is not None:
             # Asked for but not started: it ends now for the client, and is stopped as it starts
             # (its request may still be on its way through the stages before the LLM's).

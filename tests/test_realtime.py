@@ -1356,6 +1356,31 @@ def test_a_clients_cancel_leaves_the_turn_still_to_be_answered() -> None:
     run(go())
 
 
+def test_a_cancel_naming_a_response_cancels_only_that_one() -> None:
+    """Stand-in: a response.cancel with a ``response_id`` that is not the reply in progress (one
+    that ended, or none such) is an error and the reply goes on; with its id, it is cancelled."""
+    from pipelines.frames import LLMStarted
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._on_frame(LLMStarted("resp_2", item_id="item_2"))
+        for rid in ("resp_1", "resp_bogus", 7):
+            await s._handle(json.dumps({"type": "response.cancel", "response_id": rid, "event_id": "e1"}))
+            err = sent[-1]
+            assert err["type"] == "error" and err["error"]["param"] == "response_id", err
+            assert err["error"]["event_id"] == "e1" and s.inbox.empty() and not s.reply.done
+        assert sent[-1]["error"]["code"] == "invalid_value"  # (the id is no string)
+        assert sent[-2]["error"]["code"] == "response_cancel_not_active"
+        await s._handle(json.dumps({"type": "response.cancel", "response_id": "resp_2"}))
+        assert sent[-1]["type"] == "response.done" and sent[-1]["response"]["status"] == "cancelled"
+        assert s.reply.done and not s.active
+
+    run(go())
+
+
 def test_a_reply_that_starts_frees_only_what_it_answers() -> None:
     """Stand-in: a client's request started while a turn's automatic reply was still to come
     (the client asked as the user spoke): the session stays active until that turn's reply
