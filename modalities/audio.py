@@ -151,13 +151,16 @@ def resample(samples: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
 
 
 def decode_audio(data: bytes, rate: int | None = ASR_RATE, max_seconds: float | None = None) -> Audio:
-    """Decode an audio file's bytes to mono float32, resampled to ``rate`` (``None``: native
-    rate). Raises ``AudioDecodeError`` for unreadable or empty input, ``AudioTooLong`` past
+    """Decode an audio file's bytes to mono float32 in [-1, 1], resampled to ``rate`` (``None``:
+    native rate). Raises ``AudioDecodeError`` for unreadable or empty input, ``AudioTooLong`` past
     ``max_seconds`` (before decoding all of it)."""
     if not data:
         raise AudioDecodeError("the audio file is empty")
     audio = _decode_soundfile(data, max_seconds) or _decode_av(data, max_seconds)
     _check_samples(audio, "")
+    # Float samples past full scale are clipped, as ffmpeg's conversion to 16-bit clips them for
+    # openai-whisper (a float WAV written at int16 scale was heard as noise).
+    audio = Audio(np.clip(audio.samples, -1.0, 1.0), audio.rate)
     if rate is not None and audio.rate != rate:
         # Again after: a header's rate of 2**31 Hz leaves no sample at 16 kHz, and samples near
         # float32's max overflow the filter.
