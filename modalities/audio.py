@@ -279,6 +279,7 @@ class StreamEncoder:
         if fmt not in STREAM_FORMATS:
             raise ValueError(f"unsupported audio format {fmt!r}; choose from {', '.join(STREAM_FORMATS)}")
         self.fmt, self.rate = fmt, rate
+        self.out_rate = rate  # the rate of the audio it writes (a codec's may differ: ``_open_av``)
         self._header = wav_stream_header(rate) if fmt == "wav" else b""
         self._container = None
         if fmt in ("flac", "mp3", "opus", "aac"):

@@ -381,6 +381,7 @@ def test_compressed_formats_decode(base_url: str, fmt: str) -> None:
     resp = _client(base_url).audio.speech.create(model="piper", voice="joe", input="Hello there.", response_format=fmt)
     audio = decode_audio(resp.content, rate=None)
     assert 0.4 < audio.duration < 3.0
+    assert resp.response.headers["x-sample-rate"] == str(audio.rate)  # (opus: 48 kHz)
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "aac"])
@@ -390,7 +391,7 @@ def test_a_rate_the_codec_lacks_is_resampled_not_a_broken_body(base_url: str, fm
     assert resp.status_code == 200
     audio = decode_audio(resp.content, rate=None)
     assert audio.rate == 8000 and 0.4 < audio.duration < 3.0  # the nearest rate mp3/aac take
-
+    assert resp.headers["x-sample-rate"] == "8000"  # the rate written, not the one asked for
 
 def test_pcm_is_24khz_and_sse_carries_the_same_audio(base_url: str) -> None:
     pcm = _client(base_url).audio.speech.create(model="tts-1", voice="joe", input="Hello there.", response_format="pcm")

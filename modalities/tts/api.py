@@ -110,7 +110,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
             # a client that left early pays for what was synthesised; an engine failure pays nothing
             await (ch.refund() if failed else ch.settle(samples / rate))
 
-    headers = {"X-Sample-Rate": str(rate), "X-Model": name, "X-Voice": voice}
+    headers = {"X-Sample-Rate": str(encoder.out_rate), "X-Model": name, "X-Voice": voice}  # (as encoded)
     if body.stream_format == "audio":
         return StreamingResponse(audio_bytes(), media_type=MEDIA_TYPES[fmt], headers=headers)
 
