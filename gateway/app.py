@@ -113,10 +113,13 @@ def _models_router() -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+        """A model's card; an alias the routes accept (``whisper-1``, ``tts-1``, ...) gets its
+        model's card under the name asked for (``root``: the model)."""
         listing = await list_models(request)
+        served = request.app.state.aliases.get(model_id, model_id)
         for card in listing["data"]:
-            if card["id"] == model_id:
-                return card
+            if card["id"] == served:
+                return {**card, "id": model_id}
         raise model_not_found(model_id, [c["id"] for c in listing["data"]])
 
     return router

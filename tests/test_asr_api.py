@@ -207,6 +207,20 @@ def test_logprobs_of_the_transcript_tokens(client: openai.OpenAI, two_sentences:
     assert [lp.model_dump() for e in deltas for lp in e.logprobs or []] == [lp.model_dump() for lp in r.logprobs]
 
 
+def test_openai_model_names_are_accepted_and_retrievable(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
+    """The served model under OpenAI's names: the plugin's aliases, and ``models.retrieve`` of
+    an alias the route takes (it was a 404)."""
+    from gateway.plugins import Built
+    from modalities.asr.plugin import _with_aliases
+
+    aliases = _with_aliases(Built(), "tiny.en", "whisper-tiny.en").aliases
+    assert {"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "tiny.en"} <= set(aliases)
+    card = client.models.retrieve("whisper-1")
+    assert card.id == "whisper-1" and card.model_extra["root"] == server[1].model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("whisper-2")
+
+
 def test_errors(server: tuple[str, AsrEngine], client: openai.OpenAI) -> None:
     url = server[0] + "/v1/audio/transcriptions"
     auth = {"Authorization": f"Bearer {KEY}"}
