@@ -393,6 +393,7 @@ def test_a_rate_the_codec_lacks_is_resampled_not_a_broken_body(base_url: str, fm
     assert audio.rate == 8000 and 0.4 < audio.duration < 3.0  # the nearest rate mp3/aac take
     assert resp.headers["x-sample-rate"] == "8000"  # the rate written, not the one asked for
 
+
 def test_pcm_is_24khz_and_sse_carries_the_same_audio(base_url: str) -> None:
     pcm = _client(base_url).audio.speech.create(model="tts-1", voice="joe", input="Hello there.", response_format="pcm")
     seconds = len(from_pcm16(pcm.content)) / 24000
