@@ -36,6 +36,7 @@ def response_request(
     response = {} if response is None else response
     if not isinstance(response, dict):
         raise EventError("response must be an object", param="response")
+    _check_fields(response, ga)
     instructions = response.get("instructions")
     if instructions is not None:
         check_instructions(instructions, "response.instructions")
@@ -44,9 +45,7 @@ def response_request(
     conversation = response.get("conversation", "auto")
     if conversation not in ("auto", "none"):
         raise EventError("response.conversation must be 'auto' or 'none'", param="response.conversation")
-    metadata = response.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise EventError("response.metadata must be an object", param="response.metadata")
+    metadata = _metadata(response.get("metadata"))
     temperature = response.get("temperature")
     if temperature is not None:
         temperature = check_temperature(temperature, "response.temperature")
@@ -73,6 +72,44 @@ def response_request(
         grammar,
         conv.clock,
     )
+
+
+# A response's fields by dialect (OpenAI's, and mmserve's ``temperature``): closed sets, so that
+# a field this server does not have (or a beta one in a GA request) is refused, not ignored.
+_COMMON = ("conversation", "input", "instructions", "metadata", "tool_choice", "tools", "temperature")
+BETA_FIELDS = frozenset((*_COMMON, "modalities", "voice", "output_audio_format", "max_response_output_tokens"))
+GA_FIELDS = frozenset((*_COMMON, "output_modalities", "audio", "max_output_tokens", "prompt"))
+_GA_NAMES = {
+    "modalities": "output_modalities",
+    "voice": "audio.output.voice",
+    "output_audio_format": "audio.output.format",
+    "max_response_output_tokens": "max_output_tokens",
+}
+
+
+def _check_fields(response: dict[str, Any], ga: bool) -> None:
+    if unknown := sorted(set(response) - (GA_FIELDS if ga else BETA_FIELDS)):
+        key = unknown[0]
+        where = f": a GA response has it as response.{_GA_NAMES[key]}" if ga and key in _GA_NAMES else ""
+        raise EventError(f"Unknown parameter: 'response.{key}'{where}.", "unknown_parameter", f"response.{key}")
+
+
+def _metadata(metadata: Any) -> dict[str, str] | None:
+    """``response.metadata`` as OpenAI takes it: up to 16 pairs of strings, keys up to 64
+    characters, values up to 512."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise EventError("response.metadata must be an object", param="response.metadata")
+    if len(metadata) > 16:
+        raise EventError(f"response.metadata has {len(metadata)} keys; at most 16", param="response.metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise EventError(
+                f"response.metadata[{key[:64]!r}]: keys are up to 64 characters, values strings of up to 512",
+                param="response.metadata",
+            )
+    return metadata
 
 
 def _voice(response: dict[str, Any], output: dict[str, Any] | None, services: Services) -> str | None:

@@ -1878,6 +1878,47 @@ def test_ga_audio_objects_are_objects_of_known_fields() -> None:
     }
 
 
+def test_a_response_create_refuses_fields_it_does_not_have_and_checks_metadata() -> None:
+    """Stand-in: a ``response`` field of neither shape (beta), or a beta one in a GA request, is
+    an ``unknown_parameter`` error (the GA one's message says where GA has it), not ignored;
+    ``metadata`` holds to OpenAI's limits (16 pairs of strings, keys up to 64 characters,
+    values up to 512), and a request within them is taken."""
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+
+        async def refused(response: dict[str, Any], param: str, code: str = "unknown_parameter") -> str:
+            await s._handle(json.dumps({"type": "response.create", "response": response}))
+            err = sent[-1]["error"]
+            assert sent[-1]["type"] == "error" and (err["param"], err["code"]) == (param, code), sent[-1]
+            assert s.inbox.empty() and not s.active
+            return str(err["message"])
+
+        await refused({"foo": 1}, "response.foo")
+        await refused({"output_modalities": ["text"]}, "response.output_modalities")  # (GA's, in beta)
+        for metadata in (
+            {f"k{i}": "v" for i in range(17)},
+            {"k" * 65: "v"},
+            {"k": "v" * 513},
+            {"k": 1},
+            ["k"],
+        ):
+            await refused({"metadata": metadata}, "response.metadata", "invalid_value")
+        ok = {f"k{i}": "v" * 512 for i in range(16)}
+        await s._handle(json.dumps({"type": "response.create", "response": {"metadata": ok}}))
+        assert s.inbox.get_nowait().metadata == ok and s.active
+        s.requested = None  # (as if it ended)
+        await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))  # GA from here
+        message = await refused({"modalities": ["text"]}, "response.modalities")
+        assert "response.output_modalities" in message
+        await refused({"max_response_output_tokens": 5}, "response.max_response_output_tokens")
+
+    run(go())
+
+
 def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
     """Stand-in, GA dialect: a beta field at a GA session's top level (or one of neither shape)
     is an ``unknown_parameter`` error naming it as sent, and a beta one's message says where GA
