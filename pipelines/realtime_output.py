@@ -48,6 +48,9 @@ from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
 from pipelines.vad import VADConfig
 
+# The replies whose items a client may truncate (one playing behind the latest).
+MAX_TRUNCATABLE = 16
+
 
 class ServerEvents:
     """Sends server events and turns pipeline frames into them; the session's state is shared
@@ -60,7 +63,8 @@ class ServerEvents:
     tts_options: TTSOptions
     inbox: asyncio.Queue[Frame]
     reply: Reply | None  # the latest response (active until done)
-    in_band: Reply | None  # the latest response in the conversation (truncation)
+    in_band: Reply | None  # the latest response in the conversation (barge-in)
+    replies: dict[str, Reply]  # the latest responses in the conversation by item id (truncation)
     conversation_id: str  # its one conversation's (OpenAI's "conv_...")
     unheard: set[str]  # user audio items created, their transcript still to come
     failed: set[str]  # user audio items whose transcription failed (kept, with no text)
@@ -343,7 +347,10 @@ class ServerEvents:
             return
         r.opened = True
         if not r.out_of_band:
-            self.in_band = r  # the latest reply the user may hear (and truncate)
+            self.in_band = r  # the latest reply the user may hear
+            self.replies[r.item_id] = r  # (a client playing behind may truncate an earlier one)
+            while len(self.replies) > MAX_TRUNCATABLE:
+                del self.replies[next(iter(self.replies))]
         item = item_event(r.item_id, "assistant", [], status="in_progress")
         await self.send("response.output_item.added", response_id=r.id, output_index=0, item=item)
         if not r.out_of_band:

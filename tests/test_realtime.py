@@ -1782,7 +1782,8 @@ def test_a_client_truncation_only_shortens_but_a_barge_ins_estimate_does_not_bou
     async def go() -> None:
         s = _stand_in(Services(), sent)
         reply = Reply("resp_1", "item_1", audio=True, audio_ms=2000.0)
-        s.in_band = reply
+        s.conv.add("assistant", "Hello there.", "item_1", audio=True)
+        s.in_band = s.replies["item_1"] = reply
         await s._truncate(reply, 300.0)  # (the barge-in's estimate)
 
         async def truncate(ms: int) -> dict[str, Any]:
@@ -1794,6 +1795,41 @@ def test_a_client_truncation_only_shortens_but_a_barge_ins_estimate_does_not_bou
         refused = await truncate(600)
         assert refused["type"] == "error" and refused["error"]["param"] == "audio_end_ms", refused
         assert (await truncate(400))["audio_end_ms"] == 400
+
+    run(go())
+
+
+def test_an_earlier_replys_audio_can_be_truncated() -> None:
+    """Stand-in: a client playing a reply behind the latest truncates it (OpenAI's truncate takes
+    a previous assistant message); its item keeps what was heard. A user's item, or an item
+    not in the conversation, is an error naming ``item_id`` (the latter ``item_not_found``)."""
+    from pipelines.conversation import Spoken
+    from pipelines.frames import LLMStarted
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        s.conv.add("user", "Count.", "item_u", audio=True)
+        for n in (1, 2):  # two replies, the first done
+            s.conv.add("assistant", "One two. Three four.", f"item_{n}", audio=True)
+            await s._on_frame(LLMStarted(f"resp_{n}", item_id=f"item_{n}", audio=True))
+            s.reply.spoken = [Spoken("One two.", 1000.0), Spoken("Three four.", 1000.0)]
+            s.reply.audio, s.reply.audio_ms, s.reply.done = True, 2000.0, True  # (spoken: no TTS here)
+        assert s.in_band is not None and s.in_band.item_id == "item_2"
+
+        async def truncate(item_id: str, ms: int) -> dict[str, Any]:
+            event = {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0, "audio_end_ms": ms}
+            await s._handle(json.dumps(event))
+            return sent[-1]
+
+        assert (await truncate("item_1", 1000))["type"] == "conversation.item.truncated"
+        assert s.conv.get("item_1").text == "One two." and s.conv.get("item_2").text == "One two. Three four."
+        user = await truncate("item_u", 0)
+        assert user["type"] == "error" and user["error"]["param"] == "item_id" and "assistant" in user["error"]["message"]
+        gone = await truncate("item_x", 0)
+        assert gone["error"]["code"] == "item_not_found" and gone["error"]["param"] == "item_id"
 
     run(go())
 
