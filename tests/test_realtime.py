@@ -1827,7 +1827,9 @@ def test_an_earlier_replys_audio_can_be_truncated() -> None:
         assert (await truncate("item_1", 1000))["type"] == "conversation.item.truncated"
         assert s.conv.get("item_1").text == "One two." and s.conv.get("item_2").text == "One two. Three four."
         user = await truncate("item_u", 0)
-        assert user["type"] == "error" and user["error"]["param"] == "item_id" and "assistant" in user["error"]["message"]
+        assert (
+            user["type"] == "error" and user["error"]["param"] == "item_id" and "assistant" in user["error"]["message"]
+        )
         gone = await truncate("item_x", 0)
         assert gone["error"]["code"] == "item_not_found" and gone["error"]["param"] == "item_id"
 
