@@ -270,6 +270,8 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
             return
         self.ga = realtime_ga.is_ga(patch) or self.ga  # the client speaks GA from here on
         try:
+            if not self.ga and isinstance(patch, dict):
+                self.config.check_beta_fields(patch)
             patch = realtime_ga.session_patch(patch) if self.ga and isinstance(patch, dict) else patch
             check_voice(self.services.tts, patch)
             staged = dataclasses.replace(self.config)

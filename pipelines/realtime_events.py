@@ -118,6 +118,17 @@ class SessionConfig:
             "input_audio_noise_reduction": self.input_audio_noise_reduction,
         }
 
+    def check_beta_fields(self, patch: dict[str, Any]) -> None:
+        """An ``unknown_parameter`` error for the first field of a beta ``session.update`` that a
+        beta session does not have (the fields of the object the server sends, which a client may
+        send back whole, and OpenAI's ``tracing``, ``client_secret`` and ``expires_at``, taken and
+        not used): a misspelt field is refused, not ignored."""
+        known = {*self.to_dict(""), "tracing", "client_secret", "expires_at"}
+        if unknown := sorted(set(patch) - known):
+            raise EventError(
+                f"Unknown parameter: 'session.{unknown[0]}'.", "unknown_parameter", f"session.{unknown[0]}"
+            )
+
     def update(self, patch: Any) -> None:
         """Apply a ``session.update``'s ``session`` object (all-or-nothing)."""
         if not isinstance(patch, dict):

@@ -1957,6 +1957,27 @@ def test_a_response_create_refuses_fields_it_does_not_have_and_checks_metadata()
     run(go())
 
 
+def test_a_beta_session_refuses_fields_it_does_not_have() -> None:
+    """Stand-in, beta dialect: a ``session.update`` field no beta session has (a misspelling) is
+    an ``unknown_parameter`` error and the update is not applied; the session object the server
+    sent, sent back whole with OpenAI's ``tracing``, is taken."""
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        await s._handle(json.dumps({"type": "session.update", "session": {"instructions": "A.", "temprature": 0}}))
+        assert sent[-1]["type"] == "error" and sent[-1]["error"]["code"] == "unknown_parameter", sent[-1]
+        assert sent[-1]["error"]["param"] == "session.temprature" and s.config.instructions != "A."
+        await s._handle(json.dumps({"type": "session.update", "session": {"instructions": "A."}}))
+        echoed = sent[-1]["session"]
+        await s._handle(json.dumps({"type": "session.update", "session": {**echoed, "tracing": None}}))
+        assert sent[-1]["type"] == "session.updated" and sent[-1]["session"]["instructions"] == "A."
+
+    run(go())
+
+
 def test_a_ga_session_refuses_the_fields_it_does_not_have() -> None:
     """Stand-in, GA dialect: a beta field at a GA session's top level (or one of neither shape)
     is an ``unknown_parameter`` error naming it as sent, and a beta one's message says where GA
