@@ -63,8 +63,8 @@ from pipelines.realtime_events import (
     shown_tools,
     tools_grammar,
 )
-from pipelines.realtime_items import client_item, content_part, function_item_event, item_event
-from pipelines.realtime_output import MAX_TRUNCATABLE, ServerEvents
+from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, truncation
+from pipelines.realtime_output import ServerEvents
 from pipelines.realtime_response import response_request
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
@@ -434,27 +434,6 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         await self._cancel(self.reply.id)
 
     async def _ev_conversation_item_truncate(self, event: dict[str, Any]) -> None:
-        item_id, end_ms = event.get("item_id"), event.get("audio_end_ms")
-        if event.get("content_index", 0) != 0 or isinstance(event.get("content_index"), bool | float):
-            raise EventError("content_index must be 0: an assistant item has one content part", param="content_index")
-        item = self.conv.get(item_id) if isinstance(item_id, str) else None
-        if item is None:
-            raise EventError(
-                f"there is no item {item_id!r} in the conversation", code="item_not_found", param="item_id"
-            )
-        reply = self.replies.get(item_id)
-        if reply is None and (item.role != "assistant" or item.kind != "message"):
-            raise EventError(f"item {item_id!r} is not an assistant message: it has no audio", param="item_id")
-        if reply is None:  # (or the client's own)
-            raise EventError(
-                f"item {item_id!r} is not one of the last {MAX_TRUNCATABLE} replies: it cannot be truncated",
-                param="item_id",
-            )
-        if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
-            raise EventError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
-        kept = reply.audio_ms if reply.heard_ms is None else min(reply.audio_ms, reply.heard_ms)
-        if end_ms > kept + 1:
-            what = "audio" if reply.heard_ms is None else "audio, truncated"
-            raise EventError(f"audio_end_ms {end_ms} is past the item's {what} ({kept:.0f} ms)", param="audio_end_ms")
+        reply, end_ms = truncation(event, self.conv, self.replies)
         reply.heard_ms = end_ms  # (the client's word: a barge-in's own estimate does not bound it)
         await self._truncate(reply, end_ms)

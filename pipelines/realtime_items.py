@@ -157,3 +157,34 @@ def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: 
         "usage": r.usage or None,
         "metadata": r.metadata,
     }
+
+
+# The replies whose items a client may truncate (one playing behind the latest).
+MAX_TRUNCATABLE = 16
+
+
+def truncation(event: dict[str, Any], conv: Conversation, replies: dict[str, Reply]) -> tuple[Reply, int]:
+    """A ``conversation.item.truncate``'s reply (one of ``replies``, by item id: the latest ones)
+    and ``audio_end_ms``, checked: the item is in ``conv``, the audio end within what the reply
+    sent (and, once the client truncated it, within that)."""
+    item_id, end_ms = event.get("item_id"), event.get("audio_end_ms")
+    if event.get("content_index", 0) != 0 or isinstance(event.get("content_index"), bool | float):
+        raise EventError("content_index must be 0: an assistant item has one content part", param="content_index")
+    item = conv.get(item_id) if isinstance(item_id, str) else None
+    if item is None:
+        raise EventError(f"there is no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
+    reply = replies.get(item.id)
+    if reply is None and (item.role != "assistant" or item.kind != "message"):
+        raise EventError(f"item {item.id!r} is not an assistant message: it has no audio", param="item_id")
+    if reply is None:  # (or the client's own)
+        raise EventError(
+            f"item {item.id!r} is not one of the last {MAX_TRUNCATABLE} replies: it cannot be truncated",
+            param="item_id",
+        )
+    if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+        raise EventError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+    kept = reply.audio_ms if reply.heard_ms is None else min(reply.audio_ms, reply.heard_ms)
+    if end_ms > kept + 1:
+        what = "audio" if reply.heard_ms is None else "audio, truncated"
+        raise EventError(f"audio_end_ms {end_ms} is past the item's {what} ({kept:.0f} ms)", param="audio_end_ms")
+    return reply, end_ms

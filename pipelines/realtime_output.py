@@ -43,13 +43,17 @@ from pipelines.frames import (
 )
 from pipelines.realtime_audio import FORMATS
 from pipelines.realtime_events import SessionConfig
-from pipelines.realtime_items import Reply, content_part, function_item_event, item_event, response_event
+from pipelines.realtime_items import (
+    MAX_TRUNCATABLE,
+    Reply,
+    content_part,
+    function_item_event,
+    item_event,
+    response_event,
+)
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
 from pipelines.vad import VADConfig
-
-# The replies whose items a client may truncate (one playing behind the latest).
-MAX_TRUNCATABLE = 16
 
 
 class ServerEvents:
