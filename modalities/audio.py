@@ -162,8 +162,7 @@ def decode_audio(data: bytes, rate: int | None = ASR_RATE, max_seconds: float | 
     # openai-whisper (a float WAV written at int16 scale was heard as noise).
     audio = Audio(np.clip(audio.samples, -1.0, 1.0), audio.rate)
     if rate is not None and audio.rate != rate:
-        # Again after: a header's rate of 2**31 Hz leaves no sample at 16 kHz, and samples near
-        # float32's max overflow the filter.
+        # Again after: a header's rate of 2**31 Hz leaves no sample at 16 kHz.
         audio = Audio(resample(audio.samples, audio.rate, rate), rate)
         _check_samples(audio, f" after resampling to {rate} Hz")
     return audio

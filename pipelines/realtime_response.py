@@ -24,7 +24,7 @@ from pipelines.realtime_events import (
     wants_audio,
     wire_format,
 )
-from pipelines.realtime_ga import RESPONSE_AUDIO, ga_audio
+from pipelines.realtime_ga import MOVED, RESPONSE_AUDIO, ga_audio
 from pipelines.realtime_items import response_items
 from pipelines.services import Services
 
@@ -79,18 +79,13 @@ def response_request(
 _COMMON = ("conversation", "input", "instructions", "metadata", "tool_choice", "tools", "temperature")
 BETA_FIELDS = frozenset((*_COMMON, "modalities", "voice", "output_audio_format", "max_response_output_tokens"))
 GA_FIELDS = frozenset((*_COMMON, "output_modalities", "audio", "max_output_tokens", "prompt"))
-_GA_NAMES = {
-    "modalities": "output_modalities",
-    "voice": "audio.output.voice",
-    "output_audio_format": "audio.output.format",
-    "max_response_output_tokens": "max_output_tokens",
-}
 
 
 def _check_fields(response: dict[str, Any], ga: bool) -> None:
     if unknown := sorted(set(response) - (GA_FIELDS if ga else BETA_FIELDS)):
         key = unknown[0]
-        where = f": a GA response has it as response.{_GA_NAMES[key]}" if ga and key in _GA_NAMES else ""
+        moved = ga and key in BETA_FIELDS and key in MOVED  # (where a GA session has it, in a response too)
+        where = f": a GA response has it as {MOVED[key].replace('session.', 'response.', 1)}" if moved else ""
         raise EventError(f"Unknown parameter: 'response.{key}'{where}.", "unknown_parameter", f"response.{key}")
 
 
