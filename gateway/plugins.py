@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -40,6 +40,14 @@ class Built:
 
     engines: dict[str, Any] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+
+    def alias(self, names: Iterable[str | None], served: str) -> Built:
+        """``self`` with each of ``names`` (``None``s and ``served`` itself skipped) accepted for
+        ``served``, unless it already names something."""
+        for name in names:
+            if name and name != served:
+                self.aliases.setdefault(name, served)
+        return self
 
 
 def load_plugins() -> dict[str, ModuleType]:

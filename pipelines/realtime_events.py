@@ -40,6 +40,13 @@ class EventError(ValueError):
         self.code, self.param, self.event_id = code, param, event_id
 
 
+def unknown_parameter(param: str, where: str = "", error: type[EventError] = EventError) -> EventError:
+    """OpenAI's error for a field the object does not have, in one wording for both dialects:
+    ``param`` its path, ``where`` where the other dialect has it (``": a GA session has it as
+    ..."``)."""
+    return error(f"Unknown parameter: '{param}'{where}.", "unknown_parameter", param)
+
+
 def parse_event(raw: str, known: frozenset[str]) -> dict[str, Any]:
     """A client event's text as a JSON object with a ``type`` in ``known`` and, if any, a string
     ``event_id``; otherwise an ``EventError`` (carrying the ``event_id`` once that is valid)."""
@@ -125,9 +132,7 @@ class SessionConfig:
         not used): a misspelt field is refused, not ignored."""
         known = {*self.to_dict(""), "tracing", "client_secret", "expires_at"}
         if unknown := sorted(set(patch) - known):
-            raise EventError(
-                f"Unknown parameter: 'session.{unknown[0]}'.", "unknown_parameter", f"session.{unknown[0]}"
-            )
+            raise unknown_parameter(f"session.{unknown[0]}")
 
     def update(self, patch: Any) -> None:
         """Apply a ``session.update``'s ``session`` object (all-or-nothing)."""

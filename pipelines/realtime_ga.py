@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import EventError, ga_wire_format, wants_audio
+from pipelines.realtime_events import EventError, ga_wire_format, unknown_parameter, wants_audio
 
 RENAMED = {
     "response.text.delta": "response.output_text.delta",
@@ -94,7 +94,7 @@ def check_fields(session: dict[str, Any], fields: frozenset[str]) -> None:
     if unknown := sorted(set(session) - fields):
         key = unknown[0]
         where = f": a GA session has it as {MOVED[key]}" if key in MOVED else ""
-        raise FieldError(f"session.{key} is not a field of a GA session{where}", "unknown_parameter", f"session.{key}")
+        raise unknown_parameter(f"session.{key}", where, FieldError)
 
 
 def ga_error(exc: EventError) -> EventError:

@@ -21,6 +21,7 @@ from pipelines.realtime_events import (
     reply_tokens,
     shown_tools,
     tools_grammar,
+    unknown_parameter,
     wants_audio,
     wire_format,
 )
@@ -86,7 +87,7 @@ def _check_fields(response: dict[str, Any], ga: bool) -> None:
         key = unknown[0]
         moved = ga and key in BETA_FIELDS and key in MOVED  # (where a GA session has it, in a response too)
         where = f": a GA response has it as {MOVED[key].replace('session.', 'response.', 1)}" if moved else ""
-        raise EventError(f"Unknown parameter: 'response.{key}'{where}.", "unknown_parameter", f"response.{key}")
+        raise unknown_parameter(f"response.{key}", where)
 
 
 def _metadata(metadata: Any) -> dict[str, str] | None:

@@ -211,9 +211,9 @@ def test_openai_model_names_are_accepted_and_retrievable(server: tuple[str, AsrE
     """The served model under OpenAI's names: the plugin's aliases, and ``models.retrieve`` of
     an alias the route takes (it was a 404)."""
     from gateway.plugins import Built
-    from modalities.asr.plugin import _with_aliases
+    from modalities.asr.plugin import OPENAI_NAMES
 
-    aliases = _with_aliases(Built(), "tiny.en", "whisper-tiny.en").aliases
+    aliases = Built().alias(("tiny.en", *OPENAI_NAMES), "whisper-tiny.en").aliases
     assert {"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe", "tiny.en"} <= set(aliases)
     card = client.models.retrieve("whisper-1")
     assert card.id == "whisper-1" and card.model_extra["root"] == server[1].model_name

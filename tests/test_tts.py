@@ -354,6 +354,26 @@ def _client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def test_openai_model_names_have_the_default_engines_card() -> None:
+    """``tts-1`` and OpenAI's other TTS names: aliases of the plugin's first engine, so the
+    official client's ``models.retrieve("tts-1")`` gets a card (it was a 404)."""
+    import argparse
+
+    from gateway.app import create_app
+    from modalities.tts.api import router
+    from modalities.tts.plugin import build
+    from modalities.tts.protocol import OPENAI_MODELS
+
+    built = build(argparse.Namespace())  # the default Piper voice; its sessions load on first use
+    (name,) = built.engines
+    assert {m: built.aliases.get(m) for m in OPENAI_MODELS} == dict.fromkeys(OPENAI_MODELS, name)
+    with serve_app(create_app(built.engines, routers=[router], aliases=built.aliases)) as url:
+        card = _client(url).models.retrieve("tts-1")
+        assert card.id == "tts-1" and card.model_extra["root"] == name
+        with pytest.raises(openai.NotFoundError):
+            _client(url).models.retrieve("tts-2")
+
+
 def test_openai_client_streams_wav_first_chunk_before_later_text_is_synthesised(
     base_url: str, engine: GatedPiper
 ) -> None:

@@ -87,7 +87,7 @@ def build(args: Any, explicit: bool = False) -> Built:
             return Built()
         raise
     name = engine.model_name
-    built = _with_aliases(Built(engines={name: engine}), spec, name)
+    built = Built(engines={name: engine}).alias((spec, *OPENAI_NAMES), name)
     logger.info("serving speech-to-text %s as %r", engine.whisper.path, name)
     return built
 
@@ -100,20 +100,12 @@ def remote_engines(args: Any, cluster: Any) -> Built:
 
     spec = getattr(args, "asr", None)
     name = served_asr_name(spec)
-    return _with_aliases(Built(engines={name: RemoteEngine(cluster, name, "asr")}), spec, name)
+    return Built(engines={name: RemoteEngine(cluster, name, "asr")}).alias((spec, *OPENAI_NAMES), name)
 
 
 # OpenAI's transcription models: a client written for them is served by the Whisper model here
 # (the gpt-4o ones are the models OpenAI streams for; they take the same fields).
 OPENAI_NAMES = ("whisper-1", "whisper", "gpt-4o-transcribe", "gpt-4o-mini-transcribe")
-
-
-def _with_aliases(built: Built, spec: str | None, name: str) -> Built:
-    """``built`` with ``spec`` (the model as given) and OpenAI's names accepted for ``name``."""
-    for alias in (spec, *OPENAI_NAMES):
-        if alias and alias != name:
-            built.aliases.setdefault(alias, name)
-    return built
 
 
 def add_models_commands(subparsers: Any) -> None:

