@@ -201,6 +201,13 @@ def from_engine_error(exc: BaseException, param: str | None = None) -> APIError 
     return None
 
 
+def as_api_error(exc: BaseException, param: str | None = None) -> BaseException:
+    """What a route raises for ``exc``: its ``APIError`` (``from_engine_error``), else ``exc``
+    itself (a bug, which surfaces as a 500)."""
+    mapped = from_engine_error(exc, param=param) if isinstance(exc, Exception) else None
+    return exc if mapped is None else mapped
+
+
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "list", "dict"})
 
 

@@ -34,7 +34,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from gateway.errors import APIError, from_engine_error, pick_engine
+from gateway.errors import APIError, as_api_error, pick_engine
 from gateway.metrics import engine_modality
 from gateway.streaming import SSE_HEADERS, charged, error_event, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
@@ -71,10 +71,6 @@ def pick_asr_engine(engines: dict[str, Any], aliases: dict[str, str], model: str
 
 def resolve_asr_engine(request: Request, model: str | None) -> tuple[str, Any]:
     return pick_asr_engine(request.app.state.engines, getattr(request.app.state, "aliases", {}), model)
-
-
-def _mapped(exc: BaseException, param: str = "file") -> BaseException:
-    return from_engine_error(exc, param=param) or exc if isinstance(exc, Exception) else exc
 
 
 def _check_options(response_format: str, temperature: float) -> None:
@@ -136,7 +132,7 @@ async def _charged(request: Request, duration: float, bad_option: str, work: Cal
     try:
         return await charged(request, "audio_seconds", duration, work)
     except Exception as exc:
-        raise _mapped(exc, bad_option if isinstance(exc, ValueError) else "file") from exc
+        raise as_api_error(exc, bad_option if isinstance(exc, ValueError) else "file") from exc
 
 
 def _response(transcript: Any, response_format: str, granularities: list[str], task: str = "transcribe") -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway.errors import APIError, from_engine_error, pick_engine
+from gateway.errors import APIError, as_api_error, pick_engine
 from gateway.streaming import charged
 from modalities.diffusion.protocol import ImageGenerationRequest, VideoGenerationRequest, parse_size
 
@@ -82,11 +82,6 @@ def image_steps(engine: Any, req: Any) -> int:
     return req.n * (steps or 1) * (frames or 1)
 
 
-def _map_engine_error(exc: Exception) -> Exception:
-    mapped = from_engine_error(exc)
-    return exc if mapped is None else mapped
-
-
 async def _generate(request: Request, engine: Any, req: Any) -> Any:
     """Validate (400 before compute), charge ``image_steps``, then run (``gateway.streaming.
     charged``: cancelled when the client leaves); engine errors become OpenAI errors and give the
@@ -94,11 +89,11 @@ async def _generate(request: Request, engine: Any, req: Any) -> Any:
     try:
         cost = image_steps(engine, req)
     except Exception as exc:
-        raise _map_engine_error(exc) from None
+        raise as_api_error(exc) from None
     try:
         return await charged(request, "image_steps", cost, lambda: engine.run(req))
     except Exception as exc:
-        raise _map_engine_error(exc) from None
+        raise as_api_error(exc) from None
 
 
 async def _store_file(request: Request, data: bytes, filename: str, content_type: str) -> str:

@@ -26,7 +26,7 @@ from engine.errors import InvalidParamError, PromptTooLongError, check_token_ids
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.token_bound import check_length
-from gateway.errors import APIError, ClientDisconnected, from_engine_error, pick_engine
+from gateway.errors import APIError, ClientDisconnected, as_api_error, from_engine_error, pick_engine
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import Charge, charge
@@ -73,12 +73,7 @@ def refuse_oversized(limit: int | None, tokenizer: Any, text: str, param: str) -
         try:
             check_length(tokenizer, text, limit)
         except PromptTooLongError as exc:
-            raise admit_error(exc, param) from exc
-
-
-def admit_error(exc: BaseException, param: str) -> BaseException:
-    mapped = from_engine_error(exc, param=param)
-    return mapped if mapped is not None else exc
+            raise as_api_error(exc, param) from exc
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -218,7 +213,7 @@ async def start_generation(
     try:
         _check_context(engine, prompts, params)
     except PromptTooLongError as exc:
-        raise admit_error(exc, param) from exc
+        raise as_api_error(exc, param) from exc
     tracker.charge = await charge(request, "llm_tokens", _charge_amount(engine, prompts, params))
     sources: list[AsyncIterator[RequestOutput]] = []
     gen: MergedGeneration[RequestOutput] | None = None
@@ -236,7 +231,7 @@ async def start_generation(
             for s in sources:
                 if hasattr(s, "aclose"):
                     await s.aclose()  # type: ignore[attr-defined]
-        raise admit_error(exc, param) from exc
+        raise as_api_error(exc, param) from exc
     tracker.stream_header = tracker.header_timing([item for _, item in gen.first_items()])
     return gen
 
@@ -261,7 +256,7 @@ async def collect_or_raise(
         return None
     except Exception as exc:
         await tracker.done("error")
-        raise admit_error(exc, param) from exc
+        raise as_api_error(exc, param) from exc
 
 
 def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker: Tracker) -> StreamingResponse:
