@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batch_loop import BatchLoop
+from engine.batch_loop import BatchLoop, resolve
 from engine.errors import EngineDeadError, QueueFullError
 from modalities.diffusion.cache import resolve_cache
 from modalities.diffusion.model import DiffusionModel, Item, Shape, StopGeneration
@@ -258,7 +258,7 @@ class DiffusionEngine(BatchLoop):
             if r is None:
                 return False
             r.cancelled = True
-        _resolve(r, GenerationCancelled(f"request {request_id} was cancelled"))
+        resolve(r, GenerationCancelled(f"request {request_id} was cancelled"))
         return True
 
     def preview(self, latents: torch.Tensor) -> np.ndarray:
@@ -312,7 +312,7 @@ class DiffusionEngine(BatchLoop):
             logger.exception("diffusion batch failed")
             for r in reqs.values():
                 r.cancelled = True  # drops its items still pending (n > max batch)
-                _resolve(r, exc)
+                resolve(r, exc)
             return
         with self._cond:
             for row, it in enumerate(batch):
@@ -324,18 +324,12 @@ class DiffusionEngine(BatchLoop):
                 r.out[it.index] = outputs[row]
                 r.remaining -= 1
                 if r.remaining == 0:
-                    _resolve(r, None)
+                    resolve(r, None)
             s = self._stats
             s["num_batches"] += 1
             s["num_outputs"] += len(batch) if outputs is not None else 0
             s["num_cancelled"] += sum(1 for r in reqs.values() if r.cancelled)
             s["busy_s"] += time.perf_counter() - start
-
-    def _fail_pending(self, exc: BaseException) -> None:
-        with self._cond:
-            pending, self._pending = self._pending, []
-        for r in {id(it.request): it.request for it in pending}.values():
-            _resolve(r, exc)
 
 
 def _call_defaults(model: DiffusionModel) -> tuple[int, float]:
@@ -346,19 +340,3 @@ def _call_defaults(model: DiffusionModel) -> tuple[int, float]:
     steps = params["num_inference_steps"].default if "num_inference_steps" in params else 20
     guidance = params["guidance_scale"].default if "guidance_scale" in params else 5.0
     return int(steps or 20), float(guidance if guidance is not None else 5.0)
-
-
-def _resolve(r: _Request, exc: BaseException | None) -> None:
-    """Complete ``r``'s future from any thread (no-op when already done or its loop closed)."""
-
-    def settle() -> None:
-        if not r.future.done():
-            if exc is None:
-                r.future.set_result(r.out)
-            else:
-                r.future.set_exception(exc)
-
-    try:
-        r.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # event loop closed
-        pass

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batch_loop import BatchLoop
+from engine.batch_loop import BatchLoop, resolve
 from engine.errors import EngineDeadError, QueueFullError, check_token_ids
 from engine.offload import run_sized
 from engine.token_bound import head, prepare
@@ -303,7 +303,7 @@ class EmbeddingEngine(BatchLoop):
         except Exception as exc:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("embedding batch failed")
             for req in {id(it.request): it.request for it in batch}.values():
-                _resolve(req, exc)
+                resolve(req, exc)
             with self._cond:
                 self._stats["num_running"] -= len(batch)
             return
@@ -314,7 +314,7 @@ class EmbeddingEngine(BatchLoop):
             if it.request.remaining == 0:
                 done.append(it.request)
         for req in done:
-            _resolve(req, None)
+            resolve(req, None)
         with self._cond:
             s = self._stats
             s["num_batches"] += 1
@@ -323,25 +323,3 @@ class EmbeddingEngine(BatchLoop):
             s["num_tokens"] += sum(it.length for it in batch)
             s["num_padded_tokens"] += len(batch) * max(it.length for it in batch)
             s["busy_s"] += time.perf_counter() - start
-
-    def _fail_pending(self, exc: BaseException) -> None:
-        with self._cond:
-            pending, self._pending = self._pending, []
-        for req in {id(it.request): it.request for it in pending}.values():
-            _resolve(req, exc)
-
-
-def _resolve(req: _Request, exc: BaseException | None) -> None:
-    """Complete ``req``'s future from any thread (no-op when already done or its loop closed)."""
-
-    def settle() -> None:
-        if not req.future.done():
-            if exc is None:
-                req.future.set_result(req.out)
-            else:
-                req.future.set_exception(exc)
-
-    try:
-        req.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # event loop closed
-        pass
