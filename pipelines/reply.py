@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.offload import OFF_LOOP_CHARS, run_sized
-from gateway.errors import from_engine_error
+from gateway.errors import APIError, from_engine_error
 from modalities.llm.tools import ToolCallStream, declared
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
@@ -224,7 +224,9 @@ class LLM(Processor):
             whole = True
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
-            mapped = from_engine_error(exc) if isinstance(exc, EngineError) else None
+            mapped = (
+                from_engine_error(exc) if isinstance(exc, EngineError | APIError) else None
+            )  # (APIError: a lost worker's 503)
         finally:
             if spec is not None and whole:
                 spec.outputs.cancel()  # (its first sentence's synthesis is the TTS stage's to take)

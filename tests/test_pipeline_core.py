@@ -373,25 +373,42 @@ def test_a_render_on_a_snapshot_leaves_out_the_same_items_of_the_live_conversati
     assert [m["content"] for m in conv.messages(conv._first)] == ["Be brief.", "What now?"]
 
 
-def test_llm_refused_by_the_engine_ends_the_reply_with_an_error() -> None:
+@pytest.mark.parametrize("failure", ["too_long", "worker_lost", "bug"])
+def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) -> None:
+    """The reply's ``LLMDone`` carries the error as the routes map it: an engine refusal, or a
+    lost worker's 503 under celery dispatch (its code, as the HTTP routes give it); a bug is a
+    ``server_error`` with no code."""
     from engine.errors import PromptTooLongError
+    from gateway.errors import APIError
     from pipelines.conversation import Conversation
     from pipelines.frames import LLMStarted, ResponseRequest
     from pipelines.reply import LLM
     from pipelines.services import Services
 
+    raised = {
+        "too_long": PromptTooLongError(3, 64, 8),
+        "worker_lost": APIError(503, "worker w1 was lost mid-request", code="worker_lost"),
+        "bug": KeyError("oops"),
+    }[failure]
+
     class Engine:
         tokenizer = type("Tok", (), {"apply_chat_template": lambda self, m, **_: [1, 2, 3]})()
-        max_model_len = 8
+        max_model_len = 8 if failure == "too_long" else 4096  # (too long: refused before generate)
 
         async def generate(self, *_: object, **__: object) -> AsyncIterator[object]:
-            raise PromptTooLongError(3, 64, 8)
+            raise raised
             yield  # an async generator, like AsyncEngine.generate
 
     llm = LLM(Services(llm=Engine()), Conversation("sys"))
     out = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
     assert isinstance(out[0], LLMStarted) and isinstance(out[1], LLMDone) and len(out) == 2
-    assert out[1].response_id == out[0].response_id and "maximum context length" in (out[1].error or "")
+    assert out[1].response_id == out[0].response_id
+    expected = {
+        "too_long": ("maximum context length", "invalid_request_error", "context_length_exceeded"),
+        "worker_lost": ("was lost mid-request", "service_unavailable", "worker_lost"),
+        "bug": ("oops", "server_error", None),
+    }[failure]
+    assert (out[1].error or "").find(expected[0]) >= 0 and (out[1].error_type, out[1].error_code) == expected[1:]
 
 
 def test_a_request_cancelled_on_its_way_gets_no_reply() -> None:
