@@ -153,7 +153,8 @@ class StageStore:
         meta = self._key(chain_id, "meta")
         with self.r.pipeline() as p:
             p.set(self._key(chain_id, "input"), np.asarray(audio, np.float32).tobytes(), ex=self.ttl)
-            p.hset(meta, mapping={"status": "queued", "options": pickle.dumps(opts), "created": time.time()})
+            mapping = {"status": "queued", "options": pickle.dumps(opts), "created": time.time(), "dispatch": 0}
+            p.hset(meta, mapping=mapping)
             p.expire(meta, self.ttl)
             p.execute()
 
@@ -198,6 +199,22 @@ class StageStore:
             p.set(self._key(chain_id, f"out:{stage}"), pickle.dumps(frames), ex=self.ttl)
             p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
             p.execute()
+
+    def redispatch(self, chain_id: str) -> int:
+        """Make the chain's tasks sent so far stale (``live`` says no to them) and set it queued
+        again; returns the number the tasks sent next must carry."""
+        meta = self._key(chain_id, "meta")
+        n = int(self.r.hincrby(meta, "dispatch", 1))  # (first: from here on the earlier tasks are stale)
+        self.r.hset(meta, mapping={"status": "queued"})
+        return n
+
+    def live(self, chain_id: str, dispatch: int | None) -> bool:
+        """Whether a task of the chain sent as ``dispatch`` (None: any) should run: the chain has
+        not ended and was not sent again since."""
+        status, current = self.r.hmget(self._key(chain_id, "meta"), ["status", "dispatch"])
+        if status in (None, b"succeeded", b"failed", b"cancelled"):
+            return False
+        return dispatch is None or int(current or 0) == dispatch
 
     def state(self, chain_id: str) -> str | None:
         raw = self.r.hget(self._key(chain_id, "meta"), "status")
@@ -280,6 +297,9 @@ class MemoryKV:
     def hget(self, key: str, field: str) -> bytes | None:
         return self.data.get(key, {}).get(field)
 
+    def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        return [self.hget(key, f) for f in fields]
+
     def hgetall(self, key: str) -> dict[bytes, bytes]:
         return {k.encode(): v for k, v in self.data.get(key, {}).items()}
 
@@ -296,10 +316,12 @@ class MemoryKV:
 # -- running ---------------------------------------------------------------------------------------
 
 
-async def run_stage(store: StageStore, chain_id: str, stage: str, services: Services, where: str = "local") -> None:
-    """One attempt of ``stage`` (on worker ``where``); a stage whose output is stored, or of a
-    cancelled chain, is skipped."""
-    if store.output(chain_id, stage) is not None or store.state(chain_id) == "cancelled":
+async def run_stage(
+    store: StageStore, chain_id: str, stage: str, services: Services, where: str = "local", dispatch: int | None = None
+) -> None:
+    """One attempt of ``stage`` (on worker ``where``, sent as ``dispatch``); a stage whose output
+    is stored, of a chain that ended, or of a stale dispatch is skipped."""
+    if store.output(chain_id, stage) is not None or not store.live(chain_id, dispatch):
         return
     opts = store.options(chain_id)
     frames = store.input_frames(chain_id, stage, opts)
@@ -333,9 +355,10 @@ async def run_local(
     return result(store, chain_id)
 
 
-def celery_chain(app: Any, chain_id: str, opts: ChainOptions, prefix: str = "mmserve") -> Any:
-    """The Celery chain of stage tasks on ``app``, each routed to ``<prefix>.<modality>``;
-    ``.apply_async()`` returns at once. The last task returns ``result(...)`` (without audio)."""
+def celery_chain(app: Any, chain_id: str, opts: ChainOptions, prefix: str = "mmserve", dispatch: int = 0) -> Any:
+    """The Celery chain of stage tasks on ``app``, each routed to ``<prefix>.<modality>`` and
+    carrying ``dispatch`` (``StageStore.redispatch``); ``.apply_async()`` returns at once. The
+    last task returns ``result(...)`` (without audio)."""
     from celery import chain
 
     from pipelines.tasks import TASK_NAME
@@ -346,7 +369,7 @@ def celery_chain(app: Any, chain_id: str, opts: ChainOptions, prefix: str = "mms
         app.signature(
             TASK_NAME,
             args=(chain_id, s.name, prefix),
-            kwargs={"last": i == len(stages) - 1},
+            kwargs={"last": i == len(stages) - 1, "dispatch": dispatch},
             immutable=True,
             queue=modality_queue(s.modality, prefix),
         )

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:  # imported lazily at run time: the plugin stays light
     from pipelines.chain import ChainOptions, StageStore
 
 KIND = "audio.pipeline"
+logger = logging.getLogger("mmserve.pipelines")
 
 
 class PipelineParams(BaseModel):
@@ -49,11 +52,29 @@ class PipelineParams(BaseModel):
         return ChainOptions(**fields)
 
 
-def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
-    """Params are checked in the gateway, before any compute (a 400 naming the field)."""
-    from workers.jobs import parse_params
+def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """Params are checked in the gateway, before any compute (a 400 naming the field): the fields,
+    and the ``llm``, ``asr``, ``tts`` models and the ``voice`` named, among the engines this
+    gateway has of that modality (under celery the proxies of what the workers serve; with none,
+    the workers judge). The stored params name the served models: a worker knows no aliases."""
+    from modalities.tts.registry import unknown_voice
+    from pipelines.services import ServiceMissing, has_modality, pick
+    from workers.jobs import ParamError, parse_params
 
-    return parse_params(PipelineParams, params).model_dump()
+    p = parse_params(PipelineParams, params)
+    for modality in ("llm", "asr", "tts"):
+        name = getattr(p, modality)
+        if name is not None and has_modality(engines, modality):
+            served = aliases.get(name, name)
+            try:
+                pick(engines, modality, served)
+            except ServiceMissing as exc:
+                raise ParamError(modality, str(exc)) from None
+            setattr(p, modality, served)
+    if p.voice is not None and has_modality(engines, "tts"):
+        if error := unknown_voice(p.voice, pick(engines, "tts", p.tts).voices):
+            raise ParamError("voice", error)
+    return p.model_dump()
 
 
 def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -> tuple[str, float]:
@@ -72,18 +93,52 @@ def _celery_app(redis_url: str) -> Any:
     return make_celery(redis_url)
 
 
+LIVENESS_CHECK_S = 1.0  # how often a followed chain's running stage is checked for a lost worker
+
+
+def _running(meta: dict[bytes, bytes]) -> tuple[str, str] | None:
+    """``(stage, worker)`` of the chain's stage under way, from its ``meta`` hash (None: none is)."""
+    status = meta.get(b"status", b"").decode()
+    if not status.startswith("running:"):
+        return None
+    stage = status.removeprefix("running:")
+    where = meta.get(f"{stage}.where".encode())
+    return None if where is None or f"{stage}.finished".encode() in meta else (stage, where.decode())
+
+
+async def _lost(rt: Any, meta: dict[bytes, bytes]) -> tuple[str, str] | None:
+    """``(stage, worker)`` of the stage under way if its worker's heartbeat is gone (it expires
+    3 periods after the last one)."""
+    from workers.wire import Keys
+
+    running = _running(meta)
+    if running is None or await rt.redis.exists(Keys(rt.prefix).worker(running[1])):
+        return None
+    return running
+
+
 async def _follow(
     rt: Any, store: StageStore, chain_id: str, opts: ChainOptions, check_cancelled: Callable[[], None]
 ) -> None:
-    """Send the chain and wait for its end (a retried job's chain skips its done stages); raises
-    if it failed, and marks it cancelled when the job stops."""
-    from pipelines.chain import celery_chain
-
-    await asyncio.to_thread(celery_chain(_celery_app(rt.redis_url), chain_id, opts, rt.prefix).apply_async)
+    """Send the chain and wait for its end; raises if it failed, and marks it cancelled when the
+    job stops. A retried job takes its chain over: sent again (done stages are skipped) unless it
+    ended or a stage is under way on a live worker. A stage whose worker's heartbeat is gone is
+    sent again with the rest of the chain (Redis would give its task back only after the
+    visibility timeout, an hour), the lost tasks made no-ops; the lost attempt counts, and one
+    past ``max_attempts`` fails the chain."""
     key = store.meta_key(chain_id)
+    meta = await rt.redis.hgetall(key)
+    if meta.get(b"status") not in (b"succeeded", b"failed") and (_running(meta) is None or await _lost(rt, meta)):
+        await _send(rt, store, chain_id, opts)
+    next_check = time.monotonic() + LIVENESS_CHECK_S
     try:  # the worker's async client: polling never blocks the engine loop
         while (raw := await rt.redis.hget(key, "status")) is not None and raw not in (b"succeeded", b"failed"):
             check_cancelled()
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + LIVENESS_CHECK_S
+                meta = await rt.redis.hgetall(key)
+                if lost := await _lost(rt, meta):
+                    await _send_again(rt, store, chain_id, opts, meta, *lost)
             await asyncio.sleep(0.05)
     except BaseException:
         store.set_status(chain_id, "cancelled")  # the stages still queued become no-ops
@@ -91,6 +146,27 @@ async def _follow(
     if raw != b"succeeded":
         status = await asyncio.to_thread(store.status, chain_id)
         raise RuntimeError(f"pipeline failed: {status and status['error']}")
+
+
+async def _send(rt: Any, store: StageStore, chain_id: str, opts: ChainOptions) -> None:
+    """Send the chain's stages as a new dispatch (the tasks of earlier ones become no-ops)."""
+    from pipelines.chain import celery_chain
+
+    dispatch = await asyncio.to_thread(store.redispatch, chain_id)
+    chain = celery_chain(_celery_app(rt.redis_url), chain_id, opts, rt.prefix, dispatch)
+    await asyncio.to_thread(chain.apply_async)
+
+
+async def _send_again(
+    rt: Any, store: StageStore, chain_id: str, opts: ChainOptions, meta: dict[bytes, bytes], stage: str, worker: str
+) -> None:
+    """The chain after ``stage``'s ``worker`` was lost: sent again, or failed if that was the
+    stage's last attempt."""
+    if int(meta.get(f"{stage}.attempts".encode(), 0)) >= opts.max_attempts:
+        await asyncio.to_thread(store.set_status, chain_id, "failed", f"{stage}: worker {worker} was lost")
+        return
+    logger.warning("chain %s: worker %s of stage %s was lost; sending the chain again", chain_id, worker, stage)
+    await _send(rt, store, chain_id, opts)
 
 
 async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:

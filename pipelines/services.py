@@ -30,6 +30,10 @@ def _modality(engine: Any) -> str | None:
     return mod
 
 
+def has_modality(engines: dict[str, Any], modality: str) -> bool:
+    return any(_modality(engine) == modality for engine in engines.values())
+
+
 def pick(engines: dict[str, Any], modality: str, name: str | None = None, aliases: dict[str, str] | None = None) -> Any:
     """The engine ``name`` (or the first one) of ``modality``; ``ServiceMissing`` if none."""
     if name is not None:

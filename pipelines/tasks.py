@@ -4,7 +4,9 @@
 The stage runs on the worker's engine loop with the worker's engines (``workers.runtime``); its
 input and output live in the ``StageStore`` on the worker's Redis. A failed attempt is retried
 (``max_attempts`` of the chain's options) before the chain goes on; earlier stages are never
-re-run because their outputs are already stored.
+re-run because their outputs are already stored. A chain sent again (``pipelines.jobs``: its
+stage's worker was lost) makes the tasks of the earlier sending no-ops (``StageStore.live``),
+also the one Redis gives back once its visibility timeout has passed.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ from celery import shared_task
 TASK_NAME = "mmserve.pipeline.stage"
 
 
-def _services(rt: Any, stage: str) -> Any:
+def _services(rt: Any, stage: str, opts: Any) -> Any:
+    """The worker's engine for ``stage``: the one the chain's options name, else its first."""
     from pipelines.chain import STAGES
     from pipelines.services import Services
 
     spec = next(s for s in STAGES if s.name == stage)
-    return Services.from_engines(rt.engines, need=spec.needs) if spec.needs else Services()
+    named = {m: getattr(opts, m) for m in spec.needs}
+    return Services.from_engines(rt.engines, **named, need=spec.needs) if spec.needs else Services()
 
 
 @shared_task(name=TASK_NAME, bind=True, max_retries=None, acks_late=True)
-def run_stage_task(self: Any, chain_id: str, stage: str, prefix: str, last: bool = False) -> dict[str, Any] | None:
+def run_stage_task(
+    self: Any, chain_id: str, stage: str, prefix: str, last: bool = False, dispatch: int | None = None
+) -> dict[str, Any] | None:
     from pipelines.chain import result, run_stage, shared_store
     from workers import runtime
 
@@ -33,15 +39,18 @@ def run_stage_task(self: Any, chain_id: str, stage: str, prefix: str, last: bool
     if rt is None:
         raise RuntimeError("pipeline stages run inside 'mmserve worker' (no engines in this process)")
     store = shared_store(rt.redis_url, prefix)
+    if not store.live(chain_id, dispatch):  # ended, or sent again after a lost worker: a no-op
+        return None
     opts = store.options(chain_id)
     try:
-        rt.run(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id))
+        rt.run(run_stage(store, chain_id, stage, _services(rt, stage, opts), rt.worker_id, dispatch))
     except Exception as exc:
         if store.attempts(chain_id, stage) < opts.max_attempts:
             raise self.retry(exc=exc, countdown=0.2) from exc
-        store.set_status(chain_id, "failed", f"{stage}: {exc}")
+        if store.live(chain_id, dispatch):
+            store.set_status(chain_id, "failed", f"{stage}: {exc}")
         raise
-    if not last or store.state(chain_id) == "cancelled":
+    if not last or not store.live(chain_id, dispatch):
         return None
     store.set_status(chain_id, "succeeded")
     out = result(store, chain_id)

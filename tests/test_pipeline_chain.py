@@ -54,13 +54,20 @@ def check_result(out: dict[str, Any], attempts: tuple[int, ...] = (1, 1, 2, 1)) 
     assert all(s["seconds"] is not None and s["seconds"] >= 0 for s in stages.values())
 
 
-def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any]) -> dict[str, Any]:
-    """Upload ``wav``, check bad params are 400s, run an ``audio.pipeline`` job; its result."""
+def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any], bad: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Upload ``wav``, check bad params are 400s (also a ``bad`` field given as "nosuch"), run an
+    ``audio.pipeline`` job; its result."""
     up = http.post("/v1/files", files={"file": ("q.wav", wav, "audio/wav")}, data={"purpose": "user_data"})
     assert up.status_code == 200, up.text
     params = {"file_id": up.json()["id"], **params}
-    for bad, field in (({**params, "max_tokens": 0}, "max_tokens"), ({**params, "nope": 1}, "nope"), ({}, "file_id")):
-        resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad})
+    wrong = [({**params, field: "nosuch"}, field) for field in bad]
+    for bad_params, field in (
+        ({**params, "max_tokens": 0}, "max_tokens"),
+        ({**params, "nope": 1}, "nope"),
+        ({}, "file_id"),
+        *wrong,
+    ):
+        resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad_params})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == f"params.{field}", resp.text
     resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": params})
     assert resp.status_code == 202, resp.text
@@ -98,7 +105,8 @@ def test_local_dispatch_through_the_jobs_api(question_wav: bytes, smollm2_dir: P
     )
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(tmp_path)}), app.state.engines)
     with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
-        out = run_job(http, question_wav, {"max_tokens": 24, "fail_once": ["llm"]})
+        params = {"max_tokens": 24, "fail_once": ["llm"], "llm": "smollm2", "voice": "alloy"}
+        out = run_job(http, question_wav, params, bad=("llm", "asr", "tts", "voice"))
         check_result(out)
         assert all(s["worker"] == "local" for s in out["stages"].values())
 
@@ -258,7 +266,99 @@ def test_celery_job_follows_its_chain_on_the_async_client(monkeypatch: pytest.Mo
                 store.delete(chain_id)
             await rt.redis.aclose()
 
-    monkeypatch.setattr(pipelines.chain, "celery_chain", lambda app, chain_id, opts, prefix: FakeChain(chain_id))
+    monkeypatch.setattr(pipelines.chain, "celery_chain", lambda app, chain_id, opts, prefix, d: FakeChain(chain_id))
     ticks, stopped = asyncio.run(scenario())
     assert ticks >= 10  # the loop ran other work while the job waited ~0.3 s
     assert stopped == "cancelled"
+
+
+def test_a_stage_whose_worker_is_lost_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage under way on a worker whose heartbeat is gone: the chain is sent again as a new
+    dispatch (the lost one's tasks become no-ops) and the lost attempt counts; past
+    ``max_attempts`` the chain fails naming the worker; a retried job whose chain is running on a
+    live worker follows it without sending it again. The chain is faked (a thread plays its
+    stages); the stage store, heartbeats and polling are the real ones on Redis."""
+    import asyncio
+    import threading
+
+    import redis
+    import redis.asyncio as aioredis
+
+    import pipelines.chain
+    import pipelines.jobs as jobs
+    from pipelines.chain import ChainOptions, shared_store
+    from workers.wire import Keys
+
+    prefix = f"h8lost-{uuid.uuid4().hex[:8]}"
+    store, sync = shared_store(REDIS_URL, prefix), redis.Redis.from_url(REDIS_URL)
+    monkeypatch.setattr(jobs, "LIVENESS_CHECK_S", 0.1)
+    sent: list[tuple[str, int]] = []
+
+    def beat(worker: str) -> None:
+        sync.set(Keys(prefix).worker(worker), "{}", px=5000)
+
+    def play(chain_id: str, dispatch: int) -> None:
+        """Dispatch 1 begins the LLM stage on a worker that never beats; later ones finish it."""
+        assert store.live(chain_id, dispatch) and not store.live(chain_id, dispatch - 1)
+        if dispatch == 1:
+            store.begin(chain_id, "llm", "llm-ghost")
+            return
+        beat("llm-live")
+        store.begin(chain_id, "llm", "llm-live")
+        time.sleep(0.3)  # (the follower checks the live worker meanwhile)
+        store.set_status(chain_id, "succeeded")
+
+    class FakeChain:
+        def __init__(self, chain_id: str, dispatch: int) -> None:
+            self.chain_id, self.dispatch = chain_id, dispatch
+
+        def apply_async(self) -> None:
+            sent.append((self.chain_id, self.dispatch))
+            threading.Thread(target=play, args=(self.chain_id, self.dispatch)).start()
+
+    monkeypatch.setattr(pipelines.chain, "celery_chain", lambda app, c, opts, prefix, d: FakeChain(c, d))
+
+    async def scenario() -> None:
+        rt = type("Runtime", (), {"redis_url": REDIS_URL, "prefix": prefix, "redis": aioredis.from_url(REDIS_URL)})()
+        try:
+            store.create("lost", np.zeros(16, np.float32), ChainOptions(max_attempts=2))
+            await asyncio.wait_for(jobs._follow(rt, store, "lost", ChainOptions(max_attempts=2), lambda: None), 10)
+            assert sent == [("lost", 1), ("lost", 2)] and store.attempts("lost", "llm") == 2
+
+            store.create("spent", np.zeros(16, np.float32), ChainOptions(max_attempts=1))
+            with pytest.raises(RuntimeError, match="llm: worker llm-ghost was lost"):
+                await asyncio.wait_for(jobs._follow(rt, store, "spent", ChainOptions(max_attempts=1), lambda: None), 10)
+            assert sent[2:] == [("spent", 1)] and store.state("spent") == "failed"
+
+            store.create("taken", np.zeros(16, np.float32), ChainOptions())
+            beat("asr-live")
+            store.begin("taken", "asr", "asr-live")  # (a retried job: its chain is running)
+            threading.Timer(0.5, store.set_status, ("taken", "succeeded")).start()
+            await asyncio.wait_for(jobs._follow(rt, store, "taken", ChainOptions(), lambda: None), 10)
+            assert sent[3:] == []
+        finally:
+            for chain_id in ("lost", "spent", "taken"):
+                store.delete(chain_id)
+            sync.delete(*(Keys(prefix).worker(w) for w in ("llm-live", "asr-live")))
+            await rt.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_dispatch_runs_nothing() -> None:
+    """A stage task of a chain sent again (or of an ended chain) is a no-op: no attempt counted."""
+    import asyncio
+
+    from pipelines.chain import ChainOptions, StageStore, run_stage
+    from pipelines.services import Services
+
+    store = StageStore(None)
+    store.create("c", np.zeros(16_000, np.float32), ChainOptions())
+    assert store.redispatch("c") == 1
+    asyncio.run(run_stage(store, "c", "vad", Services(), dispatch=0))
+    assert store.attempts("c", "vad") == 0 and store.output("c", "vad") is None
+    asyncio.run(run_stage(store, "c", "vad", Services(), dispatch=1))
+    assert store.attempts("c", "vad") == 1 and store.output("c", "vad") == []  # (silence: no speech)
+    store.set_status("c", "failed", "asr: boom")
+    asyncio.run(run_stage(store, "c", "asr", Services(), dispatch=1))
+    assert store.attempts("c", "asr") == 0
