@@ -226,6 +226,11 @@ class StageStore:
             mapping["error"] = error
         self.r.hset(self._key(chain_id, "meta"), mapping=mapping)
 
+    @staticmethod
+    def stages_done(meta: dict[bytes, bytes], opts: ChainOptions) -> int:
+        """How many of the chain's stages have finished, from its ``meta`` hash."""
+        return sum(f"{s.name}.finished".encode() in meta for s in opts.stages())
+
     def status(self, chain_id: str) -> dict[str, Any] | None:
         """``{"id", "status", "error", "stages": {name: {attempts, seconds}}}``; None if unknown."""
         meta = {k.decode(): v for k, v in self.r.hgetall(self._key(chain_id, "meta")).items()}
@@ -336,12 +341,19 @@ async def run_stage(
 
 
 async def run_local(
-    store: StageStore, chain_id: str, services: Services, check: Callable[[], None] = lambda: None
+    store: StageStore,
+    chain_id: str,
+    services: Services,
+    check: Callable[[], None] = lambda: None,
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> dict[str, Any]:
     """Every stage in-process, each retried up to ``max_attempts``; returns ``result(...)``.
-    ``check()`` runs before each attempt (it raises to stop, e.g. ``JobContext.check_cancelled``)."""
+    ``check()`` runs before each attempt (it raises to stop, e.g. ``JobContext.check_cancelled``);
+    ``progress(done, total)`` counts the stages done."""
     opts = store.options(chain_id)
-    for spec in opts.stages():
+    stages = opts.stages()
+    for done, spec in enumerate(stages):
+        progress(done, len(stages))
         for attempt in range(1, opts.max_attempts + 1):
             check()
             try:
@@ -351,6 +363,7 @@ async def run_local(
                 if attempt == opts.max_attempts:
                     store.set_status(chain_id, "failed", f"{spec.name}: {exc}")
                     raise
+    progress(len(stages), len(stages))
     store.set_status(chain_id, "succeeded")
     return result(store, chain_id)
 

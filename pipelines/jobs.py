@@ -118,10 +118,15 @@ async def _lost(rt: Any, meta: dict[bytes, bytes]) -> tuple[str, str] | None:
 
 
 async def _follow(
-    rt: Any, store: StageStore, chain_id: str, opts: ChainOptions, check_cancelled: Callable[[], None]
+    rt: Any,
+    store: StageStore,
+    chain_id: str,
+    opts: ChainOptions,
+    check_cancelled: Callable[[], None],
+    progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> None:
-    """Send the chain and wait for its end; raises if it failed, and marks it cancelled when the
-    job stops. A retried job takes its chain over: sent again (done stages are skipped) unless it
+    """Send the chain and wait for its end, reporting ``progress(stages done, stages)`` (checked
+    every ``LIVENESS_CHECK_S``); raises if it failed, and marks it cancelled when the job stops. A retried job takes its chain over: sent again (done stages are skipped) unless it
     ended or a stage is under way on a live worker. A stage whose worker's heartbeat is gone is
     sent again with the rest of the chain (Redis would give its task back only after the
     visibility timeout, an hour), the lost tasks made no-ops; the lost attempt counts, and one
@@ -130,6 +135,9 @@ async def _follow(
     meta = await rt.redis.hgetall(key)
     if meta.get(b"status") not in (b"succeeded", b"failed") and (_running(meta) is None or await _lost(rt, meta)):
         await _send(rt, store, chain_id, opts)
+    total = len(opts.stages())
+    done = store.stages_done(meta, opts)
+    progress(done, total)
     next_check = time.monotonic() + LIVENESS_CHECK_S
     try:  # the worker's async client: polling never blocks the engine loop
         while (raw := await rt.redis.hget(key, "status")) is not None and raw not in (b"succeeded", b"failed"):
@@ -137,6 +145,9 @@ async def _follow(
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + LIVENESS_CHECK_S
                 meta = await rt.redis.hgetall(key)
+                if (now_done := store.stages_done(meta, opts)) != done:
+                    done = now_done
+                    progress(done, total)
                 if lost := await _lost(rt, meta):
                     await _send_again(rt, store, chain_id, opts, meta, *lost)
             await asyncio.sleep(0.05)
@@ -146,6 +157,7 @@ async def _follow(
     if raw != b"succeeded":
         status = await asyncio.to_thread(store.status, chain_id)
         raise RuntimeError(f"pipeline failed: {status and status['error']}")
+    progress(total, total)
 
 
 async def _send(rt: Any, store: StageStore, chain_id: str, opts: ChainOptions) -> None:
@@ -187,12 +199,12 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         store.create(chain_id, audio, opts)
         need = tuple(s.needs[0] for s in opts.stages() if s.needs)
         services = Services.from_engines(ctx.engines, opts.llm, opts.asr, opts.tts, ctx.aliases, need=need)
-        await run_local(store, chain_id, services, ctx.check_cancelled)
+        await run_local(store, chain_id, services, ctx.check_cancelled, ctx.progress)
     else:
         store = shared_store(rt.redis_url, rt.prefix)
         if await asyncio.to_thread(store.status, chain_id) is None:  # a retried job resumes its chain
             await asyncio.to_thread(store.create, chain_id, audio, opts)
-        await _follow(rt, store, chain_id, opts, ctx.check_cancelled)
+        await _follow(rt, store, chain_id, opts, ctx.check_cancelled, ctx.progress)
     out = await asyncio.to_thread(result, store, chain_id)
     files = {}
     audio_out = out.pop("audio", None)

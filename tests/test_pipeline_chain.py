@@ -77,6 +77,7 @@ def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any], bad: tuple[s
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
     assert job["status"] == "succeeded", job
+    assert job["progress"] == {"step": 4, "total": 4}  # (stages done of the chain's)
     out = job["result"]
     wav_out = http.get(out["files"]["audio"])
     assert wav_out.status_code == 200
@@ -322,8 +323,13 @@ def test_a_stage_whose_worker_is_lost_is_sent_again(monkeypatch: pytest.MonkeyPa
         rt = type("Runtime", (), {"redis_url": REDIS_URL, "prefix": prefix, "redis": aioredis.from_url(REDIS_URL)})()
         try:
             store.create("lost", np.zeros(16, np.float32), ChainOptions(max_attempts=2))
-            await asyncio.wait_for(jobs._follow(rt, store, "lost", ChainOptions(max_attempts=2), lambda: None), 10)
+            reports: list[tuple[int, int]] = []
+            follow = jobs._follow(
+                rt, store, "lost", ChainOptions(max_attempts=2), lambda: None, lambda *p: reports.append(p)
+            )
+            await asyncio.wait_for(follow, 10)
             assert sent == [("lost", 1), ("lost", 2)] and store.attempts("lost", "llm") == 2
+            assert reports[0] == (0, 4) and reports[-1] == (4, 4)
 
             store.create("spent", np.zeros(16, np.float32), ChainOptions(max_attempts=1))
             with pytest.raises(RuntimeError, match="llm: worker llm-ghost was lost"):
