@@ -184,29 +184,33 @@ class StageStore:
     def attempts(self, chain_id: str, stage: str) -> int:
         return int(self.r.hget(self._key(chain_id, "meta"), f"{stage}.attempts") or 0)
 
-    def begin(self, chain_id: str, stage: str, where: str) -> int:
-        """Count an attempt on worker ``where``; returns its number (1-based)."""
+    def begin(self, chain_id: str, stage: str, where: str, dispatch: int | None = None) -> int:
+        """Count an attempt on worker ``where`` (sent as ``dispatch``); returns its number
+        (1-based)."""
         meta = self._key(chain_id, "meta")
         n = int(self.r.hincrby(meta, f"{stage}.attempts", 1))
-        self.r.hset(
-            meta, mapping={"status": f"running:{stage}", f"{stage}.started": time.time(), f"{stage}.where": where}
-        )
+        mapping = {"status": f"running:{stage}", f"{stage}.started": time.time(), f"{stage}.where": where}
+        self.r.hset(meta, mapping={**mapping, **({} if dispatch is None else {f"{stage}.dispatch": dispatch})})
         return n
 
-    def finish(self, chain_id: str, stage: str, frames: list[Frame], seconds: float) -> None:
+    def finish(
+        self, chain_id: str, stage: str, frames: list[Frame], seconds: float, dispatch: int | None = None
+    ) -> bool:
+        """Store ``stage``'s output, unless its ``dispatch`` went stale while it ran (a worker
+        taken for lost that was not: the attempt sent since is the one kept); whether it did."""
+        if not self.live(chain_id, dispatch):
+            return False
         meta = self._key(chain_id, "meta")
         with self.r.pipeline() as p:
             p.set(self._key(chain_id, f"out:{stage}"), pickle.dumps(frames), ex=self.ttl)
             p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
             p.execute()
+        return True
 
     def redispatch(self, chain_id: str) -> int:
-        """Make the chain's tasks sent so far stale (``live`` says no to them) and set it queued
-        again; returns the number the tasks sent next must carry."""
-        meta = self._key(chain_id, "meta")
-        n = int(self.r.hincrby(meta, "dispatch", 1))  # (first: from here on the earlier tasks are stale)
-        self.r.hset(meta, mapping={"status": "queued"})
-        return n
+        """Make the chain's tasks sent so far stale (``live`` says no to them); returns the number
+        the tasks sent next must carry. (One atomic command: no state in between.)"""
+        return int(self.r.hincrby(self._key(chain_id, "meta"), "dispatch", 1))
 
     def live(self, chain_id: str, dispatch: int | None) -> bool:
         """Whether a task of the chain sent as ``dispatch`` (None: any) should run: the chain has
@@ -322,22 +326,30 @@ class MemoryKV:
 
 
 async def run_stage(
-    store: StageStore, chain_id: str, stage: str, services: Services, where: str = "local", dispatch: int | None = None
+    store: StageStore,
+    chain_id: str,
+    stage: str,
+    services: Services | Callable[[ChainOptions], Services],
+    where: str = "local",
+    dispatch: int | None = None,
 ) -> None:
-    """One attempt of ``stage`` (on worker ``where``, sent as ``dispatch``); a stage whose output
-    is stored, of a chain that ended, or of a stale dispatch is skipped."""
+    """One attempt of ``stage`` (on worker ``where``, sent as ``dispatch``) with ``services`` (or
+    those it makes of the chain's options); a stage whose output is stored, of a chain that ended,
+    or of a stale dispatch is skipped. The attempt counts from the start, so one that fails on
+    its input or on a missing engine is bounded by ``max_attempts`` too."""
     if store.output(chain_id, stage) is not None or not store.live(chain_id, dispatch):
         return
+    attempt = store.begin(chain_id, stage, where, dispatch)
     opts = store.options(chain_id)
-    frames = store.input_frames(chain_id, stage, opts)
-    attempt = store.begin(chain_id, stage, where)
     if stage in opts.fail_once and attempt == 1:
         raise StageFailed(f"injected failure of stage {stage!r} (attempt 1)")
+    frames = store.input_frames(chain_id, stage, opts)
+    engines = services if isinstance(services, Services) else services(opts)
     t0 = time.perf_counter()
-    out = await stage_pipeline(stage, services, opts).run_all(frames)
+    out = await stage_pipeline(stage, engines, opts).run_all(frames)
     if error := next((f.error for f in out if isinstance(f, LLMDone) and f.error), None):
         raise StageFailed(error)  # the engine refused or failed the reply: retry, then fail the chain
-    store.finish(chain_id, stage, out, time.perf_counter() - t0)
+    store.finish(chain_id, stage, out, time.perf_counter() - t0, dispatch)
 
 
 async def run_local(

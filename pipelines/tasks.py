@@ -4,7 +4,7 @@
 The stage runs on the worker's engine loop with the worker's engines (``workers.runtime``); its
 input and output live in the ``StageStore`` on the worker's Redis. A failed attempt is retried
 (``max_attempts`` of the chain's options) before the chain goes on; earlier stages are never
-re-run because their outputs are already stored. A chain sent again (``pipelines.jobs``: its
+re-run because their outputs are already stored. A chain sent again (``pipelines.follower``: its
 stage's worker was lost) makes the tasks of the earlier sending no-ops (``StageStore.live``),
 also the one Redis gives back once its visibility timeout has passed.
 """
@@ -18,14 +18,19 @@ from celery import shared_task
 TASK_NAME = "mmserve.pipeline.stage"
 
 
-def _services(rt: Any, stage: str, opts: Any) -> Any:
-    """The worker's engine for ``stage``: the one the chain's options name, else its first."""
+def _services(rt: Any, stage: str) -> Any:
+    """What makes the worker's engine for ``stage`` of a chain's options: the one they name,
+    else its first (``ServiceMissing`` when this worker has none such: an attempt that fails)."""
     from pipelines.chain import STAGES
     from pipelines.services import Services
 
     spec = next(s for s in STAGES if s.name == stage)
-    named = {m: getattr(opts, m) for m in spec.needs}
-    return Services.from_engines(rt.engines, **named, need=spec.needs) if spec.needs else Services()
+
+    def make(opts: Any) -> Services:
+        named = {m: getattr(opts, m) for m in spec.needs}
+        return Services.from_engines(rt.engines, **named, need=spec.needs) if spec.needs else Services()
+
+    return make
 
 
 @shared_task(name=TASK_NAME, bind=True, max_retries=None, acks_late=True)
@@ -43,7 +48,7 @@ def run_stage_task(
         return None
     opts = store.options(chain_id)
     try:
-        rt.run(run_stage(store, chain_id, stage, _services(rt, stage, opts), rt.worker_id, dispatch))
+        rt.run(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id, dispatch))
     except Exception as exc:
         if store.attempts(chain_id, stage) < opts.max_attempts:
             raise self.retry(exc=exc, countdown=0.2) from exc

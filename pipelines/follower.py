@@ -1,0 +1,168 @@
+"""Following an ``audio.pipeline`` chain under Celery from the job that sent it.
+
+The job (on an ASR worker) sends the stage chain and watches its ``meta`` hash in the stage store
+(``pipelines.chain.StageStore``) until it ends. Celery cannot be trusted to bring every task
+back: with ``acks_late`` on Redis, the task of a SIGKILLed worker returns only after the
+visibility timeout (an hour), and a next stage whose publishing failed never comes. So the
+follower sends the chain again, as a new dispatch whose number makes the earlier tasks no-ops
+(``StageStore.live``), when
+
+- a stage is under way on a worker whose heartbeat is gone (the lost attempt counts: one past
+  ``max_attempts`` fails the chain naming the worker), or
+- nothing of the current dispatch is under way and the next stage's queue has been empty for
+  ``STALL_S`` (a task lost between two stages).
+
+A retried job takes the chain over (``follower`` in the hash names the attempt following it): it
+sends the chain again unless a stage is under way on a live worker. An attempt that finds itself
+superseded stops following, and only the current follower marks the chain cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelines.chain import ChainOptions, StageStore, celery_chain
+
+logger = logging.getLogger("mmserve.pipelines")
+
+CHECK_S = 1.0  # how often the chain's workers and queues are checked
+STALL_S = 10.0  # nothing under way and nothing queued for this long: the next stage's task was lost
+ENDED = (b"succeeded", b"failed")
+
+# Cancel the chain only for the attempt following it, and never once it has ended.
+_CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if redis.call('HGET', KEYS[1], 'follower') ~= ARGV[1] or not status or status == 'succeeded' or status == 'failed' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'status', 'cancelled')
+return 1
+"""
+
+
+@functools.cache
+def celery_app(redis_url: str) -> Any:
+    """One Celery app per process (and Redis URL) sends every job's chain."""
+    from workers.celery_app import make_celery
+
+    return make_celery(redis_url)
+
+
+class Superseded(RuntimeError):
+    """A newer attempt of the job follows the chain now."""
+
+
+def running(meta: dict[bytes, bytes]) -> tuple[str, str] | None:
+    """``(stage, worker)`` of the stage of the current dispatch under way, from the chain's
+    ``meta`` hash (None: none is)."""
+    status = meta.get(b"status", b"").decode()
+    if not status.startswith("running:"):
+        return None
+    stage = status.removeprefix("running:")
+    where, sent = meta.get(f"{stage}.where".encode()), meta.get(f"{stage}.dispatch".encode())
+    if where is None or f"{stage}.finished".encode() in meta or (sent is not None and sent != meta.get(b"dispatch")):
+        return None
+    return stage, where.decode()
+
+
+@dataclass
+class ChainFollower:
+    """Sends the chain ``chain_id`` (its stages on ``rt``'s cluster) and follows it to its end,
+    reporting ``progress(stages done, stages)``. ``rt``: the worker runtime (``redis``, an async
+    client; ``redis_url``; ``prefix``)."""
+
+    rt: Any
+    store: StageStore
+    chain_id: str
+    opts: ChainOptions
+    progress: Callable[[int, int], None] = lambda done, total: None
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    async def follow(self, check_cancelled: Callable[[], None]) -> None:
+        """Until the chain ends; raises if it failed (``RuntimeError``), when a newer attempt of
+        the job took it over (``Superseded``), or what ``check_cancelled`` raises (the chain is
+        then marked cancelled: its queued stages become no-ops)."""
+        redis, key, total = self.rt.redis, self.store.meta_key(self.chain_id), len(self.opts.stages())
+        await redis.hset(key, "follower", self.token)
+        meta = await redis.hgetall(key)
+        if meta.get(b"status") not in ENDED:
+            if lost := await self._lost(meta):
+                await self._send_again(meta, *lost)
+            elif running(meta) is None:
+                await self._send()
+        done, seen, since = self.store.stages_done(meta, self.opts), None, time.monotonic()
+        self.progress(done, total)
+        next_check = time.monotonic() + CHECK_S
+        try:  # the worker's async client: polling never blocks the engine loop
+            while (status := await redis.hget(key, "status")) is not None and status not in ENDED:
+                check_cancelled()
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + CHECK_S
+                    meta = await redis.hgetall(key)
+                    if meta.get(b"follower") != self.token.encode():
+                        raise Superseded(f"chain {self.chain_id} is followed by a newer attempt of its job")
+                    if (now_done := self.store.stages_done(meta, self.opts)) != done:
+                        done = now_done
+                        self.progress(done, total)
+                    if (state := (meta.get(b"status"), meta.get(b"dispatch"), done)) != seen:
+                        seen, since = state, time.monotonic()
+                    await self._check(meta, since)
+                await asyncio.sleep(0.05)
+        except BaseException:
+            self.store.r.eval(_CANCEL, 1, key, self.token)
+            raise
+        if status != b"succeeded":
+            state = await asyncio.to_thread(self.store.status, self.chain_id)
+            raise RuntimeError(f"pipeline failed: {state and state['error']}")
+        self.progress(total, total)
+
+    async def _check(self, meta: dict[bytes, bytes], since: float) -> None:
+        """Send the chain again if its stage's worker was lost, or its next stage's task."""
+        if lost := await self._lost(meta):
+            await self._send_again(meta, *lost)
+        elif running(meta) is None and time.monotonic() - since > STALL_S and not await self._queued(meta):
+            logger.warning(
+                "chain %s: no stage under way or queued for %.0f s; sending it again", self.chain_id, STALL_S
+            )
+            await self._send()
+
+    async def _lost(self, meta: dict[bytes, bytes]) -> tuple[str, str] | None:
+        """``(stage, worker)`` of the stage under way if its worker's heartbeat is gone (it
+        expires 3 periods after the last one)."""
+        from workers.wire import Keys
+
+        under_way = running(meta)
+        if under_way is None or await self.rt.redis.exists(Keys(self.rt.prefix).worker(under_way[1])):
+            return None
+        return under_way
+
+    async def _queued(self, meta: dict[bytes, bytes]) -> int:
+        """Tasks waiting on the queue of the chain's next stage not done (0: none is left)."""
+        from workers.celery_app import modality_queue
+
+        todo = [s for s in self.opts.stages() if f"{s.name}.finished".encode() not in meta]
+        return int(await self.rt.redis.llen(modality_queue(todo[0].modality, self.rt.prefix))) if todo else 0
+
+    async def _send(self) -> None:
+        """Send the chain's stages as a new dispatch (the tasks of earlier ones become no-ops;
+        done stages are skipped)."""
+        dispatch = await asyncio.to_thread(self.store.redispatch, self.chain_id)
+        chain = celery_chain(celery_app(self.rt.redis_url), self.chain_id, self.opts, self.rt.prefix, dispatch)
+        await asyncio.to_thread(chain.apply_async)
+
+    async def _send_again(self, meta: dict[bytes, bytes], stage: str, worker: str) -> None:
+        """The chain after ``stage``'s ``worker`` was lost: sent again, or failed if that was
+        the stage's last attempt."""
+        if int(meta.get(f"{stage}.attempts".encode(), 0)) >= self.opts.max_attempts:
+            error = f"{stage}: worker {worker} was lost"
+            await asyncio.to_thread(self.store.set_status, self.chain_id, "failed", error)
+            return
+        logger.warning("chain %s: worker %s of stage %s was lost; sending it again", self.chain_id, worker, stage)
+        await self._send()

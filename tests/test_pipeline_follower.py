@@ -1,0 +1,239 @@
+"""``pipelines.follower``: the job's watch over its Celery stage chain, on a real Redis (db 14, a
+fresh prefix) with the real stage store, heartbeat keys and queue lists. The chain itself is faked:
+a thread plays its stages as a worker would write them (``begin``, ``finish``, statuses)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from pipelines.chain import ChainOptions, StageStore, run_stage, shared_store
+from pipelines.services import ServiceMissing, Services
+
+REDIS_URL = "redis://127.0.0.1:6379/14"
+Play = Callable[[str, int], None]  # (chain id, dispatch) -> the stages of that sending
+
+
+class Harness:
+    """A stage store under a fresh prefix, a fake ``celery_chain`` whose sendings run ``play`` on a
+    thread (and are recorded), and worker heartbeats."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import pipelines.follower as follower
+
+        self.prefix = f"h8follow-{uuid.uuid4().hex[:8]}"
+        self.store = shared_store(REDIS_URL, self.prefix)
+        self.sync = redis.Redis.from_url(REDIS_URL)
+        self.sent: list[tuple[str, int]] = []
+        self.plays: dict[str, Play] = {}
+        monkeypatch.setattr(follower, "CHECK_S", 0.1)
+        monkeypatch.setattr(follower, "celery_chain", lambda app, chain_id, opts, prefix, d: self._chain(chain_id, d))
+
+    def _chain(self, chain_id: str, dispatch: int) -> Any:
+        def apply_async() -> None:
+            self.sent.append((chain_id, dispatch))
+            if play := self.plays.get(chain_id):
+                threading.Thread(target=play, args=(chain_id, dispatch), daemon=True).start()
+
+        return type("FakeChain", (), {"apply_async": staticmethod(apply_async)})()
+
+    def chain(self, chain_id: str, play: Play | None = None, **opts: Any) -> ChainOptions:
+        options = ChainOptions(**opts)
+        self.store.create(chain_id, np.zeros(16, np.float32), options)
+        if play is not None:
+            self.plays[chain_id] = play
+        return options
+
+    def beat(self, worker: str) -> None:
+        from workers.wire import Keys
+
+        self.sync.set(Keys(self.prefix).worker(worker), "{}", px=5000)
+
+    def follow(self, chain_id: str, opts: ChainOptions, check: Callable[[], None] = lambda: None, **kw: Any) -> Any:
+        """A ``ChainFollower`` coroutine on a fresh async client (closed after)."""
+        import redis.asyncio as aioredis
+
+        from pipelines.follower import ChainFollower
+
+        async def go() -> None:
+            rt = type("Runtime", (), {"redis_url": REDIS_URL, "prefix": self.prefix})()
+            rt.redis = aioredis.from_url(REDIS_URL)
+            try:
+                await asyncio.wait_for(ChainFollower(rt, self.store, chain_id, opts, **kw).follow(check), 15)
+            finally:
+                await rt.redis.aclose()
+
+        return go()
+
+    def close(self) -> None:
+        for key in self.sync.scan_iter(f"{self.prefix}*"):
+            self.sync.delete(key)
+
+
+@pytest.fixture
+def h(monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
+    harness = Harness(monkeypatch)
+    try:
+        yield harness
+    finally:
+        harness.close()
+
+
+def test_the_job_waits_on_the_async_client_and_cancels_its_chain(h: Harness) -> None:
+    """The follower polls without blocking the loop; a cancelled job marks its chain cancelled."""
+    from pipelines.follower import celery_app
+    from workers.jobs import JobCancelled
+
+    assert shared_store(REDIS_URL, h.prefix) is h.store and celery_app(REDIS_URL) is celery_app(REDIS_URL)
+
+    def play(chain_id: str, dispatch: int) -> None:  # the stages run elsewhere and end after 0.3 s
+        time.sleep(0.3)
+        h.store.set_status(chain_id, "succeeded")
+
+    ok = h.chain("ok", play)
+    stop = h.chain("stop")
+    ticks = 0
+
+    async def scenario() -> None:
+        nonlocal ticks
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        await h.follow("ok", ok)
+        tick.cancel()
+
+        def cancelled() -> None:
+            raise JobCancelled("cancelled")
+
+        with pytest.raises(JobCancelled):
+            await h.follow("stop", stop, cancelled)
+
+    asyncio.run(scenario())
+    assert ticks >= 10  # the loop ran other work while the job waited ~0.3 s
+    assert h.store.state("stop") == "cancelled" and h.sent == [("ok", 1), ("stop", 1)]
+
+
+def test_a_stage_whose_worker_is_lost_is_sent_again(h: Harness) -> None:
+    """The first sending's LLM stage begins on a worker that never beats: the chain is sent
+    again (the first sending's tasks are now stale) and the lost attempt counts; progress runs
+    from 0 to all stages."""
+
+    def play(chain_id: str, dispatch: int) -> None:
+        assert h.store.live(chain_id, dispatch) and not h.store.live(chain_id, dispatch - 1)
+        worker = "llm-ghost" if dispatch == 1 else "llm-live"
+        if dispatch > 1:
+            h.beat(worker)
+        h.store.begin(chain_id, "llm", worker, dispatch)
+        if dispatch > 1:
+            time.sleep(0.3)  # (the follower checks the live worker meanwhile)
+            h.store.set_status(chain_id, "succeeded")
+
+    opts = h.chain("lost", play, max_attempts=2)
+    reports: list[tuple[int, int]] = []
+    asyncio.run(h.follow("lost", opts, progress=lambda *p: reports.append(p)))
+    assert h.sent == [("lost", 1), ("lost", 2)] and h.store.attempts("lost", "llm") == 2
+    assert reports[0] == (0, 4) and reports[-1] == (4, 4)
+
+
+def test_a_stage_that_loses_its_last_attempt_fails_the_chain(h: Harness) -> None:
+    def play(chain_id: str, dispatch: int) -> None:
+        h.store.begin(chain_id, "llm", "llm-ghost", dispatch)
+
+    opts = h.chain("spent", play, max_attempts=1)
+    with pytest.raises(RuntimeError, match="llm: worker llm-ghost was lost"):
+        asyncio.run(h.follow("spent", opts))
+    assert h.sent == [("spent", 1)] and h.store.state("spent") == "failed"
+
+
+def test_a_retried_job_takes_over_a_chain_running_on_a_live_worker(h: Harness) -> None:
+    """Not sent again (its stage is under way on a live worker); the earlier follower, when it
+    wakes, finds itself superseded and does not cancel the chain."""
+    opts = h.chain("taken")
+    h.beat("asr-live")
+    h.store.begin("taken", "asr", "asr-live", h.store.redispatch("taken"))  # (the first attempt's sending)
+
+    async def scenario() -> None:
+        first = asyncio.create_task(h.follow("taken", opts))
+        await asyncio.sleep(0.3)
+        second = asyncio.create_task(h.follow("taken", opts))  # (the job's retry, on another worker)
+        with pytest.raises(Exception, match="followed by a newer attempt"):
+            await first
+        assert h.store.state("taken") == "running:asr"  # (not cancelled by the superseded one)
+        h.store.set_status("taken", "succeeded")
+        await second
+
+    asyncio.run(scenario())
+    assert h.sent == []
+
+
+def test_a_chain_with_nothing_under_way_or_queued_is_sent_again(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ASR stage finished but the LLM stage's task never came (its publishing failed): once
+    nothing has moved for ``STALL_S`` with the LLM queue empty, the chain is sent again; a task
+    waiting on that queue holds the follower back."""
+    import pipelines.follower as follower
+    from workers.celery_app import modality_queue
+
+    monkeypatch.setattr(follower, "STALL_S", 0.5)
+
+    def play(chain_id: str, dispatch: int) -> None:
+        if dispatch == 1:  # vad and asr run; the llm task is lost
+            for stage in ("vad", "asr"):
+                h.store.begin(chain_id, stage, "asr-live", dispatch)
+                h.store.finish(chain_id, stage, [], 0.01, dispatch)
+            return
+        h.store.begin(chain_id, "llm", "llm-live", dispatch)
+        h.store.set_status(chain_id, "succeeded")
+
+    opts = h.chain("stalled", play)
+    queue = modality_queue("llm", h.prefix)
+
+    async def scenario() -> None:
+        h.sync.rpush(queue, b"someone else's task")
+        follow = asyncio.create_task(h.follow("stalled", opts))
+        await asyncio.sleep(1.5)
+        assert h.sent == [("stalled", 1)]  # (a task waits on the LLM queue: maybe ours)
+        h.sync.delete(queue)
+        await follow
+
+    asyncio.run(scenario())
+    assert h.sent == [("stalled", 1), ("stalled", 2)]
+    assert h.store.attempts("stalled", "asr") == 1  # (done stages are not redone)
+
+
+def test_a_stale_attempt_runs_nothing_and_keeps_nothing() -> None:
+    """A task of a chain sent again (or of an ended chain) is a no-op: no attempt counted; one that
+    goes stale while it runs stores no output; an attempt counts before its engines are looked
+    up, so a worker without them uses up attempts instead of retrying forever."""
+    store = StageStore(None)
+    store.create("c", np.zeros(16_000, np.float32), ChainOptions())
+    assert store.redispatch("c") == 1
+    asyncio.run(run_stage(store, "c", "vad", Services(), dispatch=0))
+    assert store.attempts("c", "vad") == 0 and store.output("c", "vad") is None
+    asyncio.run(run_stage(store, "c", "vad", Services(), dispatch=1))
+    assert store.attempts("c", "vad") == 1 and store.output("c", "vad") == []  # (silence: no speech)
+
+    def missing(opts: ChainOptions) -> Services:
+        raise ServiceMissing("no asr model named 'x' is served")
+
+    with pytest.raises(ServiceMissing):
+        asyncio.run(run_stage(store, "c", "asr", missing, dispatch=1))
+    assert store.attempts("c", "asr") == 1
+    assert store.finish("c", "asr", [], 0.1, dispatch=1) and store.output("c", "asr") == []
+    store.redispatch("c")
+    assert not store.finish("c", "llm", [], 0.1, dispatch=1) and store.output("c", "llm") is None
+    store.set_status("c", "failed", "llm: boom")
+    asyncio.run(run_stage(store, "c", "tts", Services(), dispatch=2))
+    assert store.attempts("c", "tts") == 0
