@@ -118,22 +118,21 @@ RESPONSE_AUDIO = {"output": frozenset(("format", "voice"))}  # (a response's own
 def ga_audio(value: Any, param: str, fields: dict[str, frozenset[str]]) -> dict[str, dict[str, Any]]:
     """The sides of a GA ``audio`` object at ``param`` (``session.audio``, ``response.audio``),
     each an object ({} when left out or null) holding none but its ``fields``; an ``EventError``
-    names what is not so. Messages write fields as paths, which ``ga_error`` leaves as they are."""
+    names what is not so (an unknown field: ``unknown_parameter``, as the session's own)."""
     name = param.removeprefix("session.")
     if value is None:
         value = {}
     if not isinstance(value, dict):
         raise EventError(f"{name} must be an object", param=param)
     if unknown := sorted(set(value) - set(fields)):
-        raise EventError(f"{name}.{unknown[0]} is not a field of {name}", param=f"{param}.{unknown[0]}")
+        raise unknown_parameter(f"{param}.{unknown[0]}", error=FieldError)
     sides = {}
     for side, known in fields.items():
         conf = {} if value.get(side) is None else value[side]
         if not isinstance(conf, dict):
             raise EventError(f"{name}.{side} must be an object", param=f"{param}.{side}")
         if unknown := sorted(set(conf) - known):
-            field = f"{name}.{side}.{unknown[0]}"
-            raise EventError(f"{field} is not a field of {name}.{side}", param=f"{param}.{side}.{unknown[0]}")
+            raise unknown_parameter(f"{param}.{side}.{unknown[0]}", error=FieldError)
         sides[side] = conf
     return sides
 

@@ -1314,7 +1314,8 @@ def test_realtime_ga_session_patch_and_event_translation() -> None:
         with pytest.raises(EventError) as misplaced:
             session_patch({"type": "realtime", "audio": {side: {field: 1}}})
         assert misplaced.value.param == f"session.audio.{side}.{field}"
-        assert str(ga_error(misplaced.value)) == f"audio.{side}.{field} is not a field of audio.{side}"
+        assert str(ga_error(misplaced.value)) == f"Unknown parameter: 'session.audio.{side}.{field}'."
+        assert misplaced.value.code == "unknown_parameter"
     with pytest.raises(EventError) as misplaced:
         session_patch({"type": "realtime", "audio": {"voice": "alloy"}})
     assert misplaced.value.param == "session.audio.voice"

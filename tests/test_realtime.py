@@ -1891,7 +1891,7 @@ def test_ga_audio_objects_are_objects_of_known_fields() -> None:
             for audio in values:
                 await s._handle(json.dumps({"type": "session.update", "session": {"type": "realtime", "audio": audio}}))
                 assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == param, (audio, sent[-1])
-        assert sent[-1]["error"]["message"] == "audio.output.zzz is not a field of audio.output"
+        assert sent[-1]["error"]["message"] == "Unknown parameter: 'session.audio.output.zzz'."
         for audio, param in (({"output": {"speed": 1.0}}, "response.audio.output.speed"), ([], "response.audio")):
             await s._handle(json.dumps({"type": "response.create", "response": {"audio": audio}}))
             assert sent[-1]["type"] == "error" and sent[-1]["error"]["param"] == param, (audio, sent[-1])
