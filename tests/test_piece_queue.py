@@ -64,9 +64,39 @@ def test_a_live_turn_goes_first_and_then_the_request_about_to_run_dry(loop: asyn
     early, live = _job(loop, 0, arrival=0.0), _job(loop, 1, arrival=0.5, priority=-1)
     q.add(early)
     q.add(live)
-    assert _front(q, 0.6, audio_s=1.0).job is live
-    assert _front(q, 0.7, audio_s=3.0).job is early  # early now runs dry at 3.7, live at 1.6
+    assert _front(q, 0.6, audio_s=2.0).job is live
+    assert _front(q, 0.7, audio_s=3.0).job is early  # early now runs dry at 3.7, live at 2.6
     assert _take(q, 0.8).job is live
+
+
+def test_under_overload_a_new_request_gets_its_first_audio_before_the_backlog(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Streams far behind (their deadlines long past) do not hold back a new request's first
+    chunk: earliest deadline first alone would make it wait for the whole backlog."""
+    q = PieceQueue(FRAME_S)
+    behind = _job(loop, 0, arrival=0.0)
+    q.add(behind)
+    _front(q, 0.0, audio_s=0.28)  # then nothing more of it was made: at 10 s it is 9.7 s behind
+    new = _job(loop, 1, arrival=9.9)
+    q.add(new)
+    assert _take(q, 10.0).job is new
+    assert _take(q, 10.0).job is behind  # (and then the backlog)
+
+
+def test_a_live_turn_short_of_audio_goes_before_a_new_request(loop: asyncio.AbstractEventLoop) -> None:
+    """A live voice reply with under ``LIVE_HORIZON_S`` in hand goes before another request's
+    first chunk; with more in hand, after it."""
+    from modalities.tts.piece_queue import LIVE_HORIZON_S
+
+    q = PieceQueue(FRAME_S)
+    live = _job(loop, 0, arrival=0.0, priority=-1)
+    q.add(live)
+    _front(q, 0.0, audio_s=LIVE_HORIZON_S + 0.5)
+    other = _job(loop, 1, arrival=0.1)
+    q.add(other)
+    assert _take(q, 0.2).job is other  # (live has 1.3 s in hand)
+    assert _take(q, 0.6).job is live  # (0.9 s)
 
 
 def test_segments_grow_with_the_audio_in_hand_and_end_with_the_sentence(loop: asyncio.AbstractEventLoop) -> None:

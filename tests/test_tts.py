@@ -173,6 +173,8 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
             for t in ("B zero. B one.", "C one two three four five six seven.")
         ]
         await asyncio.sleep(0.05)  # both requests queued behind the gate
+        stats = eng.stats()  # (the gateway's queue_depth and running_batch_size)
+        assert (stats["num_waiting"], stats["num_running"]) == (3, 0), stats  # (A's first chunk is held)
         eng.gate.set()
         await first
         await asyncio.gather(*new)
@@ -189,12 +191,13 @@ def test_first_pieces_of_new_requests_run_first_and_shrink_under_load() -> None:
         ["Later A zero.", "B zero.", "C one two three four"],
         [["Later A zero.", "A one.", "A two."], ["B zero.", "B one."], ["C one two three four", "five six seven."]],
     )
-    assert eng.stats()["tts_first_pieces_pending"] == 0
+    assert eng.stats()["tts_first_pieces_pending"] == 0 and eng.stats()["num_waiting"] == 0
 
 
 def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> None:
     """Priority below 0 (a live voice turn): its first piece runs before those queued earlier,
-    on the session over every core; other pieces run on the worker's own session."""
+    on the session over every core, and its next one too while it has under ``LIVE_HORIZON_S``
+    of audio in hand; other pieces run on the worker's own session."""
     eng = GatedPiper(workers=1, threads=1)
     eng.gate.clear()
     wide: dict[str, bool] = {}
@@ -222,7 +225,7 @@ def test_a_live_turns_pieces_go_first_and_its_first_piece_spans_the_cores() -> N
     run(go())
     _assert_order(
         eng,
-        ["Later A zero.", "V zero.", "B zero."],
+        ["Later A zero.", "V zero.", "V one.", "B zero."],
         [["Later A zero.", "A one."], ["V zero.", "V one."], ["B zero.", "B one."]],
     )
     spans = (os.cpu_count() or 1) > 1  # one core: no wider session to run on

@@ -180,6 +180,8 @@ class AsrEngine:
     def stats(self) -> dict[str, float]:
         s = {f"decoder_{k}": v for k, v in self.engine.stats().items()}
         s.update(
+            num_waiting=s.get("decoder_num_waiting", 0),  # (the gateway's queue_depth: windows to decode)
+            num_running=s.get("decoder_num_running", 0),
             audio_seconds_total=self.audio_seconds,
             windows_total=self.num_windows,
             encoder_batches_total=self.encoder.num_batches,

@@ -11,11 +11,21 @@ audio order, and ``PieceJob.deliver`` emits them in that order. While a piece's 
 another worker may run the next piece's front ahead of time. Nothing of a request runs beside its
 first segment: sharing the cores, that would only delay its first audio.
 
-A request is due when its listener would run dry: before its first audio, at its arrival (a live
-voice turn's, priority below 0, before any other's); once audio flows, when the audio made so
-far, plus that of its segments in synthesis, has played from its first chunk. So a new request's
-first chunk goes ahead of the later audio of requests with audio in hand, and a request about to
-run dry ahead of one with seconds buffered. Pure bookkeeping: the engine calls it under its lock.
+A request is due when its listener would run dry: before its first audio, at its arrival; once
+audio flows, when the audio made so far, plus that of its segments in synthesis, has played from
+its first chunk. Earliest deadline first within four classes, in this order:
+
+1. a live voice turn's (priority below 0) first chunk;
+2. a live turn's later audio when it has under ``LIVE_HORIZON_S`` in hand (a conversation's
+   reply does not run dry for the sake of other work);
+3. any other request's first chunk (short);
+4. the rest of the audio: a request about to run dry before one with seconds buffered.
+
+Deadlines alone would do in a server that keeps up, where streams have audio in hand. Under
+overload every stream falls behind, its deadline sinks into the past, and a new request (due at
+its arrival, now) would wait until the backlog is gone: its first audio after tens of seconds.
+So first chunks, a small cost each, come first, and the streams share what remains. Pure
+bookkeeping: the engine calls it under its lock.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from modalities.tts.piper_voice import CONTEXT_FRAMES, Latent
 from modalities.tts.protocol import TTSUsage
 
 MIN_FRAMES = 32  # of a segment after a request's first (each decodes up to 24 frames of context too)
+LIVE_HORIZON_S = 1.0  # a live turn's audio in hand below which it goes before others' first chunks
 END = object()  # on a job's queue after its last audio
 
 
@@ -62,11 +73,13 @@ class PieceJob:
     usage: TTSUsage = field(default_factory=TTSUsage)  # the request's, counted as pieces are read
 
     def due(self, now: float) -> tuple[int, float]:
-        """``(class, deadline)``: lower runs first."""
+        """``(class, deadline)``: lower runs first (the module's docstring has the classes)."""
+        live = self.priority < 0
         if self.started is None and not self.running:
-            return (0 if self.priority < 0 else 1, self.arrival)
+            return (0 if live else 2, self.arrival)
         start = self.started if self.started is not None else now  # its first chunk is in synthesis
-        return (1, start + self.made_s + self.running_s)
+        deadline = start + self.made_s + self.running_s
+        return (1 if live and deadline - now < LIVE_HORIZON_S else 3, deadline)
 
     def deliver(self, segment: int | None, audio: np.ndarray | BaseException) -> None:
         """Audio of ``segment`` (``None``: an item without audio); emitted in segment order, then

@@ -177,7 +177,10 @@ class PiperEngine(ReportsUsage):
             self._phonemizer.close()
 
     def stats(self) -> dict[str, float]:
+        waiting = self._queue.first_pending()
         return {
+            "num_waiting": waiting,  # (``mmserve_queue_depth``: requests before their first audio ...)
+            "num_running": max(0, self._active - waiting),  # (... and ``running_batch_size``: those streaming)
             "tts_requests_active": self._active,
             "tts_requests_queued": self._queue.queued(),
             "tts_first_pieces_pending": self._queue.first_pending(),
