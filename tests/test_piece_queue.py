@@ -84,6 +84,19 @@ def test_under_overload_a_new_request_gets_its_first_audio_before_the_backlog(
     assert _take(q, 10.0).job is behind  # (and then the backlog)
 
 
+def test_streams_far_behind_go_least_made_first(loop: asyncio.AbstractEventLoop) -> None:
+    """Among streams more than ``LATE_S`` behind, the one with the least audio made goes first (a
+    short request is not held until the oldest stream catches up); one barely behind waits."""
+    q = PieceQueue(FRAME_S)
+    old, young, barely = _job(loop, 0, arrival=0.0), _job(loop, 1, arrival=4.0), _job(loop, 2, arrival=9.0)
+    for job, now, made in ((old, 0.0, 5.0), (young, 4.0, 1.5), (barely, 9.0, 0.9)):
+        q.add(job)
+        _front(q, now, audio_s=made)
+    # At 10 s: old ran dry at 5.0 (5 s behind), young at 5.5 (4.5 s), barely runs dry at 9.9.
+    taken = [_take(q, 10.0).job for _ in range(8)]  # (no item finishes: young's in synthesis count)
+    assert taken[:2] == [young, young] and old in taken and barely not in taken[: taken.index(old)]
+
+
 def test_a_live_turn_short_of_audio_goes_before_a_new_request(loop: asyncio.AbstractEventLoop) -> None:
     """A live voice reply with under ``LIVE_HORIZON_S`` in hand goes before another request's
     first chunk; with more in hand, after it."""

@@ -19,13 +19,15 @@ its first chunk. Earliest deadline first within four classes, in this order:
 2. a live turn's later audio when it has under ``LIVE_HORIZON_S`` in hand (a conversation's
    reply does not run dry for the sake of other work);
 3. any other request's first chunk (short);
-4. the rest of the audio: a request about to run dry before one with seconds buffered.
+4. the rest of the audio: a request about to run dry before one with seconds buffered; among
+   those more than ``LATE_S`` behind (already stalling), the one with the least audio made.
 
 Deadlines alone would do in a server that keeps up, where streams have audio in hand. Under
-overload every stream falls behind, its deadline sinks into the past, and a new request (due at
-its arrival, now) would wait until the backlog is gone: its first audio after tens of seconds.
-So first chunks, a small cost each, come first, and the streams share what remains. Pure
-bookkeeping: the engine calls it under its lock.
+overload every stream falls behind, its deadline sinks into the past, and the streams furthest
+behind (the oldest) would hold everything else: a new request's first audio, and then its rest,
+until the backlog is gone (tens of seconds). So first chunks, a small cost each, come first, and
+late streams are served least-made first: a short request finishes soon, a long one goes on
+when the short ones are done. Pure bookkeeping: the engine calls it under its lock.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from modalities.tts.protocol import TTSUsage
 
 MIN_FRAMES = 32  # of a segment after a request's first (each decodes up to 24 frames of context too)
 LIVE_HORIZON_S = 1.0  # a live turn's audio in hand below which it goes before others' first chunks
+LATE_S = 0.25  # streams further behind than this share what is made: the one with least made first
 END = object()  # on a job's queue after its last audio
 
 
@@ -72,14 +75,22 @@ class PieceJob:
     next_emit: int = 0
     usage: TTSUsage = field(default_factory=TTSUsage)  # the request's, counted as pieces are read
 
-    def due(self, now: float) -> tuple[int, float]:
-        """``(class, deadline)``: lower runs first (the module's docstring has the classes)."""
-        live = self.priority < 0
+    def deadline(self, now: float) -> float:
+        """When its listener runs dry: at its arrival before its first audio, then once the audio
+        made (and in synthesis) has played from its first chunk."""
         if self.started is None and not self.running:
-            return (0 if live else 2, self.arrival)
+            return self.arrival
         start = self.started if self.started is not None else now  # its first chunk is in synthesis
-        deadline = start + self.made_s + self.running_s
-        return (1 if live and deadline - now < LIVE_HORIZON_S else 3, deadline)
+        return start + self.made_s + self.running_s
+
+    def due(self, now: float) -> tuple[int, float, float]:
+        """Its order: lower runs first (the module's docstring has the classes)."""
+        live, deadline = self.priority < 0, self.deadline(now)
+        if self.started is None and not self.running:
+            return (0 if live else 2, deadline, 0.0)
+        if live and deadline - now < LIVE_HORIZON_S:
+            return (1, deadline, 0.0)
+        return (3, max(deadline, now - LATE_S), self.made_s + self.running_s)
 
     def deliver(self, segment: int | None, audio: np.ndarray | BaseException) -> None:
         """Audio of ``segment`` (``None``: an item without audio); emitted in segment order, then
@@ -128,7 +139,7 @@ class PieceQueue:
 
     def take(self, now: float) -> Item | None:
         """The most urgent request's next item, now counted as running; ``None`` if none waits."""
-        best: tuple[tuple[int, float, int], Item] | None = None
+        best: tuple[tuple[int, float, float, int], Item] | None = None
         for job in self.jobs:
             key = (*job.due(now), job.seq)
             if best is None or key < best[0]:
@@ -163,7 +174,7 @@ class PieceQueue:
         hand grows quickly, and with it the segments), at least ``MIN_FRAMES``."""
         if job.started is None and not job.running:
             return job.first_frames
-        ahead_s = job.due(now)[1] - now
+        ahead_s = job.deadline(now) - now
         return max(MIN_FRAMES, int(2 * ahead_s / self.frame_s))
 
     @staticmethod
