@@ -1,7 +1,7 @@
 """Following an ``audio.pipeline`` chain under Celery from the job that sent it.
 
 The job (on an ASR worker) sends the stage chain and watches its ``meta`` hash in the stage store
-(``pipelines.chain.StageStore``) until it ends. Celery cannot be trusted to bring every task
+(``pipelines.stage_store.StageStore``) until it ends. Celery cannot be trusted to bring every task
 back: with ``acks_late`` on Redis, the task of a SIGKILLed worker returns only after the
 visibility timeout (an hour), and a next stage whose publishing failed never comes. So the
 follower sends the chain again, as a new dispatch whose number makes the earlier tasks no-ops
@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.chain import ChainOptions, StageStore, celery_chain
+from pipelines.chain import celery_chain
+from pipelines.stage_store import ChainOptions, StageStore
 
 logger = logging.getLogger("mmserve.pipelines")
 

@@ -7,7 +7,7 @@ under Celery dispatch the job runs on an ASR worker, which sends the stage chain
 (``pipelines.follower``: a stage lost with its worker is sent again).
 The job runs on the worker's engine loop, so it polls the chain with the worker's async Redis
 client and does its blocking calls on threads; the Celery app and the stage store
-(``pipelines.chain.shared_store``) are made once per process.
+(``pipelines.stage_store.shared_store``) are made once per process.
 The job's result: transcript, segments, reply text, usage, per-stage attempts and seconds, and
 ``reply.wav`` in the result store.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # imported lazily at run time: the plugin stays light
-    from pipelines.chain import ChainOptions
+    from pipelines.stage_store import ChainOptions
 
 KIND = "audio.pipeline"
 
@@ -42,7 +42,7 @@ class PipelineParams(BaseModel):
     fail_once: list[Literal["vad", "asr", "llm", "tts"]] = Field(default_factory=list)
 
     def options(self) -> ChainOptions:
-        from pipelines.chain import ChainOptions
+        from pipelines.stage_store import ChainOptions
 
         fields = self.model_dump(exclude={"file_id"})
         return ChainOptions(**fields)
@@ -85,9 +85,10 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
 
 async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
     from modalities.audio import ASR_RATE, MAX_AUDIO_S, decode_audio, encode_audio
-    from pipelines.chain import StageStore, result, run_local, shared_store
+    from pipelines.chain import result, run_local
     from pipelines.follower import ChainFollower
     from pipelines.services import Services
+    from pipelines.stage_store import StageStore, shared_store
     from workers import runtime
     from workers.jobs.store import parse_file_id
 

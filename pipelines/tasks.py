@@ -21,8 +21,8 @@ TASK_NAME = "mmserve.pipeline.stage"
 def _services(rt: Any, stage: str) -> Any:
     """What makes the worker's engine for ``stage`` of a chain's options: the one they name,
     else its first (``ServiceMissing`` when this worker has none such: an attempt that fails)."""
-    from pipelines.chain import STAGES
     from pipelines.services import Services
+    from pipelines.stage_store import STAGES
 
     spec = next(s for s in STAGES if s.name == stage)
 
@@ -37,7 +37,8 @@ def _services(rt: Any, stage: str) -> Any:
 def run_stage_task(
     self: Any, chain_id: str, stage: str, prefix: str, last: bool = False, dispatch: int | None = None
 ) -> dict[str, Any] | None:
-    from pipelines.chain import result, run_stage, shared_store
+    from pipelines.chain import result, run_stage
+    from pipelines.stage_store import shared_store
     from workers import runtime
 
     rt = runtime.current()

@@ -172,7 +172,8 @@ def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes, cluster: dict[str, str]) -> None:
     from modalities.audio import decode_audio
-    from pipelines.chain import ChainOptions, StageStore, celery_chain, result
+    from pipelines.chain import celery_chain, result
+    from pipelines.stage_store import ChainOptions, StageStore
     from workers.celery_app import make_celery
 
     app = make_celery(REDIS_URL, socket_timeout_s=10)  # a loaded test machine can be slow to answer

@@ -911,8 +911,9 @@ def test_a_reply_keeps_the_items_the_client_deleted_after_asking_for_it() -> Non
 
 
 def test_chain_stages_skip_done_and_cancelled_work() -> None:
-    from pipelines.chain import ChainOptions, StageStore, run_local, run_stage
+    from pipelines.chain import run_local, run_stage
     from pipelines.services import Services
+    from pipelines.stage_store import ChainOptions, StageStore
 
     store = StageStore(None)  # the in-process store (local dispatch without Redis)
     store.create("c", _spoken("Good morning."), ChainOptions(respond=False))

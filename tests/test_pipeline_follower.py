@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import redis
 
-from pipelines.chain import ChainOptions, StageStore, run_stage, shared_store
+from pipelines.chain import run_stage
 from pipelines.services import ServiceMissing, Services
+from pipelines.stage_store import ChainOptions, StageStore, shared_store
 
 REDIS_URL = "redis://127.0.0.1:6379/14"
 Play = Callable[[str, int], None]  # (chain id, dispatch) -> the stages of that sending

@@ -1,0 +1,254 @@
+"""The uploaded-audio chain's data: its stages and options, and the ``StageStore`` that keeps
+each stage's output frames, attempts and timings (Redis under celery dispatch, shared by the
+gateway and the workers; in memory under local dispatch) so that a failed stage is retried alone
+and a chain run again skips the stages already done."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from modalities.audio import ASR_RATE
+from pipelines.frames import AudioFrame, Frame
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    modality: str  # whose queue/workers run it (VAD rides with ASR: same workers, no engine)
+    needs: tuple[str, ...]
+
+
+STAGES = (
+    StageSpec("vad", "asr", ()),
+    StageSpec("asr", "asr", ("asr",)),
+    StageSpec("llm", "llm", ("llm",)),
+    StageSpec("tts", "tts", ("tts",)),
+)
+
+
+@dataclass
+class ChainOptions:
+    """What to run: ``respond`` adds the LLM stage, ``speak`` the TTS stage. ``fail_once`` names
+    stages whose first attempt raises (fault injection for tests and drills)."""
+
+    respond: bool = True
+    speak: bool = True
+    instructions: str | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    voice: str | None = None
+    sample_rate: int = 24_000
+    llm: str | None = None
+    asr: str | None = None
+    tts: str | None = None
+    fail_once: list[str] = field(default_factory=list)
+    max_attempts: int = 3
+
+    def stages(self) -> list[StageSpec]:
+        names = ["vad", "asr"] + (["llm"] if self.respond else []) + (["tts"] if self.respond and self.speak else [])
+        return [s for s in STAGES if s.name in names]
+
+
+class StageFailed(RuntimeError):
+    """A stage attempt failed (injected or real); the chain retries it."""
+
+
+class StageStore:
+    """Chain state in Redis under ``<prefix>:chain:<id>``: the input audio, each stage's output
+    frames, and a ``meta`` hash (options, status, per-stage attempts and timings). Keys expire
+    after ``ttl_s``."""
+
+    def __init__(self, redis_url: str | None, prefix: str = "mmserve", ttl_s: int = 86_400) -> None:
+        """``redis_url`` None: an in-process store (local dispatch without Redis)."""
+        if redis_url is None:
+            self.r: Any = MemoryKV()
+        else:
+            import redis
+
+            self.r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10)
+        self.prefix, self.ttl = prefix, ttl_s
+
+    def _key(self, chain_id: str, what: str) -> str:
+        return f"{self.prefix}:chain:{chain_id}:{what}"
+
+    def meta_key(self, chain_id: str) -> str:
+        """The Redis hash whose ``status`` field follows the chain (an async client may poll it)."""
+        return self._key(chain_id, "meta")
+
+    def create(self, chain_id: str, audio: np.ndarray, opts: ChainOptions) -> None:
+        meta = self._key(chain_id, "meta")
+        with self.r.pipeline() as p:
+            p.set(self._key(chain_id, "input"), np.asarray(audio, np.float32).tobytes(), ex=self.ttl)
+            mapping = {"status": "queued", "options": pickle.dumps(opts), "created": time.time(), "dispatch": 0}
+            p.hset(meta, mapping=mapping)
+            p.expire(meta, self.ttl)
+            p.execute()
+
+    def options(self, chain_id: str) -> ChainOptions:
+        raw = self.r.hget(self._key(chain_id, "meta"), "options")
+        if raw is None:
+            raise KeyError(f"no chain {chain_id!r}")
+        return pickle.loads(raw)  # noqa: S301 - written by this cluster only
+
+    def input_frames(self, chain_id: str, stage: str, opts: ChainOptions) -> list[Frame]:
+        names = [s.name for s in opts.stages()]
+        i = names.index(stage)
+        if i == 0:
+            raw = self.r.get(self._key(chain_id, "input"))
+            if raw is None:
+                raise KeyError(f"chain {chain_id!r} has no input audio")
+            return [AudioFrame(np.frombuffer(raw, np.float32).copy(), ASR_RATE)]
+        out = self.output(chain_id, names[i - 1])
+        if out is None:
+            raise StageFailed(f"stage {names[i - 1]!r} of chain {chain_id} has no output")
+        return out
+
+    def output(self, chain_id: str, stage: str) -> list[Frame] | None:
+        raw = self.r.get(self._key(chain_id, f"out:{stage}"))
+        return None if raw is None else pickle.loads(raw)  # noqa: S301
+
+    def attempts(self, chain_id: str, stage: str) -> int:
+        return int(self.r.hget(self._key(chain_id, "meta"), f"{stage}.attempts") or 0)
+
+    def begin(self, chain_id: str, stage: str, where: str, dispatch: int | None = None) -> int:
+        """Count an attempt on worker ``where`` (sent as ``dispatch``); returns its number
+        (1-based)."""
+        meta = self._key(chain_id, "meta")
+        n = int(self.r.hincrby(meta, f"{stage}.attempts", 1))
+        mapping = {"status": f"running:{stage}", f"{stage}.started": time.time(), f"{stage}.where": where}
+        self.r.hset(meta, mapping={**mapping, **({} if dispatch is None else {f"{stage}.dispatch": dispatch})})
+        return n
+
+    def finish(
+        self, chain_id: str, stage: str, frames: list[Frame], seconds: float, dispatch: int | None = None
+    ) -> bool:
+        """Store ``stage``'s output, unless its ``dispatch`` went stale while it ran (a worker
+        taken for lost that was not: the attempt sent since is the one kept); whether it did."""
+        if not self.live(chain_id, dispatch):
+            return False
+        meta = self._key(chain_id, "meta")
+        with self.r.pipeline() as p:
+            p.set(self._key(chain_id, f"out:{stage}"), pickle.dumps(frames), ex=self.ttl)
+            p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
+            p.execute()
+        return True
+
+    def redispatch(self, chain_id: str) -> int:
+        """Make the chain's tasks sent so far stale (``live`` says no to them); returns the number
+        the tasks sent next must carry. (One atomic command: no state in between.)"""
+        return int(self.r.hincrby(self._key(chain_id, "meta"), "dispatch", 1))
+
+    def live(self, chain_id: str, dispatch: int | None) -> bool:
+        """Whether a task of the chain sent as ``dispatch`` (None: any) should run: the chain has
+        not ended and was not sent again since."""
+        status, current = self.r.hmget(self._key(chain_id, "meta"), ["status", "dispatch"])
+        if status in (None, b"succeeded", b"failed", b"cancelled"):
+            return False
+        return dispatch is None or int(current or 0) == dispatch
+
+    def state(self, chain_id: str) -> str | None:
+        raw = self.r.hget(self._key(chain_id, "meta"), "status")
+        return raw.decode() if raw is not None else None
+
+    def set_status(self, chain_id: str, status: str, error: str | None = None) -> None:
+        mapping: dict[str, Any] = {"status": status}
+        if error is not None:
+            mapping["error"] = error
+        self.r.hset(self._key(chain_id, "meta"), mapping=mapping)
+
+    @staticmethod
+    def stages_done(meta: dict[bytes, bytes], opts: ChainOptions) -> int:
+        """How many of the chain's stages have finished, from its ``meta`` hash."""
+        return sum(f"{s.name}.finished".encode() in meta for s in opts.stages())
+
+    def status(self, chain_id: str) -> dict[str, Any] | None:
+        """``{"id", "status", "error", "stages": {name: {attempts, seconds}}}``; None if unknown."""
+        meta = {k.decode(): v for k, v in self.r.hgetall(self._key(chain_id, "meta")).items()}
+        if not meta:
+            return None
+        opts: ChainOptions = pickle.loads(meta["options"])  # noqa: S301
+        stages = {}
+        for s in opts.stages():
+            seconds = meta.get(f"{s.name}.seconds")
+            where = meta.get(f"{s.name}.where")
+            stages[s.name] = {
+                "modality": s.modality,
+                "attempts": int(meta.get(f"{s.name}.attempts", 0)),
+                "seconds": float(seconds) if seconds is not None else None,
+                "worker": where.decode() if where else None,
+            }
+        err = meta.get("error")
+        return {
+            "id": chain_id,
+            "status": meta["status"].decode(),
+            "error": err.decode() if err else None,
+            "stages": stages,
+        }
+
+    def delete(self, chain_id: str) -> None:
+        keys = [self._key(chain_id, w) for w in ("meta", "input")]
+        keys += [self._key(chain_id, f"out:{s.name}") for s in STAGES]
+        self.r.delete(*keys)
+
+
+@functools.cache
+def shared_store(redis_url: str, prefix: str) -> StageStore:
+    """The stage store on ``redis_url`` of this process (one Redis connection pool, thread-safe),
+    shared by every job and stage task it runs."""
+    return StageStore(redis_url, prefix)
+
+
+class MemoryKV:
+    """The few Redis commands ``StageStore`` uses, in memory (no expiry: local chains are few)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def pipeline(self) -> MemoryKV:
+        return self
+
+    def __enter__(self) -> MemoryKV:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def execute(self) -> None:
+        return None
+
+    def set(self, key: str, value: bytes, ex: int | None = None) -> None:
+        self.data[key] = value
+
+    def get(self, key: str) -> bytes | None:
+        return self.data.get(key)
+
+    def expire(self, key: str, seconds: int) -> None:
+        return None
+
+    def hset(self, key: str, mapping: dict[str, Any]) -> None:
+        h = self.data.setdefault(key, {})
+        h.update({k: v if isinstance(v, bytes) else str(v).encode() for k, v in mapping.items()})
+
+    def hget(self, key: str, field: str) -> bytes | None:
+        return self.data.get(key, {}).get(field)
+
+    def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        return [self.hget(key, f) for f in fields]
+
+    def hgetall(self, key: str) -> dict[bytes, bytes]:
+        return {k.encode(): v for k, v in self.data.get(key, {}).items()}
+
+    def hincrby(self, key: str, field: str, amount: int) -> int:
+        h = self.data.setdefault(key, {})
+        h[field] = str(int(h.get(field, b"0")) + amount).encode()
+        return int(h[field])
+
+    def delete(self, *keys: str) -> None:
+        for k in keys:
+            self.data.pop(k, None)
