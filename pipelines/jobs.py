@@ -62,11 +62,12 @@ def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str,
     p = parse_params(PipelineParams, params)
     for modality in ("asr", "llm"):
         if (name := getattr(p, modality)) is not None and has_modality(engines, modality):
+            served = aliases.get(name, name)
             try:
-                pick(engines, modality, aliases.get(name, name))
+                pick(engines, modality, served)
             except ServiceMissing:
                 raise ParamError(modality, f"no {modality} model named {name!r} is served") from None
-            setattr(p, modality, aliases.get(name, name))
+            setattr(p, modality, served)
     if has_modality(engines, "tts"):
         try:
             p.tts, _, p.voice = resolve_tts(engines, p.tts, p.voice, aliases)

@@ -224,9 +224,8 @@ class LLM(Processor):
             whole = True
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             error = f"{type(exc).__name__}: {exc}"
-            mapped = (
-                from_engine_error(exc) if isinstance(exc, EngineError | APIError) else None
-            )  # (APIError: a lost worker's 503)
+            # (an APIError: a lost worker's 503 under celery dispatch)
+            mapped = from_engine_error(exc) if isinstance(exc, EngineError | APIError) else None
         finally:
             if spec is not None and whole:
                 spec.outputs.cancel()  # (its first sentence's synthesis is the TTS stage's to take)

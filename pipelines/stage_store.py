@@ -152,10 +152,6 @@ class StageStore:
             return False
         return dispatch is None or int(current or 0) == dispatch
 
-    def state(self, chain_id: str) -> str | None:
-        raw = self.r.hget(self._key(chain_id, "meta"), "status")
-        return raw.decode() if raw is not None else None
-
     def set_status(self, chain_id: str, status: str, error: str | None = None) -> None:
         mapping: dict[str, Any] = {"status": status}
         if error is not None:

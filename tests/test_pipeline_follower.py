@@ -124,7 +124,7 @@ def test_the_job_waits_on_the_async_client_and_cancels_its_chain(h: Harness) -> 
 
     asyncio.run(scenario())
     assert ticks >= 10  # the loop ran other work while the job waited ~0.3 s
-    assert h.store.state("stop") == "cancelled" and h.sent == [("ok", 1), ("stop", 1)]
+    assert h.store.status("stop")["status"] == "cancelled" and h.sent == [("ok", 1), ("stop", 1)]
 
 
 def test_a_stage_whose_worker_is_lost_is_sent_again(h: Harness) -> None:
@@ -156,7 +156,7 @@ def test_a_stage_that_loses_its_last_attempt_fails_the_chain(h: Harness) -> None
     opts = h.chain("spent", play, max_attempts=1)
     with pytest.raises(RuntimeError, match="llm: worker llm-ghost was lost"):
         asyncio.run(h.follow("spent", opts))
-    assert h.sent == [("spent", 1)] and h.store.state("spent") == "failed"
+    assert h.sent == [("spent", 1)] and h.store.status("spent")["status"] == "failed"
 
 
 def test_a_retried_job_takes_over_a_chain_running_on_a_live_worker(h: Harness) -> None:
@@ -172,7 +172,7 @@ def test_a_retried_job_takes_over_a_chain_running_on_a_live_worker(h: Harness) -
         second = asyncio.create_task(h.follow("taken", opts))  # (the job's retry, on another worker)
         with pytest.raises(Exception, match="followed by a newer attempt"):
             await first
-        assert h.store.state("taken") == "running:asr"  # (not cancelled by the superseded one)
+        assert h.store.status("taken")["status"] == "running:asr"  # (not cancelled by the superseded one)
         h.store.set_status("taken", "succeeded")
         await second
 
