@@ -329,3 +329,24 @@ def test_a_client_that_leaves_aborts_the_decode(
     assert llm.stats()["generation_tokens_total"] - tokens_before < 40
     metrics = httpx.get(f"{url}/metrics").text
     assert re.search(r'mmserve_http_requests_total\{[^}]*path="/v1/audio/transcriptions"[^}]*status="499"\} 1', metrics)
+
+
+def test_past_its_bound_an_upload_is_a_429_before_any_work(
+    server: tuple[str, AsrEngine], client: openai.OpenAI
+) -> None:
+    """At ``max_requests`` held (here 0), a transcription, streamed or not, is refused with a 429
+    (OpenAI error JSON, ``Retry-After``) before its audio is heard or decoded; then served again."""
+    _, asr = server
+    wav = ("a.wav", encode_audio(corpus("piper")[0], RATE, "wav"))
+    windows = asr.stats()["windows_total"]
+    asr._admission.limit = 0
+    try:
+        for stream in (False, True):
+            with pytest.raises(openai.RateLimitError) as info:
+                client.audio.transcriptions.create(model="whisper-1", file=wav, stream=stream)
+            assert info.value.response.headers["retry-after"] == "1"
+            assert info.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+        assert asr.stats()["windows_total"] == windows and asr.stats()["requests_active"] == 0
+    finally:
+        asr._admission.limit = None
+    assert _words(client.audio.transcriptions.create(model="whisper-1", file=wav).text) == _words(SENTENCES[0])

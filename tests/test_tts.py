@@ -7,6 +7,7 @@ import asyncio
 import io
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -523,8 +524,6 @@ def test_wav_stream_header_is_readable_by_soundfile(base_url: str) -> None:
 
 
 def test_client_disconnect_cancels_queued_pieces(base_url: str, engine: GatedPiper) -> None:
-    import time
-
     engine.gate.clear()
     text = "First piece here. " + " ".join(f"Later piece {i}." for i in range(10))
     try:
@@ -537,4 +536,38 @@ def test_client_disconnect_cancels_queued_pieces(base_url: str, engine: GatedPip
         assert engine.stats()["tts_requests_active"] == 0
         assert engine.stats()["tts_requests_queued"] == 0  # the 8+ pieces not yet started were dropped
     finally:
+        engine.gate.set()
+
+
+def test_past_its_bound_a_speech_request_is_a_429_and_a_job_or_live_turn_waits(
+    base_url: str, engine: GatedPiper
+) -> None:
+    """At ``max_requests`` held, the route's request is refused before any work (429, OpenAI
+    error JSON, ``Retry-After``); an engine request that is not ``refusable`` (a job's, a live
+    turn's) still runs; once the held stream ends, the route's requests are served again."""
+    engine.gate.clear()
+    engine._admission.limit = 1
+    text = "First piece here. " + " ".join(f"Later piece {i}." for i in range(10))
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/audio/speech", json={"input": text, "response_format": "pcm"}) as r:
+            assert r.status_code == 200
+            chunks = r.iter_bytes()  # (kept: a dropped iterator closes the response)
+            next(chunks)  # held: its later pieces wait at the gate
+            with pytest.raises(openai.RateLimitError) as info:
+                _client(base_url).audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
+            assert info.value.response.headers["retry-after"] == "1"
+            body: dict[str, Any] = info.value.body  # type: ignore[assignment]
+            assert body["code"] == "rate_limit_exceeded" and "busy" in body["message"]
+            assert engine.stats()["tts_requests_active"] == 1  # the refused one held nothing
+            engine.gate.set()
+        deadline = time.monotonic() + 20
+        while engine.stats()["tts_requests_active"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # the held stream ends once the server sees its client gone
+        engine._admission.limit = 0  # every refusable request is refused now ...
+        assert _collect(engine, TTSRequest("Hi.", priority=INTERACTIVE)).size > 0  # ... not this one
+        engine._admission.limit = 1
+        resp = httpx.post(f"{base_url}/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"}, timeout=60)
+        assert resp.status_code == 200 and len(resp.content) > 2000
+    finally:
+        engine._admission.limit = None
         engine.gate.set()

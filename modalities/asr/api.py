@@ -191,6 +191,7 @@ async def create_transcription(
         word_timestamps=words,
         sentence_segments=shows_segments(response_format, granularities),
         logprobs=bool(include),
+        refusable=True,
     )
     if not stream:
         transcript = await _charged(request, audio.duration, "language", lambda: engine.run(req))
@@ -219,7 +220,7 @@ async def create_translation(
     audio = await _read_audio(file, engine)
     cues = shows_segments(response_format)
     req = TranscriptionRequest(
-        audio.samples, None, prompt or None, temperature, task="translate", sentence_segments=cues
+        audio.samples, None, prompt or None, temperature, task="translate", sentence_segments=cues, refusable=True
     )
     transcript = await _charged(request, audio.duration, "model", lambda: engine.run(req))
     return _response(transcript, response_format, [], "translate")

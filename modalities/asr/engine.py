@@ -15,6 +15,7 @@ when asked for, come from one extra decoder pass per window over its kept tokens
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from engine import openmp
+from engine.admission import Admission
 from engine.foreground import default_wait_s
 from modalities.asr.alignment import WordAligner, word_token_spans
 from modalities.asr.assemble import Decoded, TranscriptSoFar
@@ -90,6 +92,8 @@ class AsrConfig:
     # its windows (whisper.transcribe's rule), or on each window (code-switching audio).
     language_per_window: bool = False
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
+    # Requests held at once past which the routes' ones are refused (429; ``engine.admission``).
+    max_requests: int | None = 128
 
 
 class AsrEngine:
@@ -158,6 +162,7 @@ class AsrEngine:
         self.num_windows = 0
         self.num_fallback_decodes = 0
         self.num_rest_decodes = 0  # windows whose text stopped early, decoded on (``_with_rest``)
+        self._admission = Admission(self.config.max_requests)
 
     @property
     def multilingual(self) -> bool:
@@ -182,6 +187,7 @@ class AsrEngine:
         s.update(
             num_waiting=s.get("decoder_num_waiting", 0),  # (the gateway's queue_depth: windows to decode)
             num_running=s.get("decoder_num_running", 0),
+            requests_active=self._admission.active,
             audio_seconds_total=self.audio_seconds,
             windows_total=self.num_windows,
             encoder_batches_total=self.encoder.num_batches,
@@ -395,7 +401,14 @@ class AsrEngine:
 
         Every window decodes at once (they batch on the engine); a window's live text is passed
         on when all earlier windows are done and it overlaps no neighbour (overlapping windows
-        are released once stitched)."""
+        are released once stitched). ``QueueFullError`` first for a ``refusable`` request while
+        ``max_requests`` are held."""
+        with self._admission.hold(req.refusable):
+            async with contextlib.aclosing(self._stream(req)) as deltas:  # (closed now, not at GC)
+                async for delta in deltas:
+                    yield delta
+
+    async def _stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
         audio = np.asarray(req.audio, dtype=np.float32)
         prompt_ids = self.prompt_ids(req.language, req.prompt, req.task)
         windows = await asyncio.to_thread(self._windows, audio, req.vad)  # the VAD: ~0.4 ms per second of audio

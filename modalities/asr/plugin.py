@@ -58,6 +58,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="a multilingual model given no language detects it on every 30 s window, not once per request",
     )
     g.add_argument(
+        "--asr-max-requests",
+        type=int,
+        default=128,
+        help="transcriptions held at once past which new uploads get 429 with Retry-After (jobs and live turns wait)",
+    )
+    g.add_argument(
         "--asr-max-audio-s", type=float, default=MAX_AUDIO_S, help="longest accepted decoded audio, seconds (413 above)"
     )
 
@@ -76,6 +82,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
         fallback_keep=getattr(args, "asr_fallback_keep", "last"),
         language_per_window=getattr(args, "asr_language_per_window", False),
+        max_requests=getattr(args, "asr_max_requests", 128),
     )
     try:
         engine = AsrEngine.from_config(config)

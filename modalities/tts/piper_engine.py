@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.admission import Admission
 from engine.errors import EngineDeadError
 from engine.foreground import FOREGROUND
 from modalities.stream_resample import Resampler
@@ -43,7 +44,7 @@ from modalities.tts.base import ReportsUsage, check_request
 from modalities.tts.phonemizer import Phonemizer
 from modalities.tts.piece_queue import END, Item, PieceJob, PieceQueue
 from modalities.tts.piper_voice import PiperVoiceModel, cut_voice
-from modalities.tts.protocol import TTSInputError, TTSRequest
+from modalities.tts.protocol import DEFAULT_MAX_REQUESTS, TTSInputError, TTSRequest
 from modalities.tts.tempo import TimeStretch
 from modalities.tts.text import split_text
 
@@ -103,6 +104,7 @@ class PiperEngine(ReportsUsage):
         first_chars: int = 60,
         min_first_chars: int = 12,
         seed: int | None = None,
+        max_requests: int | None = DEFAULT_MAX_REQUESTS,
     ) -> None:
         self.seed = seed  # seeds the voice's noise: the same requests in the same order sound the same
         self.path = resolve_voice_path(str(model_path) if model_path is not None else None)
@@ -128,7 +130,7 @@ class PiperEngine(ReportsUsage):
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._seq = itertools.count()
-        self._active = 0
+        self._admission = Admission(max_requests)  # (its ``active``: the requests streaming or waiting)
         self._pieces_done = 0
         self._audio_s = 0.0
         self._synth_s = 0.0
@@ -177,11 +179,11 @@ class PiperEngine(ReportsUsage):
             self._phonemizer.close()
 
     def stats(self) -> dict[str, float]:
-        waiting = self._queue.first_pending()
+        waiting, active = self._queue.first_pending(), self._admission.active
         return {
             "num_waiting": waiting,  # (``mmserve_queue_depth``: requests before their first audio ...)
-            "num_running": max(0, self._active - waiting),  # (... and ``running_batch_size``: those streaming)
-            "tts_requests_active": self._active,
+            "num_running": max(0, active - waiting),  # (... and ``running_batch_size``: those streaming)
+            "tts_requests_active": active,
             "tts_requests_queued": self._queue.queued(),
             "tts_first_pieces_pending": self._queue.first_pending(),
             "tts_pieces_done": self._pieces_done,
@@ -265,6 +267,12 @@ class PiperEngine(ReportsUsage):
         """Float32 chunks at ``req.sample_rate or sample_rate``, in segments (see the module doc)."""
         check_request(self, req)
         await self.start()  # no-op once started
+        with self._admission.hold(req.refusable):
+            async with contextlib.aclosing(self._stream(req)) as chunks:  # (closed now, not at GC)
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         natural, tempo = split_speed(req.speed)
         stretch = TimeStretch(tempo, self.sample_rate)  # (at tempo 1, chunks pass untouched)
@@ -285,7 +293,6 @@ class PiperEngine(ReportsUsage):
         ahead = None
         if len(pieces) > 1 and req.priority >= 0:
             ahead = loop.run_in_executor(self._ahead_pool, self._phonemize_ahead, job)
-        self._active += 1
         try:
             while True:
                 item = await job.queue.get()
@@ -303,7 +310,6 @@ class PiperEngine(ReportsUsage):
             if tail.size:
                 yield tail
         finally:
-            self._active -= 1
             if not (job.exhausted and job.next_emit == job.segments):  # left early: drop what is queued
                 with self._cv:
                     self._queue.drop(job)

@@ -10,7 +10,7 @@ from typing import Any
 
 from gateway.plugins import Built
 from modalities.tts.api import router
-from modalities.tts.protocol import OPENAI_MODELS
+from modalities.tts.protocol import DEFAULT_MAX_REQUESTS, OPENAI_MODELS
 
 __all__ = ["TINY_ARCHS", "add_serve_args", "build", "remote_engines", "router"]
 
@@ -46,6 +46,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seed the Piper voice's noise (reproducible audio with --tts-workers 1; default: random)",
     )
+    g.add_argument(
+        "--tts-max-requests",
+        type=int,
+        default=DEFAULT_MAX_REQUESTS,
+        help="Piper syntheses held at once past which new speech requests get 429 with Retry-After "
+        "(jobs and live turns wait)",
+    )
     g.add_argument("--tts-ar", default=None, help="an autoregressive TTS model directory (see make-tiny tts-ar)")
     g.add_argument("--tts-ar-kv-blocks", type=int, default=None, help="KV blocks for the AR TTS engine")
     g.add_argument("--tts-ar-max-num-seqs", type=int, default=32)
@@ -65,6 +72,7 @@ def build(args: Any, explicit: bool = False) -> Built:
             workers=getattr(args, "tts_workers", 2),
             threads=getattr(args, "tts_threads", None),
             seed=getattr(args, "tts_seed", None),
+            max_requests=getattr(args, "tts_max_requests", DEFAULT_MAX_REQUESTS),
         )
     except FileNotFoundError:
         if spec is not None or explicit:

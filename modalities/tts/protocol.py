@@ -12,6 +12,9 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
 RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 PCM_RATE = 24_000  # OpenAI's raw ``pcm`` is 24 kHz mono PCM16
+# Syntheses a Piper voice holds at once past which the route's requests get 429 (``--tts-max-requests``):
+# 40 streams of speech already make long ones ~2.5x slower than real time on 2 cores.
+DEFAULT_MAX_REQUESTS = 128
 
 # OpenAI's voice names: apps send them, so they play the server's default voice.
 OPENAI_VOICES = (
@@ -46,7 +49,9 @@ class TTSRequest:
     (1.0 normal, >1 faster), as float32 mono chunks at ``sample_rate`` (None: the voice's own).
     ``priority``: lower first where the engine orders its work (set by the server, not the API:
     ``engine.foreground.INTERACTIVE`` marks a live voice turn). ``usage``: filled in by the
-    engine as it synthesises, whole once the stream has ended."""
+    engine as it synthesises, whole once the stream has ended. ``refusable``: the engine may
+    refuse it with ``QueueFullError`` when it holds its bound of requests
+    (``engine.admission``): the HTTP route's requests; a job's or a live turn's wait instead."""
 
     text: str
     voice: str | None = None
@@ -54,6 +59,7 @@ class TTSRequest:
     sample_rate: int | None = None
     priority: int = 0
     usage: TTSUsage = field(default_factory=TTSUsage)
+    refusable: bool = False
 
     def validate(self) -> None:
         if not self.text or not self.text.strip():
@@ -91,6 +97,6 @@ class SpeechRequest(BaseModel):
         return value
 
     def to_engine(self, voice: str | None) -> TTSRequest:
-        req = TTSRequest(self.input, voice, self.speed, self.sample_rate)
+        req = TTSRequest(self.input, voice, self.speed, self.sample_rate, refusable=True)
         req.validate()
         return req
