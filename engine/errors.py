@@ -10,10 +10,11 @@ class EngineError(Exception):
 
 
 class QueueFullError(EngineError):
-    """The waiting queue is at ``max_waiting``: the caller should retry later (HTTP 429)."""
+    """The waiting queue is at ``max_waiting`` (or, ``state`` "in progress", the requests held at
+    their bound: ``engine.admission``): the caller should retry later (HTTP 429)."""
 
-    def __init__(self, num_waiting: int, retry_after_s: float = 1.0) -> None:
-        super().__init__(f"the server is busy: {num_waiting} requests are already waiting; retry later")
+    def __init__(self, num_waiting: int, retry_after_s: float = 1.0, state: str = "waiting") -> None:
+        super().__init__(f"the server is busy: {num_waiting} requests are already {state}; retry later")
         self.retry_after_s = retry_after_s
 
 

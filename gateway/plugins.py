@@ -14,7 +14,9 @@ Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.p
 - optionally ``TINY_ARCHS``: ``{arch: make(dir, seed) -> Path}`` for ``mmserve models make-tiny``;
 - optionally ``async warm_up(engines)``: work run once the engines have started and before
   ``/ready`` says so (``mmserve serve --no-warmup`` skips it), so that the first requests do not
-  pay for first use.
+  pay for first use;
+- optionally ``WORKER_OPTIONS``: ``{dest: default}`` of its options that size or bound the engine
+  where it runs: a ``--dispatch celery`` gateway warns that it ignores those it was given.
 
 Adding a modality means writing its plugin module; no gateway file changes. Services that are
 not modalities (batch jobs, speech pipelines) use the same hooks from ``EXTRA_PLUGINS``; they
@@ -117,6 +119,19 @@ def routers() -> list[Any]:
 
 def warm_ups() -> list[Callable[[dict[str, Any]], Awaitable[Any]]]:
     return [p.warm_up for p in load_plugins().values() if hasattr(p, "warm_up")]
+
+
+def worker_options_given(args: Any) -> list[str]:
+    """The enabled plugins' ``WORKER_OPTIONS`` that ``args`` sets to other than their default, as flags."""
+    only_raw = getattr(args, "only", None)
+    only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    given = []
+    for name, plugin in load_plugins().items():
+        if enabled(name, only):
+            for dest, default in getattr(plugin, "WORKER_OPTIONS", {}).items():
+                if getattr(args, dest, default) != default:
+                    given.append("--" + dest.replace("_", "-"))
+    return given
 
 
 def tiny_archs() -> dict[str, Any]:

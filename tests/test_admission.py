@@ -1,21 +1,26 @@
-"""``engine.admission.Admission``: the bound on requests held, refusing only refusable ones."""
+"""``engine.admission.Admission``: the bound on requests held, refusing only refusable ones, and
+the ``Retry-After`` it advises."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.admission import Admission
+from engine.admission import MAX_RETRY_AFTER_S, Admission
 from engine.errors import QueueFullError
 
 
+def _refusal(adm: Admission) -> QueueFullError:
+    with pytest.raises(QueueFullError) as info:
+        with adm.hold(True):
+            pass
+    return info.value
+
+
 def test_refusable_requests_are_refused_at_the_bound_others_count_and_pass() -> None:
-    adm = Admission(limit=2, retry_after_s=3.0)
+    adm = Admission(limit=2)
     with adm.hold(True), adm.hold(False):
         assert adm.active == 2
-        with pytest.raises(QueueFullError) as info:
-            with adm.hold(True):
-                pass
-        assert info.value.retry_after_s == 3.0 and "2 requests" in str(info.value)
+        assert "2 requests are already in progress" in str(_refusal(adm))
         with adm.hold(False):  # a job's or a live turn's: waits its turn instead
             assert adm.active == 3
     assert adm.active == 0
@@ -31,3 +36,46 @@ def test_a_request_that_fails_inside_is_released_and_no_bound_refuses_nothing() 
     unbounded = Admission()
     with unbounded.hold(True), unbounded.hold(True):
         assert unbounded.active == 2
+
+
+def test_retry_after_sends_a_bursts_refused_clients_back_in_waves_of_the_bound() -> None:
+    """Held requests last ~3.4 s: the first ``limit`` refused come back in 4 s, the next
+    ``limit`` in 8 s, ... (all at 1 s, they came back together into a still-full bound)."""
+    adm = Admission(limit=2, hold_s=3.4)
+    with adm.hold(True), adm.hold(True):
+        waits = [_refusal(adm).retry_after_s for _ in range(5)]
+    assert waits == [4.0, 4.0, 8.0, 8.0, 12.0]
+    assert 0 < adm.hold_s < 3.4  # (these two held for no time: the running mean fell)
+    adm = Admission(limit=1, hold_s=50.0)
+    with adm.hold(True):
+        assert [_refusal(adm).retry_after_s for _ in range(2)] == [50.0, MAX_RETRY_AFTER_S]
+
+
+def test_the_bound_flags_take_0_for_none_and_refuse_a_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--tts-max-requests", "0", "--asr-max-requests", "3"])
+    assert (args.tts_max_requests, args.asr_max_requests) == (None, 3)
+    defaults = parser.parse_args(["serve"])
+    assert (defaults.tts_max_requests, defaults.asr_max_requests) == (128, 128)
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--tts-max-requests", bad])
+        assert "--tts-max-requests" in capsys.readouterr().err
+
+
+def test_a_celery_gateway_names_the_worker_options_it_ignores_and_keeps_its_upload_limits() -> None:
+    """Under ``--dispatch celery`` an engine's bound or size is the worker's: the gateway names
+    those it was given (it logs them); the ASR upload limits are the gateway's, which reads the
+    file: its proxy carries them (the routes read them off the engine; they were the defaults)."""
+    from gateway.cli import build_parser
+    from gateway.plugins import worker_options_given
+    from modalities.asr.plugin import remote_engines
+
+    argv = ["serve", "--dispatch", "celery", "--only", "asr,tts", "--tts-max-requests", "4", "--tts-workers", "2"]
+    args = build_parser().parse_args([*argv, "--asr-max-num-seqs", "8", "--asr-max-file-mb", "100"])
+    assert worker_options_given(args) == ["--asr-max-num-seqs", "--tts-max-requests"]
+    assert worker_options_given(build_parser().parse_args(["serve", "--only", "llm", "--tts-workers", "3"])) == []
+    (engine,) = remote_engines(args, cluster=None).engines.values()
+    assert (engine.max_file_mb, engine.max_audio_s) == (100.0, args.asr_max_audio_s)

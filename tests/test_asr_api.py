@@ -344,7 +344,7 @@ def test_past_its_bound_an_upload_is_a_429_before_any_work(
         for stream in (False, True):
             with pytest.raises(openai.RateLimitError) as info:
                 client.audio.transcriptions.create(model="whisper-1", file=wav, stream=stream)
-            assert info.value.response.headers["retry-after"] == "1"
+            assert 1 <= int(info.value.response.headers["retry-after"]) <= 60
             assert info.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
         assert asr.stats()["windows_total"] == windows and asr.stats()["requests_active"] == 0
     finally:

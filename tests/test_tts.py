@@ -555,9 +555,9 @@ def test_past_its_bound_a_speech_request_is_a_429_and_a_job_or_live_turn_waits(
             next(chunks)  # held: its later pieces wait at the gate
             with pytest.raises(openai.RateLimitError) as info:
                 _client(base_url).audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
-            assert info.value.response.headers["retry-after"] == "1"
+            assert 1 <= int(info.value.response.headers["retry-after"]) <= 60  # (engine.admission's advice)
             body: dict[str, Any] = info.value.body  # type: ignore[assignment]
-            assert body["code"] == "rate_limit_exceeded" and "busy" in body["message"]
+            assert body["code"] == "rate_limit_exceeded" and "1 requests are already in progress" in body["message"]
             assert engine.stats()["tts_requests_active"] == 1  # the refused one held nothing
             engine.gate.set()
         deadline = time.monotonic() + 20

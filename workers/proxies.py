@@ -216,5 +216,13 @@ def build_remote(args: Any) -> tuple[Built, Cluster]:
                 built.aliases.setdefault(alias, served)
         elif name in only:
             logger.warning("--dispatch celery: the %s plugin has no remote_engines hook; not served", name)
+    from gateway.plugins import worker_options_given
+
+    if given := worker_options_given(args):
+        logger.warning(
+            "--dispatch celery: %s apply where the engines run (give them to `mmserve worker`); this "
+            "gateway ignores them",
+            ", ".join(given),
+        )
     logger.info("celery dispatch on %s (prefix %s): %s", url, cluster.prefix, ", ".join(built.engines))
     return built, cluster

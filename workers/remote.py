@@ -312,8 +312,11 @@ class Cluster:
 class RemoteEngine:
     """The generic proxy of an engine served by workers: same name, calls forwarded."""
 
-    def __init__(self, cluster: Cluster, name: str, modality: str) -> None:
+    def __init__(self, cluster: Cluster, name: str, modality: str, **attrs: Any) -> None:
+        """``attrs``: attributes the routes read off a local engine and take from the gateway here
+        (an upload limit the gateway applies as it reads the file)."""
         self.cluster, self.model_name, self.modality = cluster, name, modality
+        vars(self).update(attrs)
 
     async def start(self) -> None:
         await self.cluster.start()

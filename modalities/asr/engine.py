@@ -56,6 +56,7 @@ UNHEARD_S = 1.5
 MIN_REST_WINDOW_S = 5.0  # (shorter windows are not checked unless their words are aligned anyway)
 MIN_SPEECH_S = 0.3
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
+DEFAULT_MAX_REQUESTS = 128  # transcriptions held past which the routes' get 429 (``engine.admission``)
 
 
 @dataclass
@@ -92,8 +93,7 @@ class AsrConfig:
     # its windows (whisper.transcribe's rule), or on each window (code-switching audio).
     language_per_window: bool = False
     device: str = "cpu"  # where ``from_config`` loads Whisper ("cuda"); the engine runs where the model is
-    # Requests held at once past which the routes' ones are refused (429; ``engine.admission``).
-    max_requests: int | None = 128
+    max_requests: int | None = DEFAULT_MAX_REQUESTS
 
 
 class AsrEngine:

@@ -8,13 +8,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from engine.admission import parse_limit
 from gateway.plugins import Built
 from modalities.asr.api import router
-from modalities.asr.engine import DEFAULT_MAX_FILE_MB
+from modalities.asr.engine import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_REQUESTS
 from modalities.asr.quality import FALLBACK_KEEP
 from modalities.audio import MAX_AUDIO_S
 
-__all__ = ["add_models_commands", "add_serve_args", "build", "remote_engines", "router"]
+__all__ = ["WORKER_OPTIONS", "add_models_commands", "add_serve_args", "build", "remote_engines", "router"]
 
 logger = logging.getLogger("mmserve.asr")
 
@@ -26,6 +27,15 @@ def _register_job_kind() -> None:
 
 
 _register_job_kind()  # ``audio.transcription``: a long recording to a transcript file (modalities/asr/jobs.py)
+
+WORKER_OPTIONS = {  # (see gateway.plugins; the upload limits apply at the gateway, which reads the file)
+    "asr_vad": "webrtc",
+    "asr_max_num_seqs": 64,
+    "asr_device": "cpu",
+    "asr_fallback_keep": "last",
+    "asr_language_per_window": False,
+    "asr_max_requests": DEFAULT_MAX_REQUESTS,
+}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +69,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--asr-max-requests",
-        type=int,
-        default=128,
-        help="transcriptions held at once past which new uploads get 429 with Retry-After (jobs and live turns wait)",
+        type=parse_limit,
+        default=DEFAULT_MAX_REQUESTS,
+        help="transcriptions held at once past which new uploads get 429 with Retry-After (jobs and live turns "
+        "wait; 0: no bound; per worker under --dispatch celery)",
     )
     g.add_argument(
         "--asr-max-audio-s", type=float, default=MAX_AUDIO_S, help="longest accepted decoded audio, seconds (413 above)"
@@ -82,7 +93,7 @@ def build(args: Any, explicit: bool = False) -> Built:
         max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
         fallback_keep=getattr(args, "asr_fallback_keep", "last"),
         language_per_window=getattr(args, "asr_language_per_window", False),
-        max_requests=getattr(args, "asr_max_requests", 128),
+        max_requests=getattr(args, "asr_max_requests", DEFAULT_MAX_REQUESTS),
     )
     try:
         engine = AsrEngine.from_config(config)
@@ -107,7 +118,14 @@ def remote_engines(args: Any, cluster: Any) -> Built:
 
     spec = getattr(args, "asr", None)
     name = served_asr_name(spec)
-    return Built(engines={name: RemoteEngine(cluster, name, "asr")}).alias((spec, *OPENAI_NAMES), name)
+    engine = RemoteEngine(  # (the upload is read and decoded here: its limits are this gateway's)
+        cluster,
+        name,
+        "asr",
+        max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
+        max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
+    )
+    return Built(engines={name: engine}).alias((spec, *OPENAI_NAMES), name)
 
 
 # OpenAI's transcription models: a client written for them is served by the Whisper model here

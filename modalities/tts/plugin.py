@@ -8,11 +8,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from engine.admission import parse_limit
 from gateway.plugins import Built
 from modalities.tts.api import router
 from modalities.tts.protocol import DEFAULT_MAX_REQUESTS, OPENAI_MODELS
 
-__all__ = ["TINY_ARCHS", "add_serve_args", "build", "remote_engines", "router"]
+__all__ = ["TINY_ARCHS", "WORKER_OPTIONS", "add_serve_args", "build", "remote_engines", "router"]
 
 logger = logging.getLogger("mmserve.tts")
 
@@ -34,6 +35,16 @@ def _register_job_kind() -> None:
 
 _register_job_kind()  # ``speech.generate``: long text to an audio file (see modalities/tts/jobs.py)
 
+WORKER_OPTIONS = {  # (see gateway.plugins)
+    "tts_workers": 2,
+    "tts_threads": None,
+    "tts_seed": None,
+    "tts_max_requests": DEFAULT_MAX_REQUESTS,
+    "tts_ar_kv_blocks": None,
+    "tts_ar_max_num_seqs": 32,
+    "tts_ar_device": "cpu",
+}
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("tts")
@@ -48,10 +59,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tts-max-requests",
-        type=int,
+        type=parse_limit,
         default=DEFAULT_MAX_REQUESTS,
         help="Piper syntheses held at once past which new speech requests get 429 with Retry-After "
-        "(jobs and live turns wait)",
+        "(jobs and live turns wait; 0: no bound; per worker under --dispatch celery)",
     )
     g.add_argument("--tts-ar", default=None, help="an autoregressive TTS model directory (see make-tiny tts-ar)")
     g.add_argument("--tts-ar-kv-blocks", type=int, default=None, help="KV blocks for the AR TTS engine")
