@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -85,3 +88,52 @@ def test_heartbeat_parsing() -> None:
         {"worker_id": "x", "models": ["m"], "capacity": 0, "inflight": 2, "queue_depth": 3, "kv_usage": 0.5}
     )
     assert (w.capacity, w.load, w.kv_usage, w.models) == (1, 5, 0.5, ["m"])
+
+
+def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all_are_full() -> None:
+    """``Cluster.call`` over stand-in replies (no Redis): a worker's ``QueueFullError`` before any
+    work sends the call to the next live worker (the gateway's view of loads is a heartbeat old);
+    with every worker full, the caller gets the refusal; one raised mid-stream is not retried."""
+    import asyncio
+
+    from engine.errors import QueueFullError
+    from workers.remote import Cluster
+    from workers.wire import END, ITEM, START
+
+    cluster = Cluster("redis://127.0.0.1:1/0")
+    cluster.redis, cluster.redis_ok = object(), True  # type: ignore[assignment]
+    cluster.workers = {w: WorkerLoad(w, models=["m"], capacity=4) for w in ("w0", "w1")}
+    full: set[str] = set()
+    tried: list[str] = []
+    fail_mid_stream = [False]
+
+    async def call_on(worker_id: str, call: object) -> Any:
+        tried.append(worker_id)
+        yield START, worker_id
+        if fail_mid_stream[0]:
+            yield ITEM, "x"
+            raise QueueFullError(1)
+        if worker_id in full:
+            raise QueueFullError(4, 3.0, "in progress")
+        yield END, f"done by {worker_id}"
+
+    cluster._call_on = call_on  # type: ignore[method-assign]
+
+    async def run() -> list[tuple[bytes, Any]]:
+        return [x async for x in cluster.call("m", "run")]
+
+    full.add("w0")
+    for _ in range(4):  # whichever the router picks first
+        assert asyncio.run(run())[-1] == (END, "done by w1")
+    assert "w0" in tried and cluster.retries == 0  # (a refusal is not a lost worker)
+    full.add("w1")
+    tried.clear()
+    with pytest.raises(QueueFullError) as info:
+        asyncio.run(run())
+    assert sorted(tried) == ["w0", "w1"] and info.value.retry_after_s == 3.0
+    full.clear()
+    fail_mid_stream[0] = True
+    tried.clear()
+    with pytest.raises(QueueFullError):
+        asyncio.run(run())
+    assert len(tried) == 1

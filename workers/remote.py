@@ -9,7 +9,9 @@ reads the reply from the call's Redis Stream. Faults:
   response is already streaming);
 - Redis unreachable: every call fails at once with a 503 (short socket timeouts), and the view
   recovers by itself when Redis is back;
-- the caller leaves early (client disconnect): the call is aborted on the worker.
+- the caller leaves early (client disconnect): the call is aborted on the worker;
+- the worker refuses it at its bound (``QueueFullError``, before any work): it goes to another
+  live worker not yet tried, and only when none is left is the refusal the caller's (a 429).
 
 ``RemoteEngine`` is the generic proxy: ``run(req)`` and ``stream(req)`` (and any other method via
 ``call``/``stream_call``) forward to the same-named engine on a worker.
@@ -32,6 +34,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from engine.errors import QueueFullError
 from gateway.errors import APIError
 from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
 from workers.routing import WorkerLoad, choose_worker
@@ -181,10 +184,13 @@ class Cluster:
         if not self.redis_ok or self.redis is None:
             raise broker_down(ConnectionError("no connection"))
         tried: set[str] = set()
+        busy: QueueFullError | None = None  # the last refusal of a worker at its bound
         for _attempt in range(1 if pin else self.max_attempts):
             live = [w for w in self.live(model) if pin is None or w.worker_id == pin]
             worker = choose_worker(live, key, exclude=tried)
             if worker is None:
+                if busy is not None:
+                    raise busy  # every worker left was full: the client retries later (429)
                 if tried:
                     raise APIError(
                         503, f"every worker serving {model!r} was lost during the request", code="worker_lost"
@@ -192,16 +198,26 @@ class Cluster:
                 raise APIError(503, f"no live worker serves {model!r}", code="no_workers", headers={"Retry-After": "1"})
             tried.add(worker.worker_id)
             call = Call(uuid.uuid4().hex, model, method, args, kwargs or {})
-            async with contextlib.aclosing(self._call_on(worker.worker_id, call)) as replies:
-                async for kind, value in replies:
-                    if kind is None:  # the worker died before anything was streamed: try another
-                        break
-                    yield kind, value
-                    if kind == END:
-                        return
+            streamed = False
+            try:
+                async with contextlib.aclosing(self._call_on(worker.worker_id, call)) as replies:
+                    async for kind, value in replies:
+                        if kind is None:  # the worker died before anything was streamed: try another
+                            break
+                        streamed = streamed or kind == ITEM
+                        yield kind, value
+                        if kind == END:
+                            return
+            except QueueFullError as exc:
+                if streamed:
+                    raise
+                busy = exc  # refused before any work (its heartbeat's load was a period old): another may have room
+                continue
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
             self.retries += 1
+        if busy is not None:
+            raise busy
         raise APIError(503, f"{model!r}: {self.max_attempts} workers were lost during the request", code="worker_lost")
 
     async def _call_on(self, worker_id: str, call: Call) -> AsyncIterator[tuple[bytes | None, Any]]:
