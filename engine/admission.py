@@ -1,18 +1,21 @@
-"""A bound on the requests an engine holds at once, for engines without a waiting queue of their
-own to bound (the Piper voice, Whisper): past it, a request that may be refused is, with
-``QueueFullError`` (the routes' 429 with ``Retry-After``), before any work is done for it.
+"""A bound on the requests an engine holds at once (the Piper voice, Whisper: engines whose own
+queues are not bounded per request): past it, a request that may be refused is, with
+``HeldBoundError`` (the routes' 429 with ``Retry-After``), before any work is done for it.
 
 Only requests that ask for it are refused: the HTTP routes' ones, whose clients can retry. A live
 voice turn, or a job already admitted by its own queue, waits its turn behind them instead (a
-refused stage of a chain would fail the chain). They count towards the bound all the same.
+refused stage of a chain would fail the chain). They count towards the bound all the same, so
+they may take the count past it.
 
-``Retry-After`` is when room is likely: a request's usual hold time for the first ``limit``
-clients refused within one such time, twice that for the next ``limit``, and so on. A burst's
-refused clients (the ``openai`` client waits exactly as told) then come back in waves the freed
-room takes, not all at once into the same full bound."""
+``Retry-After`` treats refused clients as a queue: a client is told to come back once the
+requests ahead of it, ``limit`` per usual hold time of a refusable request, have had their turn
+(the clients already told to come back and not yet due are ahead of it). A burst's refused
+clients (the ``openai`` client waits exactly as told) then come back in waves the freed room
+takes, not all at once into the same full bound."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import time
@@ -26,6 +29,11 @@ MAX_RETRY_AFTER_S = 60  # (the ``openai`` client takes a longer Retry-After as n
 HOLD_SMOOTHING = 0.2  # the weight of the last request in the running mean of hold times
 
 
+class HeldBoundError(QueueFullError):
+    """Refused at an engine's bound of requests held, before any work for it: another engine
+    (another worker) may take it at once."""
+
+
 @dataclass
 class Admission:
     """``limit``: the requests held at once past which refusable ones are refused (None: no bound).
@@ -33,37 +41,39 @@ class Admission:
 
     limit: int | None = None
     active: int = 0  # requests inside ``hold``
-    hold_s: float = 1.0  # a running mean of how long a request stays inside
-    _refused: deque[float] = field(default_factory=deque)  # when the recent refusals were
+    hold_s: float = 1.0  # a running mean of how long a refusable request stays inside
+    _due: deque[float] = field(default_factory=deque)  # when the refused clients were told to come back
 
     @contextlib.contextmanager
     def hold(self, refusable: bool) -> Iterator[None]:
-        """Count a request for the time it is inside; raises ``QueueFullError`` first when it is
+        """Count a request for the time it is inside; raises ``HeldBoundError`` first when it is
         ``refusable`` and ``limit`` requests are already held."""
         start = time.monotonic()
         if refusable and self.limit is not None and self.active >= self.limit:
-            raise QueueFullError(self.active, self._retry_after(start), "in progress")
+            raise HeldBoundError(self.active, self._retry_after(start), "in progress")
         self.active += 1
         try:
             yield
         finally:
             self.active -= 1
-            self.hold_s += HOLD_SMOOTHING * (time.monotonic() - start - self.hold_s)
+            if refusable:  # (a job's or a live turn's time says nothing of when a client finds room)
+                sample = min(time.monotonic() - start, MAX_RETRY_AFTER_S)
+                self.hold_s += HOLD_SMOOTHING * (sample - self.hold_s)
 
     def _retry_after(self, now: float) -> float:
-        """Whole hold times (at least a second) until this refused request likely finds room."""
+        """Whole hold times (at least a second) until this refused client likely finds room."""
         unit = max(1, math.ceil(self.hold_s))
-        while self._refused and self._refused[0] < now - unit:
-            self._refused.popleft()
-        wave = len(self._refused) // max(1, self.limit or 1)
-        self._refused.append(now)
-        return float(min(MAX_RETRY_AFTER_S, unit * (1 + wave)))
+        while self._due and self._due[0] <= now:  # (come back by now: no longer ahead of anyone)
+            self._due.popleft()
+        limit = max(1, self.limit or 1)
+        wait = min(MAX_RETRY_AFTER_S, unit * (1 + len(self._due) // limit))
+        if len(self._due) < limit * (MAX_RETRY_AFTER_S // unit + 1):  # (more ahead would change nothing)
+            self._due.append(now + wait)
+        return float(wait)
 
 
 def parse_limit(text: str) -> int | None:
     """A ``--*-max-requests`` value: a positive count, or 0 for no bound (argparse ``type``)."""
-    import argparse
-
     try:
         value = int(text)
     except ValueError:

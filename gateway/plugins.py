@@ -15,8 +15,8 @@ Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.p
 - optionally ``async warm_up(engines)``: work run once the engines have started and before
   ``/ready`` says so (``mmserve serve --no-warmup`` skips it), so that the first requests do not
   pay for first use;
-- optionally ``WORKER_OPTIONS``: ``{dest: default}`` of its options that size or bound the engine
-  where it runs: a ``--dispatch celery`` gateway warns that it ignores those it was given.
+- optionally ``WORKER_OPTIONS``: the ``dest`` of its options that size or bound the engine where
+  it runs: a ``--dispatch celery`` gateway warns that it ignores those it was given.
 
 Adding a modality means writing its plugin module; no gateway file changes. Services that are
 not modalities (batch jobs, speech pipelines) use the same hooks from ``EXTRA_PLUGINS``; they
@@ -122,14 +122,18 @@ def warm_ups() -> list[Callable[[dict[str, Any]], Awaitable[Any]]]:
 
 
 def worker_options_given(args: Any) -> list[str]:
-    """The enabled plugins' ``WORKER_OPTIONS`` that ``args`` sets to other than their default, as flags."""
+    """The enabled plugins' ``WORKER_OPTIONS`` that ``args`` sets to other than ``mmserve serve``'s
+    defaults, as flags."""
+    from gateway.cli import build_parser
+
+    defaults = build_parser().parse_args(["serve"])
     only_raw = getattr(args, "only", None)
     only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
     given = []
     for name, plugin in load_plugins().items():
         if enabled(name, only):
-            for dest, default in getattr(plugin, "WORKER_OPTIONS", {}).items():
-                if getattr(args, dest, default) != default:
+            for dest in getattr(plugin, "WORKER_OPTIONS", ()):
+                if getattr(args, dest, None) != getattr(defaults, dest, None):
                     given.append("--" + dest.replace("_", "-"))
     return given
 

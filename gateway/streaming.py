@@ -22,6 +22,8 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.errors import ClientDisconnected, error_body, from_engine_error
 from gateway.ratelimit import charge
@@ -56,6 +58,21 @@ async def charged(request: Request, unit: str, amount: float, work: Callable[[],
     except BaseException:
         await ch.refund()
         raise
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its body iterator however the response ends. Starlette
+    leaves a body generator cancelled at a ``send`` (the client gone) suspended until the garbage
+    collector finalises it, and with it the engine work it holds (queued audio, an admission slot)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                with anyio.CancelScope(shield=True):  # (also when the request's task is cancelled)
+                    await close()
 
 
 def sse(data: dict[str, Any]) -> str:

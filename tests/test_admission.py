@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.admission import MAX_RETRY_AFTER_S, Admission
-from engine.errors import QueueFullError
+from engine.admission import MAX_RETRY_AFTER_S, Admission, HeldBoundError
 
 
-def _refusal(adm: Admission) -> QueueFullError:
-    with pytest.raises(QueueFullError) as info:
+def _refusal(adm: Admission) -> HeldBoundError:
+    with pytest.raises(HeldBoundError) as info:
         with adm.hold(True):
             pass
     return info.value
@@ -51,14 +50,44 @@ def test_retry_after_sends_a_bursts_refused_clients_back_in_waves_of_the_bound()
         assert [_refusal(adm).retry_after_s for _ in range(2)] == [50.0, MAX_RETRY_AFTER_S]
 
 
+def test_a_client_refused_again_goes_behind_those_told_to_come_back_and_the_queue_stays_small(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Clients told 4 s and 8 s; at 4 s the first come back into a still-full bound: told 8 s
+    more (behind the 8 s wave), not 4 s again (with it). A flood of refusals keeps no more
+    entries than a minute of waves; a job's long hold does not move the advice."""
+    import engine.admission as admission
+
+    now = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: now[0])
+    adm = Admission(limit=2, hold_s=3.4)
+    with adm.hold(True), adm.hold(True):
+        assert [_refusal(adm).retry_after_s for _ in range(4)] == [4.0, 4.0, 8.0, 8.0]
+        now[0] += 4.0  # the first two come back: the two told 8 s are still ahead of them
+        assert [_refusal(adm).retry_after_s for _ in range(2)] == [8.0, 8.0]
+        for _ in range(10_000):
+            _refusal(adm)
+        assert len(adm._due) <= 2 * (MAX_RETRY_AFTER_S // 4 + 1)
+        assert _refusal(adm).retry_after_s == MAX_RETRY_AFTER_S
+    assert adm.hold_s == pytest.approx(3.616)  # the two held 4 s: 3.4 -> 3.52 -> 3.616
+    with adm.hold(False):  # a job held for ten minutes says nothing of when a client finds room
+        now[0] += 600.0
+    assert adm.hold_s == pytest.approx(3.616)
+    with adm.hold(True):  # a route's request held ten minutes counts as one minute
+        now[0] += 600.0
+    assert adm.hold_s == pytest.approx(3.616 + 0.2 * (60 - 3.616))
+
+
 def test_the_bound_flags_take_0_for_none_and_refuse_a_negative(capsys: pytest.CaptureFixture[str]) -> None:
     from gateway.cli import build_parser
+    from modalities.asr.engine import DEFAULT_MAX_REQUESTS as ASR_DEFAULT
+    from modalities.tts.protocol import DEFAULT_MAX_REQUESTS as TTS_DEFAULT
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--tts-max-requests", "0", "--asr-max-requests", "3"])
     assert (args.tts_max_requests, args.asr_max_requests) == (None, 3)
     defaults = parser.parse_args(["serve"])
-    assert (defaults.tts_max_requests, defaults.asr_max_requests) == (128, 128)
+    assert (defaults.tts_max_requests, defaults.asr_max_requests) == (TTS_DEFAULT, ASR_DEFAULT)
     for bad in ("-1", "many"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--tts-max-requests", bad])
@@ -79,3 +108,21 @@ def test_a_celery_gateway_names_the_worker_options_it_ignores_and_keeps_its_uplo
     assert worker_options_given(build_parser().parse_args(["serve", "--only", "llm", "--tts-workers", "3"])) == []
     (engine,) = remote_engines(args, cluster=None).engines.values()
     assert (engine.max_file_mb, engine.max_audio_s) == (100.0, args.asr_max_audio_s)
+
+
+def test_a_speech_workers_threads_cover_its_bound_so_the_bound_refuses() -> None:
+    """A Celery thread carries one call: with fewer threads than the bound, calls past them wait
+    in the queue (a 503 after a minute) and the bound never refuses."""
+    from gateway.cli import build_parser
+    from workers.worker import default_concurrency
+
+    parser = build_parser()
+
+    def threads(*argv: str) -> int:
+        return default_concurrency(parser.parse_args(["worker", *argv]))
+
+    assert threads("--modality", "tts", "--tts-max-requests", "40") == 48
+    assert threads("--modality", "asr", "--asr-max-requests", "4") == 16
+    assert threads("--modality", "asr", "--asr-max-requests", "0") == 16  # (no bound)
+    assert threads("--modality", "llm", "--max-num-seqs", "8") == 8
+    assert threads("--modality", "diffusion") == 16

@@ -9,6 +9,7 @@ bad fields 400).
 from __future__ import annotations
 
 import io
+import math
 import re
 from collections.abc import Iterator
 
@@ -349,4 +350,8 @@ def test_past_its_bound_an_upload_is_a_429_before_any_work(
         assert asr.stats()["windows_total"] == windows and asr.stats()["requests_active"] == 0
     finally:
         asr._admission.limit = None
+    # The bound is on requests: the decoder's own queue must not refuse a window of one admitted
+    # (every window waits there at once), nor a job's or a live turn's (it had 1024 places).
+    windows_per_request = math.ceil(asr.max_audio_s / 30) * 2
+    assert asr.engine.engine.config.max_waiting > (asr.config.max_requests or 1) * windows_per_request
     assert _words(client.audio.transcriptions.create(model="whisper-1", file=wav).text) == _words(SENTENCES[0])

@@ -91,30 +91,32 @@ def test_heartbeat_parsing() -> None:
 
 
 def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all_are_full() -> None:
-    """``Cluster.call`` over stand-in replies (no Redis): a worker's ``QueueFullError`` before any
-    work sends the call to the next live worker (the gateway's view of loads is a heartbeat old);
-    with every worker full, the caller gets the refusal; one raised mid-stream is not retried."""
+    """``Cluster.call`` over stand-in replies (no Redis): a worker's ``HeldBoundError`` (refused
+    before any work) sends the call to the next live worker, past ``max_attempts`` (those are for
+    lost workers); with every worker full, the caller gets the soonest Retry-After. Any other
+    ``QueueFullError`` (it may come after work, e.g. from a decoder queue) is the caller's."""
     import asyncio
 
+    from engine.admission import HeldBoundError
     from engine.errors import QueueFullError
     from workers.remote import Cluster
-    from workers.wire import END, ITEM, START
+    from workers.wire import END, START
 
-    cluster = Cluster("redis://127.0.0.1:1/0")
+    cluster = Cluster("redis://127.0.0.1:1/0", max_attempts=2)
     cluster.redis, cluster.redis_ok = object(), True  # type: ignore[assignment]
-    cluster.workers = {w: WorkerLoad(w, models=["m"], capacity=4) for w in ("w0", "w1")}
-    full: set[str] = set()
+    ids = ["w0", "w1", "w2", "w3"]
+    cluster.workers = {w: WorkerLoad(w, models=["m"], capacity=4) for w in ids}
+    full: dict[str, float] = {}  # worker -> its Retry-After
+    other_error: list[BaseException] = []
     tried: list[str] = []
-    fail_mid_stream = [False]
 
     async def call_on(worker_id: str, call: object) -> Any:
         tried.append(worker_id)
         yield START, worker_id
-        if fail_mid_stream[0]:
-            yield ITEM, "x"
-            raise QueueFullError(1)
+        if other_error:
+            raise other_error[0]
         if worker_id in full:
-            raise QueueFullError(4, 3.0, "in progress")
+            raise HeldBoundError(4, full[worker_id], "in progress")
         yield END, f"done by {worker_id}"
 
     cluster._call_on = call_on  # type: ignore[method-assign]
@@ -122,17 +124,16 @@ def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all
     async def run() -> list[tuple[bytes, Any]]:
         return [x async for x in cluster.call("m", "run")]
 
-    full.add("w0")
-    for _ in range(4):  # whichever the router picks first
-        assert asyncio.run(run())[-1] == (END, "done by w1")
-    assert "w0" in tried and cluster.retries == 0  # (a refusal is not a lost worker)
-    full.add("w1")
+    full.update(w0=8.0, w1=3.0, w2=5.0)  # three full workers, more than max_attempts
+    assert asyncio.run(run())[-1] == (END, "done by w3")
+    assert len(tried) == 4 and cluster.retries == 0  # (a refusal is not a lost worker)
+    full["w3"] = 9.0
     tried.clear()
-    with pytest.raises(QueueFullError) as info:
+    with pytest.raises(HeldBoundError) as info:
         asyncio.run(run())
-    assert sorted(tried) == ["w0", "w1"] and info.value.retry_after_s == 3.0
+    assert sorted(tried) == ids and info.value.retry_after_s == 3.0
     full.clear()
-    fail_mid_stream[0] = True
+    other_error.append(QueueFullError(1024))
     tried.clear()
     with pytest.raises(QueueFullError):
         asyncio.run(run())

@@ -251,3 +251,42 @@ def test_an_audio_streams_error_event_is_the_routes_error_object(caplog: pytest.
     bug = event(KeyError("secret detail"), "file")["error"]
     assert bug == {"message": "internal error while transcribing", "type": "server_error", "param": None, "code": None}
     assert [r.exc_info[1] for r in caplog.records if r.exc_info] and "secret detail" in caplog.text
+
+
+def test_a_streamed_response_closes_its_body_when_the_client_is_gone() -> None:
+    """The body generator is closed (its ``finally``: the engine work and admission it holds
+    released) as soon as a ``send`` fails, not when the garbage collector gets to it (Starlette's
+    ``StreamingResponse`` leaves it suspended at its ``yield``)."""
+    import gc
+
+    from starlette.requests import ClientDisconnect
+
+    from gateway.streaming import ClosingStreamingResponse
+
+    closed: list[str] = []
+
+    async def body() -> Any:
+        try:
+            for i in range(10):
+                yield f"chunk {i}"
+        finally:
+            closed.append("closed")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message.get("body"):
+            raise OSError("the client is gone")
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def go() -> None:
+        response = ClosingStreamingResponse(body())
+        with pytest.raises(ClientDisconnect):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        assert closed == ["closed"]  # (while ``response`` still holds the generator)
+
+    gc.disable()
+    try:
+        asyncio.run(go())
+    finally:
+        gc.enable()

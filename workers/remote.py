@@ -10,8 +10,9 @@ reads the reply from the call's Redis Stream. Faults:
 - Redis unreachable: every call fails at once with a 503 (short socket timeouts), and the view
   recovers by itself when Redis is back;
 - the caller leaves early (client disconnect): the call is aborted on the worker;
-- the worker refuses it at its bound (``QueueFullError``, before any work): it goes to another
-  live worker not yet tried, and only when none is left is the refusal the caller's (a 429).
+- the worker refuses it at its bound of requests held (``HeldBoundError``, before any work): it
+  goes to another live worker not yet tried; only when none is left is the refusal (the soonest
+  ``Retry-After``) the caller's 429.
 
 ``RemoteEngine`` is the generic proxy: ``run(req)`` and ``stream(req)`` (and any other method via
 ``call``/``stream_call``) forward to the same-named engine on a worker.
@@ -34,7 +35,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.errors import QueueFullError
+from engine.admission import HeldBoundError
 from gateway.errors import APIError
 from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
 from workers.routing import WorkerLoad, choose_worker
@@ -184,8 +185,9 @@ class Cluster:
         if not self.redis_ok or self.redis is None:
             raise broker_down(ConnectionError("no connection"))
         tried: set[str] = set()
-        busy: QueueFullError | None = None  # the last refusal of a worker at its bound
-        for _attempt in range(1 if pin else self.max_attempts):
+        busy: HeldBoundError | None = None  # the refusal with the soonest Retry-After so far
+        lost = 0
+        while lost < (1 if pin else self.max_attempts):
             live = [w for w in self.live(model) if pin is None or w.worker_id == pin]
             worker = choose_worker(live, key, exclude=tried)
             if worker is None:
@@ -198,24 +200,22 @@ class Cluster:
                 raise APIError(503, f"no live worker serves {model!r}", code="no_workers", headers={"Retry-After": "1"})
             tried.add(worker.worker_id)
             call = Call(uuid.uuid4().hex, model, method, args, kwargs or {})
-            streamed = False
             try:
                 async with contextlib.aclosing(self._call_on(worker.worker_id, call)) as replies:
                     async for kind, value in replies:
                         if kind is None:  # the worker died before anything was streamed: try another
                             break
-                        streamed = streamed or kind == ITEM
                         yield kind, value
                         if kind == END:
                             return
-            except QueueFullError as exc:
-                if streamed:
-                    raise
-                busy = exc  # refused before any work (its heartbeat's load was a period old): another may have room
-                continue
+            except HeldBoundError as exc:  # refused before any work (the view's loads are a heartbeat old)
+                if busy is None or exc.retry_after_s < busy.retry_after_s:
+                    busy = exc
+                continue  # (not a lost worker: it does not use up an attempt)
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
             self.retries += 1
+            lost += 1
         if busy is not None:
             raise busy
         raise APIError(503, f"{model!r}: {self.max_attempts} workers were lost during the request", code="worker_lost")
@@ -328,11 +328,8 @@ class Cluster:
 class RemoteEngine:
     """The generic proxy of an engine served by workers: same name, calls forwarded."""
 
-    def __init__(self, cluster: Cluster, name: str, modality: str, **attrs: Any) -> None:
-        """``attrs``: attributes the routes read off a local engine and take from the gateway here
-        (an upload limit the gateway applies as it reads the file)."""
+    def __init__(self, cluster: Cluster, name: str, modality: str) -> None:
         self.cluster, self.model_name, self.modality = cluster, name, modality
-        vars(self).update(attrs)
 
     async def start(self) -> None:
         await self.cluster.start()

@@ -27,6 +27,17 @@ from workers.celery_app import DEFAULT_PREFIX, make_celery, modality_queue, work
 logger = logging.getLogger("mmserve.worker")
 
 
+def default_concurrency(args: argparse.Namespace) -> int:
+    """Calls at once (a thread each): an LLM worker's batch; a speech worker's bound of requests
+    held (``--tts-max-requests``, ``--asr-max-requests``) and a few jobs or live turns past it, so
+    that the bound, not the pool, refuses the routes' requests (a call past the pool waits in the
+    queue, and a 503 after a minute); else 16."""
+    if args.modality == "llm":
+        return getattr(args, "max_num_seqs", None) or 64
+    bound = getattr(args, f"{args.modality}_max_requests", None)
+    return max(16, bound + 8) if bound else 16
+
+
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """``mmserve worker`` options besides the plugins' model options."""
     from gateway.plugins import MODALITIES
@@ -71,7 +82,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"mmserve worker: no {args.modality} engine to serve (check the model options)", file=sys.stderr)
         return 2
     if args.concurrency is None:
-        args.concurrency = (getattr(args, "max_num_seqs", None) or 64) if args.modality == "llm" else 16
+        args.concurrency = default_concurrency(args)
     worker_id = args.worker_id or f"{args.modality}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     rt = WorkerRuntime(
         worker_id,

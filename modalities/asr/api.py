@@ -32,11 +32,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from gateway.errors import APIError, as_api_error, pick_engine
 from gateway.metrics import engine_modality
-from gateway.streaming import SSE_HEADERS, charged, error_event, sse
+from gateway.streaming import SSE_HEADERS, ClosingStreamingResponse, charged, error_event, sse
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB
 from modalities.asr.formats import (
     RESPONSE_FORMATS,
@@ -199,7 +199,7 @@ async def create_transcription(
     deltas = engine.stream(req)
     # The first item before the status line: admission errors become a status code, not a broken stream.
     first = await _charged(request, audio.duration, "language", lambda: anext(deltas, None))
-    return StreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
+    return ClosingStreamingResponse(_sse(first, deltas), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @router.post("/v1/audio/translations")

@@ -19,6 +19,8 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +58,8 @@ UNHEARD_S = 1.5
 MIN_REST_WINDOW_S = 5.0  # (shorter windows are not checked unless their words are aligned anyway)
 MIN_SPEECH_S = 0.3
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
-DEFAULT_MAX_REQUESTS = 128  # transcriptions held past which the routes' get 429 (``engine.admission``)
+# Transcriptions held past which the routes' get 429 (``engine.admission``): a few minutes of work here.
+DEFAULT_MAX_REQUESTS = 32 * (os.cpu_count() or 1)
 
 
 @dataclass
@@ -141,6 +144,10 @@ class AsrEngine:
             # Live voice turns' decodes (priority < 0) are admitted before queued uploads' ones
             # and preempted last; equal priorities go by arrival, as under fcfs.
             scheduling_policy="priority",
+            # Every window of an admitted request waits here at once (an hour is ~120): requests
+            # are bounded above (``max_requests``), so a full decoder queue must not refuse a
+            # window halfway through a request, a job's or a live turn's.
+            max_waiting=sys.maxsize,
         )
         loaded = LoadedModel(model, whisper.tokenizer, whisper.path, whisper.name, max_len)
         self.engine = AsyncEngine(LLMEngine(ecfg, loaded, adapter=self.adapter))

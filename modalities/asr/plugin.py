@@ -28,14 +28,14 @@ def _register_job_kind() -> None:
 
 _register_job_kind()  # ``audio.transcription``: a long recording to a transcript file (modalities/asr/jobs.py)
 
-WORKER_OPTIONS = {  # (see gateway.plugins; the upload limits apply at the gateway, which reads the file)
-    "asr_vad": "webrtc",
-    "asr_max_num_seqs": 64,
-    "asr_device": "cpu",
-    "asr_fallback_keep": "last",
-    "asr_language_per_window": False,
-    "asr_max_requests": DEFAULT_MAX_REQUESTS,
-}
+WORKER_OPTIONS = (  # (see gateway.plugins; the upload limits apply at the gateway, which reads the file)
+    "asr_vad",
+    "asr_max_num_seqs",
+    "asr_device",
+    "asr_fallback_keep",
+    "asr_language_per_window",
+    "asr_max_requests",
+)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -114,17 +114,12 @@ def remote_engines(args: Any, cluster: Any) -> Built:
     """Under ``--dispatch celery``: a proxy per ASR engine the workers serve (``run``/``stream``
     forwarded; requests and transcripts are plain picklable dataclasses)."""
     from modalities.asr.model import served_asr_name
-    from workers.remote import RemoteEngine
+    from modalities.asr.remote import RemoteAsrEngine
 
     spec = getattr(args, "asr", None)
     name = served_asr_name(spec)
-    engine = RemoteEngine(  # (the upload is read and decoded here: its limits are this gateway's)
-        cluster,
-        name,
-        "asr",
-        max_file_mb=getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB),
-        max_audio_s=getattr(args, "asr_max_audio_s", MAX_AUDIO_S),
-    )
+    max_mb, max_s = getattr(args, "asr_max_file_mb", DEFAULT_MAX_FILE_MB), getattr(args, "asr_max_audio_s", MAX_AUDIO_S)
+    engine = RemoteAsrEngine(cluster, name, max_mb, max_s)
     return Built(engines={name: engine}).alias((spec, *OPENAI_NAMES), name)
 
 

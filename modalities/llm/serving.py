@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from engine.errors import InvalidParamError, PromptTooLongError, check_token_ids
 from engine.outputs import RequestOutput, TokenLogprob
@@ -30,7 +29,7 @@ from gateway.errors import APIError, ClientDisconnected, as_api_error, from_engi
 from gateway.logs import annotate
 from gateway.metrics import record_timing, server_timing_header
 from gateway.ratelimit import Charge, charge
-from gateway.streaming import SSE_DONE, SSE_HEADERS, MergedGeneration, sse
+from gateway.streaming import SSE_DONE, SSE_HEADERS, ClosingStreamingResponse, MergedGeneration, sse
 
 
 def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
@@ -259,7 +258,7 @@ async def collect_or_raise(
         raise as_api_error(exc, param) from exc
 
 
-def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker: Tracker) -> StreamingResponse:
+def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker: Tracker) -> ClosingStreamingResponse:
     """Stream ``events`` as SSE, then ``[DONE]``. Errors after the headers went out are reported
     in-band; whatever happens, the engine requests are closed and the tracker told how it ended."""
 
@@ -283,7 +282,7 @@ def sse_response(events: AsyncIterator[str], gen: MergedGeneration[Any], tracker
             await tracker.done(status)
 
     headers = {**SSE_HEADERS, "Server-Timing": tracker.stream_header}
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+    return ClosingStreamingResponse(stream(), media_type="text/event-stream", headers=headers)
 
 
 def completion_logprobs(

@@ -26,11 +26,10 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from gateway.errors import APIError, from_engine_error
 from gateway.ratelimit import charge
-from gateway.streaming import SSE_HEADERS, error_event, sse
+from gateway.streaming import SSE_HEADERS, ClosingStreamingResponse, error_event, sse
 from modalities.audio import MEDIA_TYPES, StreamEncoder
 from modalities.tts.base import check_request
 from modalities.tts.protocol import PCM_RATE, SpeechRequest
@@ -112,7 +111,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
 
     headers = {"X-Sample-Rate": str(encoder.out_rate), "X-Model": name, "X-Voice": voice}  # (as encoded)
     if body.stream_format == "audio":
-        return StreamingResponse(audio_bytes(), media_type=MEDIA_TYPES[fmt], headers=headers)
+        return ClosingStreamingResponse(audio_bytes(), media_type=MEDIA_TYPES[fmt], headers=headers)
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -126,4 +125,4 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
         usage = {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens}
         yield sse({"type": "speech.audio.done", "usage": {**usage, "total_tokens": u.input_tokens + u.output_tokens}})
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return ClosingStreamingResponse(events(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})

@@ -35,15 +35,15 @@ def _register_job_kind() -> None:
 
 _register_job_kind()  # ``speech.generate``: long text to an audio file (see modalities/tts/jobs.py)
 
-WORKER_OPTIONS = {  # (see gateway.plugins)
-    "tts_workers": 2,
-    "tts_threads": None,
-    "tts_seed": None,
-    "tts_max_requests": DEFAULT_MAX_REQUESTS,
-    "tts_ar_kv_blocks": None,
-    "tts_ar_max_num_seqs": 32,
-    "tts_ar_device": "cpu",
-}
+WORKER_OPTIONS = (  # (see gateway.plugins)
+    "tts_workers",
+    "tts_threads",
+    "tts_seed",
+    "tts_max_requests",
+    "tts_ar_kv_blocks",
+    "tts_ar_max_num_seqs",
+    "tts_ar_device",
+)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

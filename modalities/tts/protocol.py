@@ -3,6 +3,7 @@ workers and the realtime pipeline can use it) and the OpenAI ``POST /v1/audio/sp
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -13,8 +14,9 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0
 RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 PCM_RATE = 24_000  # OpenAI's raw ``pcm`` is 24 kHz mono PCM16
 # Syntheses a Piper voice holds at once past which the route's requests get 429 (``--tts-max-requests``):
-# 40 streams of speech already make long ones ~2.5x slower than real time on 2 cores.
-DEFAULT_MAX_REQUESTS = 128
+# about as many streams as it keeps at real time (8 at once ran at a real-time factor of 0.3 on 2
+# cores; 40 at 2.5, their audio stalling).
+DEFAULT_MAX_REQUESTS = 12 * (os.cpu_count() or 1)
 
 # OpenAI's voice names: apps send them, so they play the server's default voice.
 OPENAI_VOICES = (
