@@ -59,7 +59,7 @@ MIN_REST_WINDOW_S = 5.0  # (shorter windows are not checked unless their words a
 MIN_SPEECH_S = 0.3
 DEFAULT_MAX_FILE_MB = 25.0  # OpenAI's upload limit
 # Transcriptions held past which the routes' get 429 (``engine.admission``): a few minutes of work here.
-DEFAULT_MAX_REQUESTS = 32 * (os.cpu_count() or 1)
+DEFAULT_MAX_REQUESTS = min(32 * (os.cpu_count() or 1), 256)  # (a speech worker runs a thread per request)
 
 
 @dataclass
