@@ -47,7 +47,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=int,
         default=None,
-        help="calls run at once (threads; default: --max-num-seqs or 64 for llm, so batches fill; 16 otherwise)",
+        help="calls run at once (threads; default: --max-num-seqs or 64 for llm, so batches fill; for tts and asr "
+        "their --*-max-requests bound plus 8, at least 16, so that the bound refuses; 16 otherwise)",
     )
     parser.add_argument("--redis-url", default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="queue and key prefix (one per cluster)")
