@@ -14,9 +14,9 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0
 RESPONSE_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 PCM_RATE = 24_000  # OpenAI's raw ``pcm`` is 24 kHz mono PCM16
 # Syntheses a Piper voice holds at once past which the route's requests get 429 (``--tts-max-requests``):
-# about as many streams as it keeps at real time (8 at once ran at a real-time factor of 0.3 on 2
-# cores; 40 at 2.5, their audio stalling).
-DEFAULT_MAX_REQUESTS = min(12 * (os.cpu_count() or 1), 128)  # (a speech worker runs a thread per request)
+# about as many streams as it keeps at real time (on 2 cores, 8 at once ran at a real-time factor of
+# 0.28, 24 at once at 1.35: 10 s of audio each in 13.6 s).
+DEFAULT_MAX_REQUESTS = min(8 * (os.cpu_count() or 1), 128)  # (a speech worker runs a thread per request)
 
 # OpenAI's voice names: apps send them, so they play the server's default voice.
 OPENAI_VOICES = (
