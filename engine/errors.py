@@ -15,7 +15,7 @@ class QueueFullError(EngineError):
 
     def __init__(self, num_waiting: int, retry_after_s: float = 1.0, state: str = "waiting") -> None:
         super().__init__(f"the server is busy: {num_waiting} requests are already {state}; retry later")
-        self.retry_after_s = retry_after_s
+        self.num_waiting, self.retry_after_s = num_waiting, retry_after_s
 
 
 class InvalidParamError(EngineError, ValueError):

@@ -132,6 +132,7 @@ def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all
     with pytest.raises(HeldBoundError) as info:
         asyncio.run(run())
     assert sorted(tried) == ids and info.value.retry_after_s == 3.0
+    assert "16 requests are already in progress on the 4 workers serving 'm'" in str(info.value)
     full.clear()
     other_error.append(QueueFullError(1024))
     tried.clear()

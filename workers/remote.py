@@ -185,14 +185,14 @@ class Cluster:
         if not self.redis_ok or self.redis is None:
             raise broker_down(ConnectionError("no connection"))
         tried: set[str] = set()
-        busy: HeldBoundError | None = None  # the refusal with the soonest Retry-After so far
+        refusals: list[HeldBoundError] = []
         lost = 0
         while lost < (1 if pin else self.max_attempts):
             live = [w for w in self.live(model) if pin is None or w.worker_id == pin]
             worker = choose_worker(live, key, exclude=tried)
             if worker is None:
-                if busy is not None:
-                    raise busy  # every worker left was full: the client retries later (429)
+                if refusals:
+                    raise _all_full(model, refusals)  # every worker left was full: the client retries later
                 if tried:
                     raise APIError(
                         503, f"every worker serving {model!r} was lost during the request", code="worker_lost"
@@ -209,15 +209,14 @@ class Cluster:
                         if kind == END:
                             return
             except HeldBoundError as exc:  # refused before any work (the view's loads are a heartbeat old)
-                if busy is None or exc.retry_after_s < busy.retry_after_s:
-                    busy = exc
+                refusals.append(exc)
                 continue  # (not a lost worker: it does not use up an attempt)
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
             self.retries += 1
             lost += 1
-        if busy is not None:
-            raise busy
+        if refusals:
+            raise _all_full(model, refusals)
         raise APIError(503, f"{model!r}: {self.max_attempts} workers were lost during the request", code="worker_lost")
 
     async def _call_on(self, worker_id: str, call: Call) -> AsyncIterator[tuple[bytes | None, Any]]:
@@ -323,6 +322,16 @@ class Cluster:
                 await pipe.execute()
         except (redis.exceptions.RedisError, OSError) as exc:
             logger.warning("could not clean up call %s: %r", call_id, exc)
+
+
+def _all_full(model: str, refusals: list[HeldBoundError]) -> HeldBoundError:
+    """The caller's 429 once every worker tried refused: the requests they hold together, and the
+    soonest of their ``Retry-After``s."""
+    if len(refusals) == 1:
+        return refusals[0]
+    held = sum(getattr(r, "num_waiting", 0) for r in refusals)  # (a refusal from an older worker lacks it)
+    retry = min(r.retry_after_s for r in refusals)
+    return HeldBoundError(held, retry, f"in progress on the {len(refusals)} workers serving {model!r}")
 
 
 class RemoteEngine:
