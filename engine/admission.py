@@ -20,13 +20,15 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from engine.errors import QueueFullError
 
 MAX_RETRY_AFTER_S = 60  # (the ``openai`` client takes a longer Retry-After as no advice at all)
 HOLD_SMOOTHING = 0.2  # the weight of the last request in the running mean of hold times
+T = TypeVar("T")
 
 
 class HeldBoundError(QueueFullError):
@@ -59,6 +61,14 @@ class Admission:
             if refusable:  # (a job's or a live turn's time says nothing of when a client finds room)
                 sample = min(time.monotonic() - start, MAX_RETRY_AFTER_S)
                 self.hold_s += HOLD_SMOOTHING * (sample - self.hold_s)
+
+    async def held(self, refusable: bool, items: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``items`` (an engine's stream), counted inside ``hold`` while they are read and closed
+        as soon as the reader stops (not when the garbage collector gets to them)."""
+        with self.hold(refusable):
+            async with contextlib.aclosing(items) as each:
+                async for item in each:
+                    yield item
 
     def _retry_after(self, now: float) -> float:
         """Whole hold times (at least a second) until this refused client likely finds room."""

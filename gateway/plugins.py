@@ -77,14 +77,19 @@ def servable() -> list[str]:
     return [m for m in MODALITIES if hasattr(plugins.get(m), "build")]
 
 
+def only_of(args: Any) -> set[str]:
+    """The modalities ``--only`` names (a string or a list; empty: all)."""
+    only_raw = getattr(args, "only", None)
+    return {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+
+
 def enabled(name: str, only: set[str]) -> bool:
     return not only or name in only
 
 
 def build_all(args: Any) -> Built:
     """Engines of every enabled modality (``args.only`` restricts them), names made unique."""
-    only_raw = getattr(args, "only", None)
-    only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    only = only_of(args)
     served = servable()
     missing = sorted(only - set(served))
     if missing:
@@ -127,8 +132,7 @@ def worker_options_given(args: Any) -> list[str]:
     from gateway.cli import build_parser
 
     defaults = build_parser().parse_args(["serve"])
-    only_raw = getattr(args, "only", None)
-    only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    only = only_of(args)
     given = []
     for name, plugin in load_plugins().items():
         if enabled(name, only):

@@ -3,6 +3,8 @@ the ``Retry-After`` it advises."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from engine.admission import MAX_RETRY_AFTER_S, Admission, HeldBoundError
@@ -126,3 +128,37 @@ def test_a_speech_workers_threads_cover_its_bound_so_the_bound_refuses() -> None
     assert threads("--modality", "asr", "--asr-max-requests", "0") == 16  # (no bound)
     assert threads("--modality", "llm", "--max-num-seqs", "8") == 8
     assert threads("--modality", "diffusion") == 16
+
+
+def test_held_counts_a_stream_while_read_and_closes_it_as_soon_as_the_reader_stops() -> None:
+    """``Admission.held`` (the Piper voice's and Whisper's ``stream``): counted from the first
+    item; closing it early closes the engine's stream at once (its ``finally`` drops its work),
+    not when the garbage collector gets to it; a refused one never starts the stream."""
+    import asyncio
+    import gc
+
+    adm = Admission(limit=1)
+    events: list[str] = []
+
+    async def items() -> Any:
+        events.append("started")
+        try:
+            for i in range(10):
+                yield i
+        finally:
+            events.append("closed")
+
+    async def go() -> None:
+        stream = adm.held(True, items())
+        assert await anext(stream) == 0 and adm.active == 1
+        with pytest.raises(HeldBoundError):
+            await anext(adm.held(True, items()))
+        assert events == ["started"]
+        await stream.aclose()
+        assert events == ["started", "closed"] and adm.active == 0
+
+    gc.disable()
+    try:
+        asyncio.run(go())
+    finally:
+        gc.enable()

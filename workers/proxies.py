@@ -169,12 +169,11 @@ class RemoteEmbeddingEngine(EmbeddingEngine):
 
 def build_remote(args: Any) -> tuple[Built, Cluster]:
     """Proxies for the modalities ``args`` enables (``--only``), on one ``Cluster``."""
-    from gateway.plugins import enabled
+    from gateway.plugins import enabled, only_of
 
     url = getattr(args, "redis_url", None) or os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
     cluster = Cluster(url, prefix=getattr(args, "prefix", None) or "mmserve")
-    only_raw = getattr(args, "only", None)
-    only = {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
+    only = only_of(args)
     built = Built()
     if enabled("llm", only):
         llm = getattr(args, "llm", None)

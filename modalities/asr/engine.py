@@ -15,7 +15,6 @@ when asked for, come from one extra decoder pass per window over its kept tokens
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -403,17 +402,14 @@ class AsrEngine:
             return [Window(0.0, duration)] if speech else []
         return plan_windows(audio, speech)
 
-    async def stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
+    def stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
         """Text as it decodes, in order; the last item carries the full ``Transcript``.
 
         Every window decodes at once (they batch on the engine); a window's live text is passed
         on when all earlier windows are done and it overlaps no neighbour (overlapping windows
-        are released once stitched). ``QueueFullError`` first for a ``refusable`` request while
+        are released once stitched). ``HeldBoundError`` first for a ``refusable`` request while
         ``max_requests`` are held."""
-        with self._admission.hold(req.refusable):
-            async with contextlib.aclosing(self._stream(req)) as deltas:  # (closed now, not at GC)
-                async for delta in deltas:
-                    yield delta
+        return self._admission.held(req.refusable, self._stream(req))
 
     async def _stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
         audio = np.asarray(req.audio, dtype=np.float32)

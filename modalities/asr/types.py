@@ -104,7 +104,7 @@ class TranscriptionRequest:
     task: str = "transcribe"  # or "translate" (to English; a multilingual model only)
     priority: int = 0
     logprobs: bool = False
-    refusable: bool = False  # the engine may refuse it (``QueueFullError``) when busy: the routes' requests
+    refusable: bool = False  # the engine may refuse it (``HeldBoundError``) when busy: the routes' requests
 
 
 @dataclass

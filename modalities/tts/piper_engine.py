@@ -185,7 +185,7 @@ class PiperEngine(ReportsUsage):
             "num_running": max(0, active - waiting),  # (... and ``running_batch_size``: those streaming)
             "tts_requests_active": active,
             "tts_requests_queued": self._queue.queued(),
-            "tts_first_pieces_pending": self._queue.first_pending(),
+            "tts_first_pieces_pending": waiting,
             "tts_pieces_done": self._pieces_done,
             "tts_audio_seconds_total": self._audio_s,
             "tts_synthesis_seconds_total": self._synth_s,
@@ -263,16 +263,14 @@ class PiperEngine(ReportsUsage):
                 self._wide_lock.release()
 
     # -- the contract --------------------------------------------------------------------------
-    async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
-        """Float32 chunks at ``req.sample_rate or sample_rate``, in segments (see the module doc)."""
-        check_request(self, req)
-        await self.start()  # no-op once started
-        with self._admission.hold(req.refusable):
-            async with contextlib.aclosing(self._stream(req)) as chunks:  # (closed now, not at GC)
-                async for chunk in chunks:
-                    yield chunk
+    def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
+        """Float32 chunks at ``req.sample_rate or sample_rate``, in segments (see the module doc);
+        ``HeldBoundError`` first for a ``refusable`` request while ``max_requests`` are held."""
+        return self._admission.held(req.refusable, self._stream(req))
 
     async def _stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
+        check_request(self, req)
+        await self.start()  # no-op once started
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
         natural, tempo = split_speed(req.speed)
         stretch = TimeStretch(tempo, self.sample_rate)  # (at tempo 1, chunks pass untouched)

@@ -52,7 +52,7 @@ class TTSRequest:
     ``priority``: lower first where the engine orders its work (set by the server, not the API:
     ``engine.foreground.INTERACTIVE`` marks a live voice turn). ``usage``: filled in by the
     engine as it synthesises, whole once the stream has ended. ``refusable``: the engine may
-    refuse it with ``QueueFullError`` when it holds its bound of requests
+    refuse it with ``HeldBoundError`` when it holds its bound of requests
     (``engine.admission``): the HTTP route's requests; a job's or a live turn's wait instead."""
 
     text: str
