@@ -51,8 +51,7 @@ class Admission:
         """Count a request for the time it is inside; raises ``HeldBoundError`` first when it is
         ``refusable`` and ``limit`` requests are already held."""
         start = time.monotonic()
-        if refusable and self.limit is not None and self.active >= self.limit:
-            raise HeldBoundError(self.active, self._retry_after(start), "in progress")
+        self.check(refusable)
         self.active += 1
         try:
             yield
@@ -61,6 +60,13 @@ class Admission:
             if refusable:  # (a job's or a live turn's time says nothing of when a client finds room)
                 sample = min(time.monotonic() - start, MAX_RETRY_AFTER_S)
                 self.hold_s += HOLD_SMOOTHING * (sample - self.hold_s)
+
+    def check(self, refusable: bool) -> None:
+        """``HeldBoundError`` when ``hold(refusable)`` would refuse now (a refused client counts
+        as one told when to come back): lets a route refuse before costly work of its own, such
+        as decoding an upload, that the engine would then refuse."""
+        if refusable and self.limit is not None and self.active >= self.limit:
+            raise HeldBoundError(self.active, self._retry_after(time.monotonic()), "in progress")
 
     async def held(self, refusable: bool, items: AsyncIterator[T]) -> AsyncIterator[T]:
         """``items`` (an engine's stream), counted inside ``hold`` while they are read and closed

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_MAX_WAITING = 1024  # requests waiting to run past which add_request refuses (``--max-waiting``)
+
 
 def check_device(device: str) -> None:
     """Raise ``ValueError`` unless ``device`` is a CPU or a CUDA GPU this machine has."""
@@ -33,7 +35,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower value runs first)
-    max_waiting: int = 1024  # admission bound: beyond it add_request raises QueueFullError
+    max_waiting: int = DEFAULT_MAX_WAITING  # admission bound: beyond it add_request raises QueueFullError
     attention_backend: str = "auto"  # "auto", "torch" (portable) or "native" (CPU C kernel)
     model_impl: str = "auto"  # "auto": lean Llama-family path where it applies; "hf": transformers modules
     cpu_linear: str = "auto"  # "auto"/"onednn": oneDNN matmuls for fp32 on CPU; "torch": plain F.linear

@@ -39,6 +39,20 @@ def test_a_request_that_fails_inside_is_released_and_no_bound_refuses_nothing() 
         assert unbounded.active == 2
 
 
+def test_check_refuses_as_hold_would_without_counting() -> None:
+    """``check`` (a route's question before decoding an upload): refuses exactly where ``hold``
+    would, telling the refused client when to come back as ``hold`` does, and counts nothing."""
+    adm = Admission(limit=1, hold_s=3.4)
+    adm.check(True)
+    assert adm.active == 0
+    with adm.hold(True):
+        adm.check(False)  # a job's or a live turn's is never refused
+        with pytest.raises(HeldBoundError) as info:
+            adm.check(True)
+        assert info.value.retry_after_s == 4.0 and adm.active == 1
+        assert _refusal(adm).retry_after_s == 8.0  # (behind the client ``check`` refused)
+
+
 def test_retry_after_sends_a_bursts_refused_clients_back_in_waves_of_the_bound() -> None:
     """Held requests last ~3.4 s: the first ``limit`` refused come back in 4 s, the next
     ``limit`` in 8 s, ... (all at 1 s, they came back together into a still-full bound)."""
@@ -108,6 +122,8 @@ def test_a_celery_gateway_names_the_worker_options_it_ignores_and_keeps_its_uplo
     args = build_parser().parse_args([*argv, "--asr-max-num-seqs", "8", "--asr-max-file-mb", "100"])
     assert worker_options_given(args) == ["--asr-max-num-seqs", "--tts-max-requests"]
     assert worker_options_given(build_parser().parse_args(["serve", "--only", "llm", "--tts-workers", "3"])) == []
+    llm = build_parser().parse_args(["serve", "--only", "llm", "--max-waiting", "8", "--max-model-len", "512"])
+    assert worker_options_given(llm) == ["--max-waiting"]  # (the gateway reads the context length itself)
     (engine,) = remote_engines(args, cluster=None).engines.values()
     assert (engine.max_file_mb, engine.max_audio_s) == (100.0, args.asr_max_audio_s)
 

@@ -347,9 +347,14 @@ def test_past_its_bound_an_upload_is_a_429_before_any_work(
                 client.audio.transcriptions.create(model="whisper-1", file=wav, stream=stream)
             assert 1 <= int(info.value.response.headers["retry-after"]) <= 60
             assert info.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+        # Refused before the upload is decoded: bytes no decoder reads get the same 429 (a 400 below).
+        with pytest.raises(openai.RateLimitError):
+            client.audio.transcriptions.create(model="whisper-1", file=("a.wav", b"not audio"))
         assert asr.stats()["windows_total"] == windows and asr.stats()["requests_active"] == 0
     finally:
         asr._admission.limit = None
+    with pytest.raises(openai.BadRequestError):
+        client.audio.transcriptions.create(model="whisper-1", file=("a.wav", b"not audio"))
     # The bound is on requests: the decoder's own queue must not refuse a window of one admitted
     # (every window waits there at once), nor a job's or a live turn's (it had 1024 places).
     windows_per_request = math.ceil(asr.max_audio_s / 30) * 2

@@ -265,6 +265,20 @@ def test_the_serve_flag_picks_the_scheduling_policy() -> None:
     assert engine_config(build_parser().parse_args(["serve"]), "m").scheduling_policy == "fcfs"
 
 
+def test_the_serve_flag_bounds_the_waiting_queue() -> None:
+    """``--max-waiting N``: the LLM engine's queue bound (429 past it); 0, as the speech bounds'
+    flags: no bound; a negative count is a usage error."""
+    from gateway.cli import build_parser
+    from modalities.llm.plugin import engine_config
+
+    def waiting(*flags: str) -> int:
+        return engine_config(build_parser().parse_args(["serve", *flags]), "m").max_waiting
+
+    assert waiting() == 1024 and waiting("--max-waiting", "8") == 8 and waiting("--max-waiting", "0") > 1 << 30
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-waiting", "-1"])
+
+
 async def test_fcfs_ignores_priority(loaded) -> None:
     async with _async_engine(loaded, max_num_seqs=1) as engine:
         llm = engine.engine

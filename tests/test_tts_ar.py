@@ -319,3 +319,25 @@ def test_speech_route_picks_the_ar_backend_by_voice(server: tuple[str, ARTTSEngi
         f"{url}/v1/audio/speech", json={"input": "Hi.", "model": ar.model_name, "voice": "joe"}, timeout=60
     )
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "voice"
+
+
+def test_past_its_bound_the_ar_voice_refuses_the_route_and_serves_a_job(server: tuple[str, ARTTSEngine]) -> None:
+    """At ``max_requests`` held (here 0) the speech route gets a 429 with ``Retry-After`` before
+    any work; a request that is not ``refusable`` (a job's, a live turn's) is served, and the
+    engine's own queue, under that bound, refuses none of a job's pieces."""
+    url, ar = server
+    tokens = ar.stats()["generation_tokens_total"]
+    ar._admission.limit = 0
+    try:
+        refused = httpx.post(f"{url}/v1/audio/speech", json={"input": "Hi.", "voice": "tiny-a"}, timeout=60)
+        assert refused.status_code == 429 and 1 <= int(refused.headers["retry-after"]) <= 60
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert ar.stats()["generation_tokens_total"] == tokens and ar.stats()["requests_active"] == 0
+
+        async def job() -> int:
+            return sum([c.size async for c in ar.stream(TTSRequest("Hi.", voice="tiny-a"))])
+
+        assert asyncio.run(job()) == FRAMES * 320 - 8
+    finally:
+        ar._admission.limit = None
+    assert ar.engine.engine.config.max_waiting > 1 << 30

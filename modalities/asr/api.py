@@ -34,6 +34,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from engine.errors import QueueFullError
 from gateway.errors import APIError, as_api_error, pick_engine
 from gateway.metrics import engine_modality
 from gateway.streaming import SSE_HEADERS, ClosingStreamingResponse, charged, error_event, sse
@@ -109,7 +110,12 @@ def check_duration(duration: float) -> None:
 
 async def _read_audio(file: UploadFile, engine: Any) -> Any:
     """The upload decoded to 16 kHz mono (``modalities.audio.DecodedAudio``); a 413 past the
-    engine's file or duration limit, a 400 for what no decoder reads."""
+    engine's file or duration limit, a 400 for what no decoder reads. First a 429 when the engine
+    holds its bound of requests (``check_room``): a refused upload is not decoded for nothing."""
+    try:
+        engine.check_room()
+    except QueueFullError as exc:
+        raise as_api_error(exc) from exc
     limit_mb = float(getattr(engine, "max_file_mb", DEFAULT_MAX_FILE_MB))
     data = await file.read(int(limit_mb * (1 << 20)) + 1)
     if len(data) > limit_mb * (1 << 20):

@@ -402,6 +402,11 @@ class AsrEngine:
             return [Window(0.0, duration)] if speech else []
         return plan_windows(audio, speech)
 
+    def check_room(self) -> None:
+        """``HeldBoundError`` now when ``stream`` would refuse a refusable request: the routes ask
+        before they decode an upload (0.1-0.2 s of a core each) that would then be refused."""
+        self._admission.check(True)
+
     def stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
         """Text as it decodes, in order; the last item carries the full ``Transcript``.
 

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
+from engine.admission import parse_limit
+from engine.config import DEFAULT_MAX_WAITING
 from gateway.plugins import Built
 from modalities.llm.api import router
 
-__all__ = ["add_serve_args", "build", "router"]
+__all__ = ["WORKER_OPTIONS", "add_serve_args", "build", "router"]
 
 logger = logging.getLogger("mmserve.llm")
+
+
+WORKER_OPTIONS = (  # (see gateway.plugins; the gateway reads --max-model-len and --block-size itself)
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_waiting",
+    "kv_cache_gb",
+    "dtype",
+    "device",
+    "quantization",
+    "scheduling_policy",
+    "foreground_wait_ms",
+)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +42,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument(
+        "--max-waiting",
+        type=parse_limit,
+        default=DEFAULT_MAX_WAITING,
+        help="requests waiting for a place in the running batch past which new ones get 429 with "
+        f"Retry-After (default {DEFAULT_MAX_WAITING}; 0: no bound)",
+    )
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -72,6 +95,8 @@ def engine_config(args: Any, model: str) -> Any:
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
+    if hasattr(args, "max_waiting"):
+        kwargs["max_waiting"] = args.max_waiting or sys.maxsize  # (``parse_limit``: None is no bound)
     quant = getattr(args, "quantization", None)
     if quant is not None:
         kwargs["quantization"] = None if quant == "none" else quant

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -24,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.admission import Admission
 from modalities.stream_resample import Resampler
 from modalities.tts.base import ReportsUsage, check_request
 from modalities.tts.codec_stream import CodecBatcher, StreamingCodecDecoder
-from modalities.tts.protocol import TTSRequest, TTSUsage
+from modalities.tts.protocol import DEFAULT_MAX_REQUESTS, TTSRequest, TTSUsage
 from modalities.tts.tempo import TimeStretch
 from modalities.tts.text import split_text
 from modalities.tts.tiny import TTS_CONFIG
@@ -86,6 +88,7 @@ class ARTTSEngine(ReportsUsage):
         name: str | None = None,
         first_every: int | None = None,
         warm_up_batch: int = 8,
+        max_requests: int | None = DEFAULT_MAX_REQUESTS,
     ) -> None:
         self.engine = engine
         self.codec = codec
@@ -108,6 +111,7 @@ class ARTTSEngine(ReportsUsage):
         self.sample_rate = int(codec.config.sampling_rate)
         self.tokenizer = engine.tokenizer
         self._allowed = [*layout.codec_token_ids, layout.audio_end_id]
+        self._admission = Admission(max_requests)
 
     @classmethod
     def from_dir(
@@ -118,7 +122,9 @@ class ARTTSEngine(ReportsUsage):
         device: str = "cpu",
         **kwargs: Any,
     ) -> ARTTSEngine:
-        """Load the LM with the engine's model loader and the codec from ``DIR/codec``, both on ``device``."""
+        """Load the LM with the engine's model loader and the codec from ``DIR/codec``, both on
+        ``device``. The engine is this voice's own: its queue takes every piece (the requests are
+        bounded above it, by ``max_requests``), so a job's or a live turn's is never refused."""
         from transformers import AutoModel
 
         from engine.async_engine import AsyncEngine
@@ -126,7 +132,13 @@ class ARTTSEngine(ReportsUsage):
 
         path = Path(model_dir).expanduser()
         layout = ARTTSLayout.load(path)
-        config = EngineConfig(model=str(path), num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, device=device)
+        config = EngineConfig(
+            model=str(path),
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            device=device,
+            max_waiting=sys.maxsize,
+        )
         codec = AutoModel.from_pretrained(path / layout.codec_dir, local_files_only=True).to(device).eval()
         return cls(AsyncEngine.from_config(config), codec, layout, **kwargs)
 
@@ -157,7 +169,7 @@ class ARTTSEngine(ReportsUsage):
         await self.engine.shutdown()
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        return {**self.engine.stats(), "requests_active": self._admission.active}
 
     # -- requests ------------------------------------------------------------------------------
     def prompt_ids(self, text: str, voice: str) -> list[int]:
@@ -207,9 +219,13 @@ class ARTTSEngine(ReportsUsage):
             if tail.size:
                 yield tail
 
-    async def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
+    def stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
         """Float32 chunks every ``decode_every`` frames, at ``req.sample_rate or sample_rate``;
-        ``req.speed`` is a pitch-preserving time-stretch of the codec's audio (``tempo``)."""
+        ``req.speed`` is a pitch-preserving time-stretch of the codec's audio (``tempo``).
+        ``HeldBoundError`` first for a ``refusable`` request while ``max_requests`` are held."""
+        return self._admission.held(req.refusable, self._stream(req))
+
+    async def _stream(self, req: TTSRequest) -> AsyncIterator[np.ndarray]:
         voice = check_request(self, req)
         stretch = TimeStretch(req.speed, self.sample_rate)
         resample = Resampler(self.sample_rate, req.sample_rate or self.sample_rate)
