@@ -1,7 +1,7 @@
 """The engines a speech pipeline calls, behind two small functions.
 
-``Services.from_engines(engines)`` picks the LLM (an ``AsyncEngine``), the ASR engine
-(``modality == "asr"``) and the TTS engine (``modality == "tts"``) out of a served-name -> engine
+``Services.from_engines(engines)`` picks the LLM, the ASR engine and the TTS engine
+(by ``gateway.metrics.engine_modality``, as the routes pick theirs) out of a served-name -> engine
 map (the gateway's ``app.state.engines`` or a worker's), optionally by name.
 """
 
@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.metrics import engine_modality
+
 if TYPE_CHECKING:
     from modalities.asr.types import Transcript
 
@@ -21,17 +23,8 @@ class ServiceMissing(LookupError):
     """The pipeline needs an engine that is not served here."""
 
 
-def _modality(engine: Any) -> str | None:
-    mod = getattr(engine, "modality", None)
-    if mod is None and hasattr(engine, "transcribe"):
-        return "asr"
-    if mod is None and hasattr(engine, "generate") and hasattr(engine, "tokenizer"):
-        return "llm"
-    return mod
-
-
 def has_modality(engines: dict[str, Any], modality: str) -> bool:
-    return any(_modality(engine) == modality for engine in engines.values())
+    return any(engine_modality(engine) == modality for engine in engines.values())
 
 
 def pick(engines: dict[str, Any], modality: str, name: str | None = None, aliases: dict[str, str] | None = None) -> Any:
@@ -39,11 +32,11 @@ def pick(engines: dict[str, Any], modality: str, name: str | None = None, aliase
     if name is not None:
         name = (aliases or {}).get(name, name)
         engine = engines.get(name)
-        if engine is None or _modality(engine) != modality:
+        if engine is None or engine_modality(engine) != modality:
             raise ServiceMissing(f"no {modality} model named {name!r} is served")
         return engine
     for engine in engines.values():
-        if _modality(engine) == modality:
+        if engine_modality(engine) == modality:
             return engine
     raise ServiceMissing(f"no {modality} model is served")
 
