@@ -1,6 +1,8 @@
-"""A bound on the requests an engine holds at once (the Piper voice, Whisper: engines whose own
+"""A bound on the requests an engine holds at once (the TTS voices, Whisper: engines whose own
 queues are not bounded per request): past it, a request that may be refused is, with
-``HeldBoundError`` (the routes' 429 with ``Retry-After``), before any work is done for it.
+``HeldBoundError`` (the routes' 429 with ``Retry-After``), before any work is done for it. Work a
+route does before the engine's (decoding an upload) takes a place with ``reserve``, so that a
+burst past the bound is refused before that work too, not after it.
 
 Only requests that ask for it are refused: the HTTP routes' ones, whose clients can retry. A live
 voice turn, or a job already admitted by its own queue, waits its turn behind them instead (a
@@ -43,6 +45,7 @@ class Admission:
 
     limit: int | None = None
     active: int = 0  # requests inside ``hold``
+    reserved: int = 0  # requests inside ``reserve``: on their way to ``hold``
     hold_s: float = 1.0  # a running mean of how long a refusable request stays inside
     _due: deque[float] = field(default_factory=deque)  # when the refused clients were told to come back
 
@@ -51,7 +54,7 @@ class Admission:
         """Count a request for the time it is inside; raises ``HeldBoundError`` first when it is
         ``refusable`` and ``limit`` requests are already held."""
         start = time.monotonic()
-        self.check(refusable)
+        self._refuse_when_full(refusable)
         self.active += 1
         try:
             yield
@@ -61,12 +64,22 @@ class Admission:
                 sample = min(time.monotonic() - start, MAX_RETRY_AFTER_S)
                 self.hold_s += HOLD_SMOOTHING * (sample - self.hold_s)
 
-    def check(self, refusable: bool) -> None:
-        """``HeldBoundError`` when ``hold(refusable)`` would refuse now (a refused client counts
-        as one told when to come back): lets a route refuse before costly work of its own, such
-        as decoding an upload, that the engine would then refuse."""
-        if refusable and self.limit is not None and self.active >= self.limit:
-            raise HeldBoundError(self.active, self._retry_after(time.monotonic()), "in progress")
+    @contextlib.contextmanager
+    def reserve(self, refusable: bool) -> Iterator[None]:
+        """A place for a request's work before ``hold`` (a route decoding an upload), refused as
+        ``hold`` refuses. Both count the places reserved: of a burst, only as many as there is
+        room for get to do that work. Given back on leaving (``hold`` then takes its own)."""
+        self._refuse_when_full(refusable)
+        self.reserved += 1
+        try:
+            yield
+        finally:
+            self.reserved -= 1
+
+    def _refuse_when_full(self, refusable: bool) -> None:
+        taken = self.active + self.reserved
+        if refusable and self.limit is not None and taken >= self.limit:
+            raise HeldBoundError(taken, self._retry_after(time.monotonic()), "in progress")
 
     async def held(self, refusable: bool, items: AsyncIterator[T]) -> AsyncIterator[T]:
         """``items`` (an engine's stream), counted inside ``hold`` while they are read and closed

@@ -39,18 +39,28 @@ def test_a_request_that_fails_inside_is_released_and_no_bound_refuses_nothing() 
         assert unbounded.active == 2
 
 
-def test_check_refuses_as_hold_would_without_counting() -> None:
-    """``check`` (a route's question before decoding an upload): refuses exactly where ``hold``
-    would, telling the refused client when to come back as ``hold`` does, and counts nothing."""
-    adm = Admission(limit=1, hold_s=3.4)
-    adm.check(True)
-    assert adm.active == 0
-    with adm.hold(True):
-        adm.check(False)  # a job's or a live turn's is never refused
-        with pytest.raises(HeldBoundError) as info:
-            adm.check(True)
-        assert info.value.retry_after_s == 4.0 and adm.active == 1
-        assert _refusal(adm).retry_after_s == 8.0  # (behind the client ``check`` refused)
+def test_reserve_counts_a_routes_work_before_hold_so_a_burst_is_refused_before_it() -> None:
+    """``reserve`` (a route decoding an upload): refused where ``hold`` would be, counted by both
+    while inside (of a burst arriving with room for 2, 2 do that work, the rest are refused
+    before it), given back on leaving; a job's or a live turn's is never refused."""
+    adm = Admission(limit=2, hold_s=3.4)
+    places = [adm.reserve(True) for _ in range(5)]
+    entered, refused = 0, []
+    for place in places:
+        try:
+            place.__enter__()
+            entered += 1
+        except HeldBoundError as exc:
+            refused.append(exc.retry_after_s)
+    assert (entered, adm.reserved, adm.active) == (2, 2, 0) and refused == [4.0, 4.0, 8.0]
+    assert "2 requests are already in progress" in str(_refusal(adm))  # (hold counts them too)
+    with adm.reserve(False), adm.hold(False):  # counted, never refused
+        assert (adm.reserved, adm.active) == (3, 1)
+    for place in places[:entered]:
+        place.__exit__(None, None, None)
+    assert adm.reserved == 0
+    with adm.hold(True), adm.hold(True):  # their places, now held
+        assert adm.active == 2
 
 
 def test_retry_after_sends_a_bursts_refused_clients_back_in_waves_of_the_bound() -> None:

@@ -341,3 +341,18 @@ def test_past_its_bound_the_ar_voice_refuses_the_route_and_serves_a_job(server: 
     finally:
         ar._admission.limit = None
     assert ar.engine.engine.config.max_waiting > 1 << 30
+
+
+def test_the_ar_voice_holds_at_least_its_batch(model_dir: Path) -> None:
+    """``--tts-max-requests`` bounds both voices, the AR one at no fewer than its batch
+    (``--tts-ar-max-num-seqs``: a lower bound would keep the batch from filling); 0: no bound."""
+    from gateway.cli import build_parser
+    from modalities.tts.plugin import build
+
+    def bounds(*flags: str) -> list[int | None]:
+        args = build_parser().parse_args(["serve", "--only", "tts", "--tts-ar", str(model_dir), *flags])
+        return [e._admission.limit for e in build(args).engines.values()]
+
+    assert bounds("--tts-max-requests", "4", "--tts-ar-max-num-seqs", "8") == [4, 8]
+    assert bounds("--tts-max-requests", "12", "--tts-ar-max-num-seqs", "8") == [12, 12]
+    assert bounds("--tts-max-requests", "0") == [None, None]

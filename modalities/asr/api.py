@@ -28,6 +28,7 @@ Translations (speech in any language the model knows, as English text) take ``fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -110,16 +111,21 @@ def check_duration(duration: float) -> None:
 
 async def _read_audio(file: UploadFile, engine: Any) -> Any:
     """The upload decoded to 16 kHz mono (``modalities.audio.DecodedAudio``); a 413 past the
-    engine's file or duration limit, a 400 for what no decoder reads. First a 429 when the engine
-    holds its bound of requests (``check_room``): a refused upload is not decoded for nothing."""
+    engine's file or duration limit, a 400 for what no decoder reads; first a 429 when the engine
+    has no room for the request (its ``reserve``, held while decoding; an engine in another
+    process has none and refuses there), so that a burst past the bound is refused undecoded."""
     try:
-        engine.check_room()
+        with getattr(engine, "reserve", contextlib.nullcontext)():
+            return await _decoded(file, engine)
     except QueueFullError as exc:
         raise as_api_error(exc) from exc
+
+
+async def _decoded(file: UploadFile, engine: Any) -> Any:
     limit_mb = float(getattr(engine, "max_file_mb", DEFAULT_MAX_FILE_MB))
     data = await file.read(int(limit_mb * (1 << 20)) + 1)
     if len(data) > limit_mb * (1 << 20):
-        raise APIError(413, f"the audio file exceeds the {limit_mb:g} MB limit", param="file", code="file_too_large")
+        raise APIError(413, f"the audio file exceeds the {limit_mb:g} MiB limit", param="file", code="file_too_large")
     max_s = float(getattr(engine, "max_audio_s", MAX_AUDIO_S))
     try:
         audio = await asyncio.to_thread(decode_audio, data, ASR_RATE, max_s)

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -402,10 +403,10 @@ class AsrEngine:
             return [Window(0.0, duration)] if speech else []
         return plan_windows(audio, speech)
 
-    def check_room(self) -> None:
-        """``HeldBoundError`` now when ``stream`` would refuse a refusable request: the routes ask
-        before they decode an upload (0.1-0.2 s of a core each) that would then be refused."""
-        self._admission.check(True)
+    def reserve(self) -> AbstractContextManager[None]:
+        """A place for a route's request while it decodes the upload (0.1-0.2 s of a core):
+        ``HeldBoundError`` now when ``stream`` would refuse it (``Admission.reserve``)."""
+        return self._admission.reserve(True)
 
     def stream(self, req: TranscriptionRequest) -> AsyncIterator[TranscriptDelta]:
         """Text as it decodes, in order; the last item carries the full ``Transcript``.

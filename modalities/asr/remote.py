@@ -12,6 +12,3 @@ class RemoteAsrEngine(RemoteEngine):
     def __init__(self, cluster: Cluster, name: str, max_file_mb: float, max_audio_s: float) -> None:
         super().__init__(cluster, name, "asr")
         self.max_file_mb, self.max_audio_s = max_file_mb, max_audio_s
-
-    def check_room(self) -> None:
-        """Nothing: the worker that takes the call holds the bound, and refuses there."""

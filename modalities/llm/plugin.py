@@ -47,7 +47,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=parse_limit,
         default=DEFAULT_MAX_WAITING,
         help="requests waiting for a place in the running batch past which new ones get 429 with "
-        f"Retry-After (default {DEFAULT_MAX_WAITING}; 0: no bound)",
+        f"Retry-After: every request, live voice turns', pipeline stages' and batch lines' too "
+        f"(default {DEFAULT_MAX_WAITING}; 0: no bound)",
     )
     g.add_argument("--kv-cache-gb", type=float, default=None)
     g.add_argument("--block-size", type=int, default=None)

@@ -61,8 +61,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--tts-max-requests",
         type=parse_limit,
         default=DEFAULT_MAX_REQUESTS,
-        help="syntheses each voice (Piper, --tts-ar) holds at once past which new speech requests get 429 "
-        "with Retry-After (jobs and live turns wait; 0: no bound; per worker under --dispatch celery)",
+        help="syntheses each voice holds at once past which new speech requests get 429 with Retry-After "
+        "(jobs and live turns wait; the --tts-ar voice holds at least its --tts-ar-max-num-seqs; 0: no "
+        "bound; per worker under --dispatch celery)",
     )
     g.add_argument("--tts-ar", default=None, help="an autoregressive TTS model directory (see make-tiny tts-ar)")
     g.add_argument("--tts-ar-kv-blocks", type=int, default=None, help="KV blocks for the AR TTS engine")
@@ -77,13 +78,14 @@ def build(args: Any, explicit: bool = False) -> Built:
 
     built = Built()
     spec = getattr(args, "tts", None)
+    bound = getattr(args, "tts_max_requests", DEFAULT_MAX_REQUESTS)
     try:
         piper = PiperEngine(
             spec,
             workers=getattr(args, "tts_workers", 2),
             threads=getattr(args, "tts_threads", None),
             seed=getattr(args, "tts_seed", None),
-            max_requests=getattr(args, "tts_max_requests", DEFAULT_MAX_REQUESTS),
+            max_requests=bound,
         )
     except FileNotFoundError:
         if spec is not None or explicit:
@@ -102,7 +104,8 @@ def build(args: Any, explicit: bool = False) -> Built:
             num_kv_blocks=getattr(args, "tts_ar_kv_blocks", None),
             max_num_seqs=getattr(args, "tts_ar_max_num_seqs", 32),
             device=getattr(args, "tts_ar_device", "cpu"),
-            max_requests=getattr(args, "tts_max_requests", DEFAULT_MAX_REQUESTS),
+            # (at least its batch: a lower bound would keep the batch from filling)
+            max_requests=bound and max(bound, getattr(args, "tts_ar_max_num_seqs", 32)),
         )
         built.engines[ar.model_name] = ar
         logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))
