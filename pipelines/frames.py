@@ -61,9 +61,11 @@ class AudioFrame(Frame):
 
 @dataclass
 class CommitFrame(Frame):
-    """End of the user's input: whatever audio is buffered is one utterance (manual turn taking)."""
+    """End of the user's input: whatever audio is buffered is one utterance (manual turn taking).
+    ``idle``: the session's idle timeout commits it, silence and all (an empty buffer too)."""
 
     item_id: str = ""
+    idle: bool = False
 
 
 @dataclass

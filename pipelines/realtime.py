@@ -63,8 +63,8 @@ from pipelines.realtime_events import (
     shown_tools,
     tools_grammar,
 )
+from pipelines.realtime_idle import IdleTimeout
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, truncation
-from pipelines.realtime_output import ServerEvents
 from pipelines.realtime_response import response_request
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
@@ -106,9 +106,9 @@ def _says_beta(ws: WebSocket) -> bool:
     return header or "openai-beta.realtime-v1" in ws.scope.get("subprotocols", [])
 
 
-class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
+class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
     """One session: its client events become frames for the voice pipeline (``ServerEvents``
-    turns the pipeline's output back into events)."""
+    turns the pipeline's output back into events; ``IdleTimeout`` adds the idle timeout)."""
 
     def __init__(self, ws: WebSocket, services: Services, model: str, transcription: bool = False) -> None:
         self.ws, self.services = ws, services
@@ -125,6 +125,7 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
         # empty (server VAD trims and takes the buffer unseen from here).
         self.fill_known, self.appended_ms = True, 0.0
+        self.written_ms, self.speaking, self._idle = 0.0, False, None  # (pipelines.realtime_idle)
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = (
@@ -184,12 +185,6 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         self.tts_options.sample_rate = FORMATS[c.output_audio_format].rate
         self.conv.instructions = c.instructions
 
-    @property
-    def active(self) -> bool:
-        return (
-            self.requested is not None or self.expected is not None or (self.reply is not None and not self.reply.done)
-        )
-
     # -- main loop ----------------------------------------------------------------------------
     async def run(self) -> None:
         if self.metrics is not None:
@@ -217,6 +212,7 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         except (WebSocketDisconnect, RuntimeError):
             pass  # client gone
         finally:
+            self._stop_idle()
             writer.cancel()  # closes the pipeline: engine requests in flight are aborted
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writer
@@ -309,6 +305,7 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
         if len(samples):
             charged = await self._charge_audio(seconds)
             self.appended_ms += seconds * 1000
+            self.written_ms += seconds * 1000
             await self.inbox.put(AudioFrame(samples, fmt.rate, charged.refund, event.get("event_id")))
 
     async def _charge_audio(self, seconds: float) -> Charge:
@@ -333,12 +330,14 @@ class RealtimeSession(ServerEvents, transcribing.TranscriptionEvents):
                 code="input_audio_buffer_commit_empty",
             )
         self.appended_ms, self.fill_known = 0.0, not self.vad_config.server_vad
+        self.speaking = False  # (the VAD's turn ends unseen: no speech_stopped)
         item_id = self.conv.new_id("item_cm")  # (the VAD's turns are item_in_...)
         await self._user_item_created(item_id)  # before its frame goes: an ASR may fail it at once
         await self.inbox.put(CommitFrame(item_id=item_id))
 
     async def _ev_input_audio_buffer_clear(self, event: dict[str, Any]) -> None:
         self.appended_ms, self.fill_known = 0.0, not self.vad_config.server_vad
+        self.speaking = False  # (as a commit)
         await self.inbox.put(ClearFrame())
         await self.send("input_audio_buffer.cleared")
 

@@ -226,6 +226,9 @@ def _transcription(value: Any, current: dict[str, Any] | None) -> dict[str, Any]
 
 
 SEMANTIC_VAD = {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": True}
+# OpenAI's turn_detection fields besides server VAD's numbers (mmserve's extensions are among those)
+TURN_DETECTION_FIELDS = ("type", "eagerness", "create_response", "interrupt_response", "idle_timeout_ms")
+IDLE_TIMEOUT_MS = (5000, 30000)  # OpenAI's range
 
 
 def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -249,9 +252,15 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
         "speculative_silence_ms": (0, 10000),  # mmserve's extensions, echoed only once set
         "silence_floor_dbfs": (-120, 0),
     }
-    other = {"eagerness"} if kind == "server_vad" else limits.keys()
+    if unknown := sorted(td.keys() - {*limits, *TURN_DETECTION_FIELDS}):
+        raise unknown_parameter(f"session.turn_detection.{unknown[0]}")
+    other = {"eagerness"} if kind == "server_vad" else {*limits, "idle_timeout_ms"}
     if misplaced := sorted(other & td.keys()):
-        takes = "eagerness" if kind == "semantic_vad" else "threshold, prefix_padding_ms, silence_duration_ms"
+        takes = (
+            "eagerness"
+            if kind == "semantic_vad"
+            else "threshold, prefix_padding_ms, silence_duration_ms, idle_timeout_ms"
+        )
         raise EventError(
             f"turn_detection.{misplaced[0]} is not a {kind} setting ({kind} takes {takes}, "
             "create_response and interrupt_response)",
@@ -275,7 +284,20 @@ def _turn_detection(td: Any, current: dict[str, Any] | None) -> dict[str, Any] |
             if not isinstance(td[key], bool):
                 raise EventError(f"turn_detection.{key} must be a boolean", param=f"session.turn_detection.{key}")
             out[key] = td[key]
+    if "idle_timeout_ms" in td:  # (pipelines.realtime_idle; echoed only once set)
+        out["idle_timeout_ms"] = check_idle_timeout(td["idle_timeout_ms"])
     return out
+
+
+def check_idle_timeout(value: Any) -> int | None:
+    """``turn_detection.idle_timeout_ms``: null (off) or whole milliseconds in OpenAI's range."""
+    lo, hi = IDLE_TIMEOUT_MS
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
+        raise EventError(
+            f"turn_detection.idle_timeout_ms must be null or an integer in [{lo}, {hi}]",
+            param="session.turn_detection.idle_timeout_ms",
+        )
+    return value
 
 
 def check_session_tools(tools: Any) -> list[dict[str, Any]]:

@@ -86,6 +86,13 @@ class ServerEvents:
     _event_ids: itertools.count[int]
     _send_lock: asyncio.Lock
 
+    @property
+    def active(self) -> bool:
+        """A response is asked for, expected (a turn's) or in progress."""
+        return (
+            self.requested is not None or self.expected is not None or (self.reply is not None and not self.reply.done)
+        )
+
     # -- sending ------------------------------------------------------------------------------
     async def send(self, type_: str, in_conversation: bool = True, **fields: Any) -> None:
         """One server event (``in_conversation`` False: its item is an out-of-band reply's)."""
@@ -101,6 +108,16 @@ class ServerEvents:
     ) -> None:
         err = {"type": "invalid_request_error", "code": code, "message": message, "param": param, **extra}
         await self.send("error", error=err)
+
+    # -- hooks (``pipelines.realtime_idle``) --------------------------------------------------
+    def _reply_ended(self, r: Reply) -> None:
+        """Reply ``r`` has ended (its ``response.done`` is sent)."""
+
+    def _speech_started(self) -> None:
+        """The VAD heard the user start speaking."""
+
+    def _speech_stopped(self) -> None:
+        """The VAD heard the user stop speaking."""
 
     # -- pipeline output ----------------------------------------------------------------------
     def _observe_turn(self, first_audio: float) -> None:
@@ -156,8 +173,10 @@ class ServerEvents:
     async def _on_frame(self, frame: Frame) -> None:
         r = self.reply
         if isinstance(frame, SpeechStarted):
+            self._speech_started()
             await self.send("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=frame.item_id)
         elif isinstance(frame, SpeechStopped):
+            self._speech_stopped()
             self.appended_ms = 0.0
             self.turn_ended = frame.created
             if self.vad_config.create_response:  # (a client's response.create now is refused)
@@ -399,6 +418,7 @@ class ServerEvents:
             self._forget(r.id, keep={c["id"] for c in r.calls})
         output = [r.message] if r.message is not None else []
         await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
+        self._reply_ended(r)
 
     async def _cancelled_unstarted(self, asked: ResponseRequest, reason: str = "turn_detected") -> None:
         """The events of a response cancelled before it started (as OpenAI's, which starts at

@@ -41,7 +41,7 @@ def beta_patch(session: Any) -> dict[str, Any]:
     if "input_audio_noise_reduction" in session:
         check_noise_reduction(session["input_audio_noise_reduction"], "session.input_audio_noise_reduction")
     td = session.get("turn_detection")
-    for key in ("create_response", "interrupt_response"):
+    for key in ("create_response", "interrupt_response", "idle_timeout_ms"):  # (the timeout asks for one)
         if isinstance(td, dict) and td.get(key):
             raise EventError("a transcription session makes no responses", param=f"session.turn_detection.{key}")
     return {k: v for k, v in session.items() if k in FIELDS}

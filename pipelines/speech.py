@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from modalities.audio import ASR_RATE
 from modalities.stream_resample import Resampler
 from modalities.tts.text import SentenceSplitter
@@ -125,6 +127,8 @@ class VAD(Processor):
                     )
         elif isinstance(frame, CommitFrame):
             samples, start_ms, end_ms = self.seg.take()
+            if frame.idle and not samples.size:  # (server VAD dropped the silence: a moment of it)
+                samples, start_ms = np.zeros(ASR_RATE // 10, np.float32), max(0, end_ms - 100)
             if samples.size:
                 yield UserAudio(samples, ASR_RATE, start_ms, end_ms, item_id=frame.item_id, respond=False, judged=False)
             else:  # (server VAD took the audio first): the item fails, not waits for a transcript

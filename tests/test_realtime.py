@@ -2123,3 +2123,115 @@ def test_a_transcription_session_judges_its_pauses_with_the_served_llm(server: d
             return c
 
     _heard_as_one_turn(run(go()))
+
+
+def test_idle_timeout_commits_the_silence_and_asks_for_a_reply_once_the_reply_has_played() -> None:
+    """Stand-in, ``turn_detection.idle_timeout_ms`` (its OpenAI minimum of 5 s is set under the
+    checks here, to 50 ms): once a reply's audio has played (a real-time clock from its first
+    chunk), that long without speech sends ``input_audio_buffer.timeout_triggered``, commits
+    the input (an empty buffer: a moment of silence) and asks for a reply; speech stops the
+    wait, and an out-of-band reply does not start it."""
+    from pipelines.frames import CommitFrame, ResponseRequest, SpeechStarted, SpeechStopped
+    from pipelines.realtime_items import Reply
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(asr=object()), sent)
+        s.config.turn_detection = {**s.config.turn_detection, "idle_timeout_ms": 50}
+        s.written_ms = 4000.0
+        played = Reply("resp_1", "item_1", True, audio_ms=200.0, first_audio=time.monotonic(), done=True)
+        s._reply_ended(played)
+        await asyncio.sleep(0.15)  # (playing until 0.2 s)
+        assert not sent
+        await asyncio.sleep(0.2)
+        assert [e["type"] for e in sent] == [
+            "input_audio_buffer.timeout_triggered",
+            "input_audio_buffer.committed",
+            "conversation.item.created",
+        ]
+        timeout = sent[0]
+        assert timeout["audio_end_ms"] == 4000 and 3700 <= timeout["audio_start_ms"] <= 3950
+        assert sent[1]["item_id"] == timeout["item_id"] == sent[2]["item"]["id"]
+        commit, request = s.inbox.get_nowait(), s.inbox.get_nowait()
+        assert isinstance(commit, CommitFrame) and commit.idle and commit.item_id == timeout["item_id"]
+        assert isinstance(request, ResponseRequest) and s.requested is request and s.active
+        s.requested = None
+
+        sent.clear()
+        s._reply_ended(Reply("resp_2", "item_2", False, done=True))
+        await s._on_frame(SpeechStarted(4100, item_id="item_in_000001"))  # the user speaks: no timeout
+        await asyncio.sleep(0.1)
+        s._reply_ended(Reply("resp_3", "item_3", False, done=True))  # (a barge-in's cancelled reply)
+        await asyncio.sleep(0.1)
+        assert [e["type"] for e in sent] == ["input_audio_buffer.speech_started"]
+        await s._on_frame(SpeechStopped(4500, item_id="item_in_000001"))
+        s.expected = None  # (its reply came and went)
+        s._reply_ended(Reply("resp_4", "item_4", False, out_of_band=True, done=True))
+        await asyncio.sleep(0.1)
+        assert sent[-1]["type"] == "conversation.item.created"  # (the turn's item), no timeout
+        s._reply_ended(Reply("resp_5", "item_5", False, done=True))
+        await asyncio.sleep(0.1)
+        assert sent[-3]["type"] == "input_audio_buffer.timeout_triggered"
+
+    run(go())
+
+
+def test_idle_timeout_is_checked_and_only_a_server_vad_setting() -> None:
+    """Stand-in: ``idle_timeout_ms`` null or in OpenAI's [5000, 30000], echoed once set;
+    semantic VAD and transcription sessions have none; a turn_detection field of neither
+    kind (a misspelling) is an ``unknown_parameter`` error, not ignored."""
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def update(s: Any, td: dict[str, Any], kind: str = "session.update") -> dict[str, Any]:
+        await s._handle(json.dumps({"type": kind, "session": {"turn_detection": td}}))
+        return sent[-1]
+
+    async def go() -> None:
+        s = _stand_in(Services(asr=object()), sent)
+        ok = await update(s, {"type": "server_vad", "idle_timeout_ms": 6000})
+        assert ok["type"] == "session.updated" and ok["session"]["turn_detection"]["idle_timeout_ms"] == 6000
+        for bad in (4999, 30001, 6000.5, "6000", True):
+            err = await update(s, {"type": "server_vad", "idle_timeout_ms": bad})
+            assert err["type"] == "error" and err["error"]["param"] == "session.turn_detection.idle_timeout_ms", err
+        assert (await update(s, {"idle_timeout_ms": None}))["session"]["turn_detection"]["idle_timeout_ms"] is None
+        err = await update(s, {"type": "semantic_vad", "idle_timeout_ms": 6000})
+        assert err["type"] == "error" and "not a semantic_vad setting" in err["error"]["message"]
+        err = await update(s, {"type": "server_vad", "idle_timout_ms": 6000})
+        assert err["error"]["code"] == "unknown_parameter"
+        assert err["error"]["param"] == "session.turn_detection.idle_timout_ms"
+        t = _stand_in(Services(asr=object()), sent)
+        t.transcription = True
+        err = await update(t, {"type": "server_vad", "idle_timeout_ms": 6000}, "transcription_session.update")
+        assert err["type"] == "error" and err["error"]["param"] == "session.turn_detection.idle_timeout_ms", err
+
+    run(go())
+
+
+def test_idle_timeout_prompts_a_reply_on_a_real_session(server: dict[str, Any]) -> None:
+    """A real session, text replies: 5 s (OpenAI's minimum) after a reply without the user
+    speaking, the server says so, commits the silence as the user's (empty) turn and replies."""
+
+    async def go() -> None:
+        async with websockets.connect(server["url"]) as ws:
+            c = Client(ws)
+            await text_session(c, 8)
+            await c.send("session.update", session={"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}})
+            await c.until("session.updated", session__turn_detection__idle_timeout_ms=5000)
+            await c.send("conversation.item.create", item=user_item("Hello!"))
+            await c.send("response.create")
+            await c.until("response.done")
+            ended = time.monotonic()
+            timeout = await c.until("input_audio_buffer.timeout_triggered", timeout=30)
+            assert 4.9 <= time.monotonic() - ended <= 8.0
+            await c.until("input_audio_buffer.committed", item_id=timeout["item_id"])
+            heard = await c.until("conversation.item.input_audio_transcription.completed")
+            assert heard["item_id"] == timeout["item_id"] and heard["transcript"] == ""
+            done = await c.until("response.done")
+            assert done["response"]["status"] in ENDED and done["response"]["output"]
+            assert "response.created" in c.types()[c.index("input_audio_buffer.timeout_triggered") :]
+
+    run(go())
