@@ -125,7 +125,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
         # empty (server VAD trims and takes the buffer unseen from here).
         self.fill_known, self.appended_ms = True, 0.0
-        self.written_ms, self.speaking, self._idle = 0.0, False, None  # (pipelines.realtime_idle)
+        self.written_ms, self.speaking, self.idle_from, self._idle = 0.0, False, None, None  # (realtime_idle)
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = (
@@ -283,6 +283,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         if "audio" in self.config.modalities and self.services.tts is None:
             self.config.modalities = ["text"]
         self._apply_config()
+        self._restart_idle()  # (a new idle_timeout_ms counts from the same moment)
         await self.send("session.updated", session=self.config.to_dict(self.id))
 
     async def _ev_input_audio_buffer_append(self, event: dict[str, Any]) -> None:

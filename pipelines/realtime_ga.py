@@ -63,7 +63,7 @@ def ga_param(param: str | None) -> str | None:
 
 
 # A beta field's name where an error message names it (not inside another name or path).
-_BETA_NAMES = re.compile(r"(?<![\w.])(" + "|".join(b.removeprefix("session.") for b in GA_PARAMS) + r")\b")
+_BETA_NAMES = re.compile(r"(?<![\w.])(session\.)?(" + "|".join(b.removeprefix("session.") for b in GA_PARAMS) + r")\b")
 
 
 class FieldError(EventError):
@@ -102,7 +102,7 @@ def ga_error(exc: EventError) -> EventError:
     names (a ``FieldError`` already is)."""
     if isinstance(exc, FieldError):
         return exc
-    message = _BETA_NAMES.sub(lambda m: GA_PARAMS["session." + m[1]].removeprefix("session."), str(exc))
+    message = _BETA_NAMES.sub(lambda m: (m[1] or "") + GA_PARAMS["session." + m[2]].removeprefix("session."), str(exc))
     return EventError(message, exc.code, ga_param(exc.param), exc.event_id)
 
 

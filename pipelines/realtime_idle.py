@@ -24,51 +24,61 @@ logger = logging.getLogger("mmserve.realtime")
 
 
 class IdleTimeout(ServerEvents):
-    """The session's events with the idle timeout (``RealtimeSession`` sets the state): armed as
-    a reply ends, stopped as the user's speech starts and as the session ends."""
+    """The session's events with the idle timeout (``RealtimeSession`` sets the state). The
+    session is idle from the end of a reply's playback (estimated on a real-time clock from its
+    first chunk, as a barge-in's truncation is), or from the end of a user turn that gets no
+    reply (a cough Whisper hears nothing in, or ``create_response`` off), until the user speaks
+    or a reply is on its way; the wait runs while it is idle and the timeout is set. A new
+    ``idle_timeout_ms`` counts from the same moment (the wait is started again at each update)."""
 
     written_ms: float  # input audio appended since the session began
     speaking: bool  # between the VAD's speech_started and its speech_stopped
+    idle_from: float | None  # when the session became idle (monotonic); None: it is not
     _requests: itertools.count[int]
     _idle: asyncio.Task[None] | None
 
     def _reply_ended(self, r: Reply) -> None:
-        self._arm_idle(r)
+        if not r.out_of_band and not self.speaking:  # (an out-of-band reply is not the conversation's)
+            now = time.monotonic()
+            self.idle_from = now if r.first_audio is None else max(now, r.first_audio + r.audio_ms / 1000)
+        self._restart_idle()
 
     def _speech_started(self) -> None:
-        self.speaking = True
+        self.speaking, self.idle_from = True, None
         self._stop_idle()
 
     def _speech_stopped(self) -> None:
         self.speaking = False
 
+    def _went_quiet(self) -> None:
+        if self.idle_from is None and not self.speaking and not self.active:  # (a turn no reply answers)
+            self.idle_from = time.monotonic()
+            self._restart_idle()
+
     def _idle_ms(self) -> int | None:
         td = self.config.turn_detection
         return None if td is None or self.transcription else td.get("idle_timeout_ms")
 
-    def _arm_idle(self, r: Reply) -> None:
-        """Reply ``r`` ended: the wait starts once the client has played its audio (estimated on a
-        real-time clock from its first chunk, as a barge-in's truncation is)."""
+    def _restart_idle(self) -> None:
+        """(Re)start the wait for the timeout as it is set now, from ``idle_from``."""
         self._stop_idle()
         ms = self._idle_ms()
-        if ms is None or r.out_of_band or self.speaking:
-            return
-        now = time.monotonic()
-        played = now if r.first_audio is None else max(now, r.first_audio + r.audio_ms / 1000)
-        self._idle = asyncio.get_running_loop().create_task(self._idle_wait(played, ms))
+        if ms is not None and self.idle_from is not None and not self.speaking:
+            self._idle = asyncio.get_running_loop().create_task(self._idle_wait(self.idle_from, ms))
 
     def _stop_idle(self) -> None:
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
 
-    async def _idle_wait(self, played: float, ms: int) -> None:
-        await asyncio.sleep(max(0.0, played - time.monotonic()) + ms / 1000)
+    async def _idle_wait(self, since: float, ms: int) -> None:
+        await asyncio.sleep(max(0.0, since + ms / 1000 - time.monotonic()))
         self._idle = None
-        if self._idle_ms() is None or self.active or self.speaking:
-            return  # (turned off meanwhile, or a reply is on its way)
+        if self.active or self.speaking:
+            return  # (a reply is on its way: its end starts the wait again)
+        self.idle_from = None
         try:
-            await self._timed_out(played)
+            await self._timed_out(since)
         except (WebSocketDisconnect, RuntimeError):
             pass  # client gone
         except Exception:  # a bug here must not pass unseen in a task nobody awaits

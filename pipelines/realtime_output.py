@@ -119,6 +119,9 @@ class ServerEvents:
     def _speech_stopped(self) -> None:
         """The VAD heard the user stop speaking."""
 
+    def _went_quiet(self) -> None:
+        """A user turn ended, was heard or failed: unless a reply is on its way, the session may be idle."""
+
     # -- pipeline output ----------------------------------------------------------------------
     def _observe_turn(self, first_audio: float) -> None:
         """Server-side voice-to-voice: the VAD's end of turn to the first reply audio sent."""
@@ -183,6 +186,7 @@ class ServerEvents:
                 self.expected = frame.item_id
             await self.send("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=frame.item_id)
             await self._user_item_created(frame.item_id)
+            self._went_quiet()
         elif isinstance(frame, Heard):
             if not frame.text:  # nothing said: no reply
                 self._no_reply(frame.item_id)
@@ -204,6 +208,7 @@ class ServerEvents:
                     **logprobs,
                     usage={"type": "duration", "seconds": round(max(0, frame.end_ms - frame.start_ms) / 1000, 3)},
                 )
+            self._went_quiet()
         elif isinstance(frame, Interrupt):
             await self._interrupted(frame)
         elif isinstance(frame, ErrorFrame) and frame.response_id and (r is None or r.id != frame.response_id or r.done):
@@ -214,6 +219,7 @@ class ServerEvents:
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
             self._no_reply(frame.item_id)
+            self._went_quiet()
             if not unheard and frame.item_id and self.conv.removed(frame.item_id):
                 return  # (speech the client deleted)
             if unheard:  # the item stays, as audio with no transcript
@@ -434,6 +440,7 @@ class ServerEvents:
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.done = True
         await self.send("response.done", response=response_event(r, "cancelled", [], reason))
+        self._reply_ended(r)
 
     def _forget(self, response_id: str, keep: Collection[str] = ()) -> None:
         """Remove the items (function calls) reply ``response_id`` made, but for those in ``keep``."""

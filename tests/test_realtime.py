@@ -2145,14 +2145,14 @@ def test_idle_timeout_commits_the_silence_and_asks_for_a_reply_once_the_reply_ha
         s._reply_ended(played)
         await asyncio.sleep(0.15)  # (playing until 0.2 s)
         assert not sent
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.4)
         assert [e["type"] for e in sent] == [
             "input_audio_buffer.timeout_triggered",
             "input_audio_buffer.committed",
             "conversation.item.created",
         ]
         timeout = sent[0]
-        assert timeout["audio_end_ms"] == 4000 and 3700 <= timeout["audio_start_ms"] <= 3950
+        assert timeout["audio_end_ms"] == 4000 and 3000 <= timeout["audio_start_ms"] <= 3950
         assert sent[1]["item_id"] == timeout["item_id"] == sent[2]["item"]["id"]
         commit, request = s.inbox.get_nowait(), s.inbox.get_nowait()
         assert isinstance(commit, CommitFrame) and commit.idle and commit.item_id == timeout["item_id"]
@@ -2172,8 +2172,71 @@ def test_idle_timeout_commits_the_silence_and_asks_for_a_reply_once_the_reply_ha
         await asyncio.sleep(0.1)
         assert sent[-1]["type"] == "conversation.item.created"  # (the turn's item), no timeout
         s._reply_ended(Reply("resp_5", "item_5", False, done=True))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.4)
         assert sent[-3]["type"] == "input_audio_buffer.timeout_triggered"
+
+    run(go())
+
+
+def test_idle_timeout_waits_after_an_unanswered_turn_and_takes_a_new_value_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stand-in (OpenAI's 5 s minimum lowered for the test): a turn that gets no reply (Whisper
+    heard nothing in a cough) leaves the session idle, so the wait starts then; an out-of-band
+    reply leaves the wait alone; a ``session.update`` applies its value at once, counted from
+    the same moment (shorter: sooner; null: never), and one that turns the timeout on after a
+    reply starts the wait from that reply's end."""
+    from pipelines import realtime_events
+    from pipelines.frames import Heard, SpeechStarted, SpeechStopped
+    from pipelines.realtime_items import Reply
+    from pipelines.services import Services
+
+    monkeypatch.setattr(realtime_events, "IDLE_TIMEOUT_MS", (10, 30000))
+    sent: list[dict[str, Any]] = []
+
+    def timeouts() -> int:
+        return sum(e["type"] == "input_audio_buffer.timeout_triggered" for e in sent)
+
+    async def idle_ms(s: Any, ms: int | None) -> None:
+        await s._handle(json.dumps({"type": "session.update", "session": {"turn_detection": {"idle_timeout_ms": ms}}}))
+        assert sent[-1]["type"] == "session.updated", sent[-1]
+
+    async def go() -> None:
+        s = _stand_in(Services(asr=object()), sent)
+        await idle_ms(s, 300)
+        await s._on_frame(SpeechStarted(0, item_id="item_in_000001"))  # a cough ...
+        await s._on_frame(SpeechStopped(600, item_id="item_in_000001"))
+        await asyncio.sleep(0.5)
+        assert timeouts() == 0 and s.active  # (its reply was expected)
+        await s._on_frame(Heard("", 0, 600, item_id="item_in_000001"))  # ... heard as nothing: no reply
+        await asyncio.sleep(0.1)
+        assert timeouts() == 0
+        await asyncio.sleep(0.5)
+        assert timeouts() == 1
+        s.requested = None  # (its reply came and went: ended just now)
+
+        s._reply_ended(Reply("resp_1", "item_1", False, done=True))
+        await asyncio.sleep(0.1)
+        s._reply_ended(Reply("resp_2", "item_2", False, out_of_band=True, done=True))  # changes nothing
+        await asyncio.sleep(0.5)
+        assert timeouts() == 2
+        s.requested = None
+
+        s._reply_ended(Reply("resp_3", "item_3", False, done=True))
+        await idle_ms(s, 2000)
+        await asyncio.sleep(0.1)
+        await idle_ms(s, 200)  # 100 ms in: due 100 ms later, not 2 s later
+        await asyncio.sleep(0.5)
+        assert timeouts() == 3
+        s.requested = None
+
+        await idle_ms(s, None)
+        s._reply_ended(Reply("resp_4", "item_4", False, done=True))
+        await asyncio.sleep(0.5)
+        assert timeouts() == 3  # off
+        await idle_ms(s, 600)  # on after the reply: the wait counts from its end
+        await asyncio.sleep(0.6)
+        assert timeouts() == 4
 
     run(go())
 
@@ -2203,6 +2266,14 @@ def test_idle_timeout_is_checked_and_only_a_server_vad_setting() -> None:
         err = await update(s, {"type": "server_vad", "idle_timout_ms": 6000})
         assert err["error"]["code"] == "unknown_parameter"
         assert err["error"]["param"] == "session.turn_detection.idle_timout_ms"
+        td = {"type": "server_vad", "idle_timout_ms": 6000}
+        await s._handle(
+            json.dumps(
+                {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": td}}}}
+            )
+        )
+        ga = sent[-1]["error"]  # (GA names it where GA has it, in the message too)
+        assert ga["param"] == "session.audio.input.turn_detection.idle_timout_ms" and ga["param"] in ga["message"], ga
         t = _stand_in(Services(asr=object()), sent)
         t.transcription = True
         err = await update(t, {"type": "server_vad", "idle_timeout_ms": 6000}, "transcription_session.update")
