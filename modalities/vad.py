@@ -167,6 +167,11 @@ class VadStream:
         return self._speaking
 
     @property
+    def voiced(self) -> bool:
+        """Speech is heard now: a turn, or a run of speech frames that may start one."""
+        return self._speaking or self._run_start is not None
+
+    @property
     def silence_ms(self) -> float:
         """While speaking: how long since the last speech frame."""
         return (self._frames - 1 - self._last_speech) * self._frame_s * 1000

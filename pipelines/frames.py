@@ -74,6 +74,23 @@ class ClearFrame(Frame):
 
 
 @dataclass
+class TimedOut(SystemFrame):
+    """The VAD's answer to an idle commit (``CommitFrame.idle``): the input up to ``end_ms`` is
+    user item ``item_id`` (its ``UserAudio`` follows), or, ``committed`` False, the user is
+    speaking and nothing was committed."""
+
+    item_id: str
+    end_ms: int = 0
+    committed: bool = True
+
+
+@dataclass
+class TurnReset(SystemFrame):
+    """A commit or a clear ended a turn whose speech the VAD had heard start (no ``SpeechStopped``
+    will come for it)."""
+
+
+@dataclass
 class SpeechStarted(SystemFrame):
     """The VAD heard speech begin; ``audio_ms`` is its position in the input audio."""
 

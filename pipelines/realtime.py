@@ -125,7 +125,8 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
         # empty (server VAD trims and takes the buffer unseen from here).
         self.fill_known, self.appended_ms = True, 0.0
-        self.written_ms, self.speaking, self.idle_from, self._idle = 0.0, False, None, None  # (realtime_idle)
+        self.written_ms, self.speaking, self.idle_from = 0.0, False, None  # (pipelines.realtime_idle)
+        self._idle, self._idle_since = None, None
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = (
@@ -274,6 +275,12 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
             staged.update(patch)  # the patch's shape first, then what the models can do
             if "input_audio_transcription" in patch:
                 check_language(self.services.asr, staged.input_audio_transcription)
+            if (staged.turn_detection or {}).get("idle_timeout_ms") and self.services.asr is None:
+                raise EventError(
+                    "this server has no speech recognition model: an idle timeout commits audio to transcribe",
+                    code="unsupported",
+                    param="session.turn_detection.idle_timeout_ms",
+                )
             tools_grammar(getattr(self.services.llm, "tokenizer", None), staged)
             self.config = staged
         except EventError as exc:
@@ -331,14 +338,12 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
                 code="input_audio_buffer_commit_empty",
             )
         self.appended_ms, self.fill_known = 0.0, not self.vad_config.server_vad
-        self.speaking = False  # (the VAD's turn ends unseen: no speech_stopped)
         item_id = self.conv.new_id("item_cm")  # (the VAD's turns are item_in_...)
         await self._user_item_created(item_id)  # before its frame goes: an ASR may fail it at once
         await self.inbox.put(CommitFrame(item_id=item_id))
 
     async def _ev_input_audio_buffer_clear(self, event: dict[str, Any]) -> None:
         self.appended_ms, self.fill_known = 0.0, not self.vad_config.server_vad
-        self.speaking = False  # (as a commit)
         await self.inbox.put(ClearFrame())
         await self.send("input_audio_buffer.cleared")
 
@@ -394,6 +399,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         self.failed.discard(item_id)
         self.unheard.discard(item_id)  # (its transcript, if it comes, is for no item)
         self._no_reply(item_id)
+        self._went_quiet()
         await self.send("conversation.item.deleted", item_id=item_id)
 
     async def _ev_response_create(self, event: dict[str, Any]) -> None:

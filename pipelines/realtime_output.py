@@ -35,11 +35,13 @@ from pipelines.frames import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    TimedOut,
     ToolCall,
     ToolCallArguments,
     ToolCallStarted,
     TTSAudio,
     TTSDone,
+    TurnReset,
 )
 from pipelines.realtime_audio import FORMATS
 from pipelines.realtime_events import SessionConfig
@@ -110,8 +112,11 @@ class ServerEvents:
         await self.send("error", error=err)
 
     # -- hooks (``pipelines.realtime_idle``) --------------------------------------------------
-    def _reply_ended(self, r: Reply) -> None:
-        """Reply ``r`` has ended (its ``response.done`` is sent)."""
+    def _reply_ended(self, r: Reply, status: str) -> None:
+        """Reply ``r`` has ended with ``status`` (its ``response.done`` is sent)."""
+
+    def _reply_cut(self) -> None:
+        """The client's playback of the latest reply was cut now (a truncation)."""
 
     def _speech_started(self) -> None:
         """The VAD heard the user start speaking."""
@@ -121,6 +126,12 @@ class ServerEvents:
 
     def _went_quiet(self) -> None:
         """A user turn ended, was heard or failed: unless a reply is on its way, the session may be idle."""
+
+    def _turn_reset(self) -> None:
+        """A commit or a clear ended a turn the VAD had heard start (``TurnReset``)."""
+
+    async def _timed_out(self, frame: TimedOut) -> None:
+        """The VAD's answer to an idle commit (``TimedOut``)."""
 
     # -- pipeline output ----------------------------------------------------------------------
     def _observe_turn(self, first_audio: float) -> None:
@@ -172,6 +183,7 @@ class ServerEvents:
         await self.send(
             "conversation.item.truncated", item_id=reply.item_id, content_index=0, audio_end_ms=int(audio_end_ms)
         )
+        self._reply_cut()
 
     async def _on_frame(self, frame: Frame) -> None:
         r = self.reply
@@ -211,6 +223,10 @@ class ServerEvents:
             self._went_quiet()
         elif isinstance(frame, Interrupt):
             await self._interrupted(frame)
+        elif isinstance(frame, TimedOut):
+            await self._timed_out(frame)
+        elif isinstance(frame, TurnReset):
+            self._turn_reset()
         elif isinstance(frame, ErrorFrame) and frame.response_id and (r is None or r.id != frame.response_id or r.done):
             return  # work for a reply cancelled or stopped unseen: the client was told it ended
         elif isinstance(frame, ErrorFrame):
@@ -219,7 +235,8 @@ class ServerEvents:
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
             self._no_reply(frame.item_id)
-            self._went_quiet()
+            if frame.item_id:  # (a user item's failure: it gets no reply)
+                self._went_quiet()
             if not unheard and frame.item_id and self.conv.removed(frame.item_id):
                 return  # (speech the client deleted)
             if unheard:  # the item stays, as audio with no transcript
@@ -424,7 +441,7 @@ class ServerEvents:
             self._forget(r.id, keep={c["id"] for c in r.calls})
         output = [r.message] if r.message is not None else []
         await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
-        self._reply_ended(r)
+        self._reply_ended(r, status)
 
     async def _cancelled_unstarted(self, asked: ResponseRequest, reason: str = "turn_detected") -> None:
         """The events of a response cancelled before it started (as OpenAI's, which starts at
@@ -440,7 +457,7 @@ class ServerEvents:
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.done = True
         await self.send("response.done", response=response_event(r, "cancelled", [], reason))
-        self._reply_ended(r)
+        self._reply_ended(r, "cancelled")
 
     def _forget(self, response_id: str, keep: Collection[str] = ()) -> None:
         """Remove the items (function calls) reply ``response_id`` made, but for those in ``keep``."""

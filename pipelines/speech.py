@@ -37,10 +37,12 @@ from pipelines.frames import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    TimedOut,
     ToolCallStarted,
     Transcript,
     TTSAudio,
     TTSDone,
+    TurnReset,
     UserAudio,
 )
 from pipelines.processor import Processor
@@ -125,10 +127,17 @@ class VAD(Processor):
                         tentative=ev.kind == "pause",
                         turn_key=ev.key,
                     )
+        elif isinstance(frame, CommitFrame) and frame.idle and self.seg.voiced:
+            yield TimedOut(frame.item_id, committed=False)  # (the user speaks: the timeout is off)
         elif isinstance(frame, CommitFrame):
+            speaking = self.seg.speaking
             samples, start_ms, end_ms = self.seg.take()
-            if frame.idle and not samples.size:  # (server VAD dropped the silence: a moment of it)
-                samples, start_ms = np.zeros(ASR_RATE // 10, np.float32), max(0, end_ms - 100)
+            if speaking:
+                yield TurnReset()
+            if frame.idle:  # (server VAD dropped the silence: a moment of it if none is left)
+                if not samples.size:
+                    samples, start_ms = np.zeros(ASR_RATE // 10, np.float32), max(0, end_ms - 100)
+                yield TimedOut(frame.item_id, end_ms)
             if samples.size:
                 yield UserAudio(samples, ASR_RATE, start_ms, end_ms, item_id=frame.item_id, respond=False, judged=False)
             else:  # (server VAD took the audio first): the item fails, not waits for a transcript
@@ -139,6 +148,8 @@ class VAD(Processor):
                     item_id=frame.item_id,
                 )
         elif isinstance(frame, ClearFrame):
+            if self.seg.speaking:
+                yield TurnReset()
             self.seg.take()
         else:
             yield frame

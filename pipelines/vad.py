@@ -130,6 +130,16 @@ class VADSegmenter:
         rest = self.buf[sample - self.buf_start :].copy()  # free the audio before it
         self.chunks, self.size, self.buf_start = [rest], rest.size, sample
 
+    @property
+    def speaking(self) -> bool:
+        """Inside a turn the detector has started."""
+        return self.stream is not None and self.stream.speaking
+
+    @property
+    def voiced(self) -> bool:
+        """Speech is heard now (``VadStream.voiced``)."""
+        return self.stream is not None and self.stream.voiced
+
     def _ms(self, sample: int) -> int:
         return sample * 1000 // ASR_RATE
 

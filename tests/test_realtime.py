@@ -2125,27 +2125,46 @@ def test_a_transcription_session_judges_its_pauses_with_the_served_llm(server: d
     _heard_as_one_turn(run(go()))
 
 
+async def _idle_through_vad(s: Any, vad: Any) -> None:
+    """Stand-in pipeline: the session's inbox through a real VAD stage, its answers to an idle
+    commit (and turn resets) back to the session; the other frames are dropped."""
+    from pipelines.frames import TimedOut, TurnReset
+
+    for _ in range(s.inbox.qsize()):  # (what the session puts meanwhile, a reply request, stays)
+        async for out in vad.process(s.inbox.get_nowait()):
+            if isinstance(out, TimedOut | TurnReset):
+                await s._on_frame(out)
+
+
 def test_idle_timeout_commits_the_silence_and_asks_for_a_reply_once_the_reply_has_played() -> None:
-    """Stand-in, ``turn_detection.idle_timeout_ms`` (its OpenAI minimum of 5 s is set under the
-    checks here, to 50 ms): once a reply's audio has played (a real-time clock from its first
-    chunk), that long without speech sends ``input_audio_buffer.timeout_triggered``, commits
-    the input (an empty buffer: a moment of silence) and asks for a reply; speech stops the
-    wait, and an out-of-band reply does not start it."""
-    from pipelines.frames import CommitFrame, ResponseRequest, SpeechStarted, SpeechStopped
+    """Stand-in, a real VAD stage, ``turn_detection.idle_timeout_ms`` (its OpenAI minimum of 5 s
+    set under the checks here, to 50 ms): once a reply's audio has played (a real-time clock from
+    its first chunk), that long without speech commits the input through the VAD (a moment of
+    silence, the VAD having dropped the rest), then ``input_audio_buffer.timeout_triggered``,
+    the commit's events and a reply request; speech stops the wait, an out-of-band reply does not
+    start it, and a reply that only called functions leaves the session waiting for their output."""
+    from pipelines.frames import AudioFrame, CommitFrame, ResponseRequest, SpeechStarted, SpeechStopped
     from pipelines.realtime_items import Reply
     from pipelines.services import Services
+    from pipelines.speech import VAD
 
     sent: list[dict[str, Any]] = []
 
     async def go() -> None:
         s = _stand_in(Services(asr=object()), sent)
         s.config.turn_detection = {**s.config.turn_detection, "idle_timeout_ms": 50}
-        s.written_ms = 4000.0
+        vad = VAD(s.vad_config)
+        async for _ in vad.process(AudioFrame(np.zeros(64_000, np.float32), 16_000)):  # 4 s of silence
+            pass
         played = Reply("resp_1", "item_1", True, audio_ms=200.0, first_audio=time.monotonic(), done=True)
-        s._reply_ended(played)
+        s._reply_ended(played, "completed")
         await asyncio.sleep(0.15)  # (playing until 0.2 s)
-        assert not sent
+        assert not sent and s.inbox.empty()
         await asyncio.sleep(0.4)
+        commit = s.inbox.get_nowait()
+        assert isinstance(commit, CommitFrame) and commit.idle and not sent  # the VAD decides
+        s.inbox.put_nowait(commit)
+        await _idle_through_vad(s, vad)
         assert [e["type"] for e in sent] == [
             "input_audio_buffer.timeout_triggered",
             "input_audio_buffer.committed",
@@ -2153,27 +2172,28 @@ def test_idle_timeout_commits_the_silence_and_asks_for_a_reply_once_the_reply_ha
         ]
         timeout = sent[0]
         assert timeout["audio_end_ms"] == 4000 and 3000 <= timeout["audio_start_ms"] <= 3950
-        assert sent[1]["item_id"] == timeout["item_id"] == sent[2]["item"]["id"]
-        commit, request = s.inbox.get_nowait(), s.inbox.get_nowait()
-        assert isinstance(commit, CommitFrame) and commit.idle and commit.item_id == timeout["item_id"]
+        assert sent[1]["item_id"] == timeout["item_id"] == commit.item_id == sent[2]["item"]["id"]
+        request = s.inbox.get_nowait()
         assert isinstance(request, ResponseRequest) and s.requested is request and s.active
         s.requested = None
 
         sent.clear()
-        s._reply_ended(Reply("resp_2", "item_2", False, done=True))
+        s._reply_ended(Reply("resp_2", "item_2", False, done=True), "completed")
         await s._on_frame(SpeechStarted(4100, item_id="item_in_000001"))  # the user speaks: no timeout
         await asyncio.sleep(0.1)
-        s._reply_ended(Reply("resp_3", "item_3", False, done=True))  # (a barge-in's cancelled reply)
+        s._reply_ended(Reply("resp_3", "item_3", False, done=True), "cancelled")  # (a barge-in's)
         await asyncio.sleep(0.1)
-        assert [e["type"] for e in sent] == ["input_audio_buffer.speech_started"]
+        assert [e["type"] for e in sent] == ["input_audio_buffer.speech_started"] and s.inbox.empty()
         await s._on_frame(SpeechStopped(4500, item_id="item_in_000001"))
         s.expected = None  # (its reply came and went)
-        s._reply_ended(Reply("resp_4", "item_4", False, out_of_band=True, done=True))
-        await asyncio.sleep(0.1)
-        assert sent[-1]["type"] == "conversation.item.created"  # (the turn's item), no timeout
-        s._reply_ended(Reply("resp_5", "item_5", False, done=True))
+        s._reply_ended(Reply("resp_4", "item_4", False, out_of_band=True, done=True), "completed")
+        calls = Reply("resp_5", "item_5", False, done=True, calls=[{"id": "item_6"}])
+        s._reply_ended(calls, "completed")
+        await asyncio.sleep(0.2)
+        assert s.inbox.empty()  # no wait: an out-of-band reply, then one that called a function
+        s._reply_ended(Reply("resp_7", "item_7", False, done=True), "completed")
         await asyncio.sleep(0.4)
-        assert sent[-3]["type"] == "input_audio_buffer.timeout_triggered"
+        assert isinstance(s.inbox.get_nowait(), CommitFrame)
 
     run(go())
 
@@ -2181,15 +2201,18 @@ def test_idle_timeout_commits_the_silence_and_asks_for_a_reply_once_the_reply_ha
 def test_idle_timeout_waits_after_an_unanswered_turn_and_takes_a_new_value_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Stand-in (OpenAI's 5 s minimum lowered for the test): a turn that gets no reply (Whisper
-    heard nothing in a cough) leaves the session idle, so the wait starts then; an out-of-band
-    reply leaves the wait alone; a ``session.update`` applies its value at once, counted from
-    the same moment (shorter: sooner; null: never), and one that turns the timeout on after a
-    reply starts the wait from that reply's end."""
+    """Stand-in, a real VAD stage (OpenAI's 5 s minimum lowered for the test): a turn that gets
+    no reply (Whisper heard nothing in a cough) leaves the session idle, so the wait starts then,
+    also when it ran out while the reply was still expected; an out-of-band reply leaves the wait
+    alone; a ``session.update`` applies its value at once, counted from the same moment
+    (shorter: sooner; null: never), and one that turns the timeout on after a reply starts the
+    wait from that reply's end; speech the VAD hears when the wait's commit reaches it keeps the
+    input uncommitted, and a clear that ends a turn the VAD had started leaves the session idle."""
     from pipelines import realtime_events
-    from pipelines.frames import Heard, SpeechStarted, SpeechStopped
+    from pipelines.frames import AudioFrame, Heard, SpeechStarted, SpeechStopped
     from pipelines.realtime_items import Reply
     from pipelines.services import Services
+    from pipelines.speech import VAD
 
     monkeypatch.setattr(realtime_events, "IDLE_TIMEOUT_MS", (10, 30000))
     sent: list[dict[str, Any]] = []
@@ -2201,42 +2224,76 @@ def test_idle_timeout_waits_after_an_unanswered_turn_and_takes_a_new_value_at_on
         await s._handle(json.dumps({"type": "session.update", "session": {"turn_detection": {"idle_timeout_ms": ms}}}))
         assert sent[-1]["type"] == "session.updated", sent[-1]
 
+    async def settle(s: Any, vad: Any, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await _idle_through_vad(s, vad)
+        while not s.inbox.empty():  # (a timeout's reply request: it came and went)
+            s.inbox.get_nowait()
+        s.requested = None
+
     async def go() -> None:
         s = _stand_in(Services(asr=object()), sent)
+        vad = VAD(s.vad_config)
         await idle_ms(s, 300)
         await s._on_frame(SpeechStarted(0, item_id="item_in_000001"))  # a cough ...
         await s._on_frame(SpeechStopped(600, item_id="item_in_000001"))
-        await asyncio.sleep(0.5)
+        await settle(s, vad, 0.5)
         assert timeouts() == 0 and s.active  # (its reply was expected)
         await s._on_frame(Heard("", 0, 600, item_id="item_in_000001"))  # ... heard as nothing: no reply
-        await asyncio.sleep(0.1)
+        await settle(s, vad, 0.1)
         assert timeouts() == 0
-        await asyncio.sleep(0.5)
+        await settle(s, vad, 0.5)
         assert timeouts() == 1
-        s.requested = None  # (its reply came and went: ended just now)
 
-        s._reply_ended(Reply("resp_1", "item_1", False, done=True))
-        await asyncio.sleep(0.1)
-        s._reply_ended(Reply("resp_2", "item_2", False, out_of_band=True, done=True))  # changes nothing
-        await asyncio.sleep(0.5)
+        # A wait that runs out while a turn's reply is expected goes on once the turn gets none.
+        s._reply_ended(Reply("resp_1", "item_1", False, done=True), "completed")
+        s.expected = "item_in_000002"
+        await settle(s, vad, 0.5)
+        assert timeouts() == 1
+        s._no_reply("item_in_000002")
+        await s._on_frame(Heard("", 0, 600, item_id="item_in_000002"))
+        await settle(s, vad, 0.1)
         assert timeouts() == 2
-        s.requested = None
 
-        s._reply_ended(Reply("resp_3", "item_3", False, done=True))
-        await idle_ms(s, 2000)
-        await asyncio.sleep(0.1)
-        await idle_ms(s, 200)  # 100 ms in: due 100 ms later, not 2 s later
-        await asyncio.sleep(0.5)
+        await idle_ms(s, 600)
+        s._reply_ended(Reply("resp_2", "item_2", False, done=True), "completed")
+        await asyncio.sleep(0.3)
+        s._reply_ended(Reply("resp_3", "item_3", False, out_of_band=True, done=True), "completed")
+        await settle(s, vad, 0.45)  # 0.75 s after resp_2's end: due at 0.6 s, not 0.6 s after resp_3's
         assert timeouts() == 3
-        s.requested = None
+
+        s._reply_ended(Reply("resp_4", "item_4", False, done=True), "completed")
+        await idle_ms(s, 2000)
+        await asyncio.sleep(0.3)
+        await idle_ms(s, 500)  # 0.3 s in: due 0.2 s later, not 0.5 s or 2 s later
+        await settle(s, vad, 0.35)
+        assert timeouts() == 4
 
         await idle_ms(s, None)
-        s._reply_ended(Reply("resp_4", "item_4", False, done=True))
-        await asyncio.sleep(0.5)
-        assert timeouts() == 3  # off
+        s._reply_ended(Reply("resp_5", "item_5", False, done=True), "completed")
+        await settle(s, vad, 0.5)
+        assert timeouts() == 4  # off
         await idle_ms(s, 600)  # on after the reply: the wait counts from its end
-        await asyncio.sleep(0.6)
-        assert timeouts() == 4
+        await settle(s, vad, 0.6)
+        assert timeouts() == 5
+
+        # Speech the VAD hears (a tone it takes for a voice) as the wait's commit reaches it: no commit.
+        tone = (0.3 * np.sin(2 * np.pi * 300 * np.arange(8000) / 16_000)).astype(np.float32)
+        await idle_ms(s, 100)
+        s._reply_ended(Reply("resp_6", "item_6", False, done=True), "completed")
+        await asyncio.sleep(0.2)
+        commit = s.inbox.get_nowait()
+        s.inbox.put_nowait(AudioFrame(tone, 16_000))  # (the audio the client sent before it)
+        s.inbox.put_nowait(commit)
+        await _idle_through_vad(s, vad)
+        assert timeouts() == 5 and vad.seg.voiced and not s.active
+        # The client clears the buffer mid-speech: that turn ends unseen, and the session is idle.
+        await s._on_frame(SpeechStarted(9000, item_id="item_in_000003"))  # (the tone's, late)
+        await s._handle(json.dumps({"type": "input_audio_buffer.clear"}))
+        await _idle_through_vad(s, vad)
+        assert not s.speaking
+        await settle(s, vad, 0.3)
+        assert timeouts() == 6
 
     run(go())
 
@@ -2297,7 +2354,7 @@ def test_idle_timeout_prompts_a_reply_on_a_real_session(server: dict[str, Any]) 
             await c.until("response.done")
             ended = time.monotonic()
             timeout = await c.until("input_audio_buffer.timeout_triggered", timeout=30)
-            assert 4.9 <= time.monotonic() - ended <= 8.0
+            assert 4.5 <= time.monotonic() - ended <= 8.0
             await c.until("input_audio_buffer.committed", item_id=timeout["item_id"])
             heard = await c.until("conversation.item.input_audio_transcription.completed")
             assert heard["item_id"] == timeout["item_id"] and heard["transcript"] == ""
