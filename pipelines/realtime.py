@@ -125,8 +125,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
         # empty (server VAD trims and takes the buffer unseen from here).
         self.fill_known, self.appended_ms = True, 0.0
-        self.written_ms, self.speaking, self.idle_from = 0.0, False, None  # (pipelines.realtime_idle)
-        self._idle, self._idle_since = None, None
+        self.speaking, self.idle_from, self._idle, self._idle_since = False, None, None, None  # (realtime_idle)
         self._apply_config()
         self.inbox: asyncio.Queue[Frame] = asyncio.Queue(INBOX_FRAMES)  # a full inbox stalls the reader
         self.pipeline = (
@@ -313,7 +312,6 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         if len(samples):
             charged = await self._charge_audio(seconds)
             self.appended_ms += seconds * 1000
-            self.written_ms += seconds * 1000
             await self.inbox.put(AudioFrame(samples, fmt.rate, charged.refund, event.get("event_id")))
 
     async def _charge_audio(self, seconds: float) -> Charge:

@@ -30,7 +30,6 @@ class IdleTimeout(ServerEvents):
     it is idle and the timeout is set. A new ``idle_timeout_ms`` counts from the same moment. A
     reply that only called functions leaves the session waiting for their output, not idle."""
 
-    written_ms: float  # input audio appended since the session began
     speaking: bool  # between the VAD's speech_started and the end of that turn
     idle_from: float | None  # when the session became idle (monotonic); None: it is not
     _requests: itertools.count[int]
