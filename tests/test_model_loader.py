@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_loader import DEFAULT_LLM, load_model, resolve_model_path, smollm2_gguf_path
+from engine.model_loader import DEFAULT_LLM, gguf_parsed_once, load_model, resolve_model_path, smollm2_gguf_path
 from engine.tiny_models import ARCHS, make_tiny
 
 TEXTS = [
@@ -34,13 +34,15 @@ def smollm2(smollm2_dir: Path):
 
 @pytest.fixture(scope="module")
 def gguf_reference():
-    """Model and tokenizer loaded straight from the GGUF file (dequantized by transformers)."""
+    """Model and tokenizer loaded straight from the GGUF file (dequantized by transformers; the
+    file parsed once for both, as the conversion does)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
     kw = dict(gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw).eval()
-    return model, AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw).eval()
+        return model, AutoTokenizer.from_pretrained(gguf.parent, **kw)
 
 
 def test_gguf_conversion_is_cached_and_reused(smollm2_dir: Path, smollm2) -> None:
@@ -52,6 +54,28 @@ def test_gguf_conversion_is_cached_and_reused(smollm2_dir: Path, smollm2) -> Non
     assert not list(smollm2_dir.parent.glob(f".{smollm2_dir.name}.*"))  # no temp dirs left behind
     config = (smollm2_dir / "config.json").read_text()
     assert "quantization_config" not in config
+
+
+def test_gguf_parsed_once_shares_the_parse_then_restores_gguf(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    real = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        reader = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is reader
+        assert gguf.GGUFReader(path, "c") is not reader  # (a writable map is its own)
+        assert reader.tensors[0].data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
+        assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
 
 
 def test_loaded_model_fields(smollm2) -> None:
