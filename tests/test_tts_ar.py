@@ -347,12 +347,10 @@ def test_the_ar_voice_holds_at_least_its_batch(model_dir: Path) -> None:
     """``--tts-max-requests`` bounds both voices, the AR one at no fewer than its batch
     (``--tts-ar-max-num-seqs``: a lower bound would keep the batch from filling); 0: no bound."""
     from gateway.cli import build_parser
-    from modalities.tts.plugin import build
+    from modalities.tts.plugin import ar_max_requests, build
 
-    def bounds(*flags: str) -> list[int | None]:
-        args = build_parser().parse_args(["serve", "--only", "tts", "--tts-ar", str(model_dir), *flags])
-        return [e._admission.limit for e in build(args).engines.values()]
-
-    assert bounds("--tts-max-requests", "4", "--tts-ar-max-num-seqs", "8") == [4, 8]
-    assert bounds("--tts-max-requests", "12", "--tts-ar-max-num-seqs", "8") == [12, 12]
-    assert bounds("--tts-max-requests", "0") == [None, None]
+    flags = ["--tts-ar", str(model_dir), "--tts-max-requests", "4", "--tts-ar-max-num-seqs", "8"]
+    args = build_parser().parse_args(["serve", "--only", "tts", *flags])
+    assert [e._admission.limit for e in build(args).engines.values()] == [4, 8]
+    assert ar_max_requests(12, 8) == 12
+    assert ar_max_requests(None, 8) is None  # (``--tts-max-requests 0``)

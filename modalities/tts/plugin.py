@@ -104,12 +104,17 @@ def build(args: Any, explicit: bool = False) -> Built:
             num_kv_blocks=getattr(args, "tts_ar_kv_blocks", None),
             max_num_seqs=getattr(args, "tts_ar_max_num_seqs", 32),
             device=getattr(args, "tts_ar_device", "cpu"),
-            # (at least its batch: a lower bound would keep the batch from filling)
-            max_requests=bound and max(bound, getattr(args, "tts_ar_max_num_seqs", 32)),
+            max_requests=ar_max_requests(bound, getattr(args, "tts_ar_max_num_seqs", 32)),
         )
         built.engines[ar.model_name] = ar
         logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))
     return _with_openai_names(built)
+
+
+def ar_max_requests(bound: int | None, max_num_seqs: int) -> int | None:
+    """The AR voice's ``--tts-max-requests``: at least its batch (a lower bound would keep the
+    batch from filling); None: no bound."""
+    return bound and max(bound, max_num_seqs)
 
 
 def remote_engines(args: Any, cluster: Any) -> Built:
