@@ -118,10 +118,13 @@ def _hooks_rank(rank: int, port: int, out_path: str) -> None:
 
 
 def test_hooks_match_single_process_and_bytes_match_formula(tmp_path: Path) -> None:
-    from modalities.diffusion.parallel.runner import _free_port
+    from modalities.diffusion.parallel.runner import _free_port, rank_context
 
     out = tmp_path / "hooks.json"
-    torch.multiprocessing.spawn(_hooks_rank, args=(_free_port(), str(out)), nprocs=WORLD)
+    rank_context()  # (the ranks' fork server, with its preload)
+    torch.multiprocessing.start_processes(
+        _hooks_rank, args=(_free_port(), str(out)), nprocs=WORLD, start_method="forkserver"
+    )
     results = json.loads(out.read_text())
     assert len(results) == 12
     for key, r in results.items():
