@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,9 @@ def convert_gguf(gguf: Path, dst: Path | None = None) -> Path:
     return build_once(dst, META_FILE, lambda tmp: _write_converted(gguf, tmp))
 
 
+_GGUF_PATCH = threading.RLock()
+
+
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
     """While open, transformers' GGUF loading parses each file once and builds gguf's tensor-name
@@ -105,22 +109,23 @@ def gguf_parsed_once() -> Iterator[None]:
     sharing them changes nothing it loads. transformers imports both from ``gguf`` at each call."""
     import gguf as gguf_py
 
-    real_reader, real_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
-    readers: dict[str, Any] = {}
+    with _GGUF_PATCH:  # (one at a time: an overlapping one would restore the other's wrappers)
+        real_reader, real_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+        readers: dict[str, Any] = {}
 
-    def reader(path: os.PathLike[str] | str, mode: str = "r") -> Any:
-        if mode != "r":  # (a writable map is not shared)
-            return real_reader(path, mode)
-        key = os.path.realpath(path)
-        if key not in readers:
-            readers[key] = real_reader(path, mode)
-        return readers[key]
+        def reader(path: os.PathLike[str] | str, mode: str = "r") -> Any:
+            if mode != "r":  # (a writable map is not shared)
+                return real_reader(path, mode)
+            key = os.path.realpath(path)
+            if key not in readers:
+                readers[key] = real_reader(path, mode)
+            return readers[key]
 
-    gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, functools.cache(real_map)
-    try:
-        yield
-    finally:
-        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = real_reader, real_map
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, functools.cache(real_map)
+        try:
+            yield
+        finally:
+            gguf_py.GGUFReader, gguf_py.get_tensor_name_map = real_reader, real_map
 
 
 def _write_converted(gguf: Path, out: Path) -> None:

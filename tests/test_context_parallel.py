@@ -161,6 +161,7 @@ def test_runner_matches_single_process(pair) -> None:
     from modalities.diffusion.model import Item
 
     model, runner = pair
+    assert runner.preloaded  # (forked from the fork server with diffusers imported)
     torch.set_num_threads(1)
     items = [Item("a red cat", "", 7), Item("two dogs", "blurry", 8)]
     shape = _shape(model)
@@ -181,6 +182,7 @@ def test_runner_first_block_cache_matches_single_process(pair) -> None:
     from modalities.diffusion.model import Item
 
     model, runner = pair
+    assert runner.preloaded  # (forked from the fork server with diffusers imported)
     torch.set_num_threads(1)
     items = [Item("a red cat", "", 7), Item("two dogs", "blurry", 8)]
     shape = _shape(model, steps=8, cache=CacheSpec("fbc", threshold=0.2))

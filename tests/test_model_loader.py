@@ -36,13 +36,18 @@ def smollm2(smollm2_dir: Path):
 def gguf_reference():
     """Model and tokenizer loaded straight from the GGUF file (dequantized by transformers; the
     file parsed once for both, as the conversion does)."""
+    import gguf as gguf_py
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
     kw = dict(gguf_file=gguf.name, local_files_only=True)
     with gguf_parsed_once():
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw).eval()
-        return model, AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        layers = model.config.num_hidden_layers  # (the shared name map is as a fresh one after the load)
+        shared = gguf_py.get_tensor_name_map(gguf_py.MODEL_ARCH.LLAMA, layers).mapping
+        assert shared == gguf_py.tensor_mapping.TensorNameMap(gguf_py.MODEL_ARCH.LLAMA, layers).mapping
+    return model, tokenizer
 
 
 def test_gguf_conversion_is_cached_and_reused(smollm2_dir: Path, smollm2) -> None:
@@ -75,6 +80,9 @@ def test_gguf_parsed_once_shares_the_parse_then_restores_gguf(tmp_path: Path) ->
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is names
         assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
+    with pytest.raises(RuntimeError), gguf_parsed_once():
+        raise RuntimeError("a failed load")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
 
 

@@ -1,6 +1,6 @@
 """Run one diffusion request across N processes (ranks) with context parallelism.
 
-:class:`ContextParallelRunner` spawns ``degree`` rank processes on loopback (gloo on CPU, NCCL when
+:class:`ContextParallelRunner` starts ``degree`` rank processes on loopback (gloo on CPU, NCCL when
 each rank can have its own GPU). Every rank loads the same pipeline directory with
 :class:`~modalities.diffusion.model.DiffusionModel` and installs the CP hooks on its denoiser. Rank 0
 takes requests from the parent through a queue and broadcasts them; all ranks run the same denoising
@@ -12,10 +12,12 @@ the process group, so a wedged collective cannot take the server down with it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +32,7 @@ import torch.multiprocessing as mp
 
 from modalities.diffusion.parallel.comm import ContextParallelConfig
 
+logger = logging.getLogger(__name__)
 _POLL_S = 0.2
 
 
@@ -51,18 +54,21 @@ def forward_shape_for(model: Any, shape: Any, batch: int) -> Any:
     )
 
 
-# What a rank imports before it loads a pipeline: ~8 s on 2 cores, most of a 2-rank start.
-RANK_PRELOAD = [
-    "diffusers.pipelines.pipeline_utils",
-    "modalities.diffusion.model",
-    "modalities.diffusion.parallel.hooks",
-]
+# What a rank imports before it loads a pipeline: ~8 s on 2 cores, most of a 2-rank start. Only
+# installed packages: the fork server finds modules on its own path, not the server's, so it could
+# import another checkout's ``modalities``.
+RANK_PRELOAD = ["diffusers.pipelines.pipeline_utils"]
 
 
-def rank_context() -> Any:
-    """The multiprocessing context ranks start in: forked from a fork server that imported
-    ``RANK_PRELOAD`` once (per server process), where spawned ranks each imported it again. Only
-    the fork server's first start sets its preload."""
+def rank_context(backend: str = "gloo") -> Any:
+    """The multiprocessing context ranks start in. CPU (gloo) ranks fork from a fork server that
+    imported ``RANK_PRELOAD`` once per server process, where spawned ranks each import it again;
+    only the fork server's first start sets its preload, and it forks with the environment it
+    started with (``_rank_main`` applies the server's). NCCL ranks are spawned: an import in the
+    fork server that initialised CUDA (e.g. xformers, which diffusers imports when installed)
+    would fail every forked rank's CUDA."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(RANK_PRELOAD)
     return ctx
@@ -90,8 +96,13 @@ def _rank_main(
     requests: Any,
     results: Any,
     cancel: Any,
+    env: dict[str, str],
 ) -> None:
-    """One rank: load, hook, then serve broadcast requests until a ``None`` request."""
+    """One rank: load, hook, then serve broadcast requests until a ``None`` request. Its ``ready``
+    message says whether it started with ``RANK_PRELOAD`` imported."""
+    preloaded = all(name in sys.modules for name in RANK_PRELOAD)
+    os.environ.clear()
+    os.environ.update(env)  # (the server's now, not the fork server's when it started)
     import torch.distributed as dist
 
     from modalities.diffusion.model import DiffusionModel, StopGeneration
@@ -116,7 +127,7 @@ def _rank_main(
     except Exception:
         results.put(("fatal", rank, traceback.format_exc()))
         return
-    results.put(("ready", rank, None))
+    results.put(("ready", rank, preloaded))
     flag = torch.zeros(1, dtype=torch.int32, device=f"cuda:{rank}" if backend == "nccl" else "cpu")
     while True:
         box = [_next_request(requests, parent) if rank == 0 else None]
@@ -204,16 +215,17 @@ class ContextParallelRunner:
         self.threads = threads_per_rank or max(1, (os.cpu_count() or 1) // degree)
         self.start_timeout_s = start_timeout_s
         self.last_stats: dict[str, Any] = {}
+        self.preloaded = False  # the ranks started with RANK_PRELOAD imported (``_rank_main``)
         self._procs: list[Any] = []
         self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn the ranks and wait until every one has loaded the pipeline (idempotent)."""
+        """Start the ranks and wait until every one has loaded the pipeline (idempotent)."""
         if self._procs:
             return
-        ctx = rank_context()
+        ctx = rank_context(self.backend)
         self._requests, self._results, self._cancel = ctx.Queue(), ctx.Queue(), ctx.Event()
         port = _free_port()
         args = (
@@ -225,20 +237,24 @@ class ContextParallelRunner:
             self._requests,
             self._results,
             self._cancel,
+            dict(os.environ),
         )
         self._procs = [
             ctx.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(self.config.world_size)
         ]
         for p in self._procs:
             p.start()
-        ready: set[int] = set()
+        ready: dict[int, bool] = {}
         deadline = time.monotonic() + self.start_timeout_s
         while len(ready) < len(self._procs):
             kind, rank, payload = self._next(deadline)
             if kind != "ready":
                 self.close()
                 raise RuntimeError(f"context-parallel rank {rank} failed to start:\n{payload}")
-            ready.add(rank)
+            ready[rank] = payload
+        self.preloaded = all(ready.values())
+        if self.backend != "nccl" and not self.preloaded:
+            logger.warning("context-parallel ranks started without their preload (a fork server started elsewhere)")
 
     def close(self) -> None:
         """Stop the ranks (a clean shutdown if they are idle, otherwise terminate)."""
