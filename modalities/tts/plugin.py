@@ -99,12 +99,13 @@ def build(args: Any, explicit: bool = False) -> Built:
     if ar_dir:
         from modalities.tts.ar_engine import ARTTSEngine
 
+        seqs = getattr(args, "tts_ar_max_num_seqs", 32)
         ar = ARTTSEngine.from_dir(
             ar_dir,
             num_kv_blocks=getattr(args, "tts_ar_kv_blocks", None),
-            max_num_seqs=getattr(args, "tts_ar_max_num_seqs", 32),
+            max_num_seqs=seqs,
             device=getattr(args, "tts_ar_device", "cpu"),
-            max_requests=ar_max_requests(bound, getattr(args, "tts_ar_max_num_seqs", 32)),
+            max_requests=ar_max_requests(bound, seqs),
         )
         built.engines[ar.model_name] = ar
         logger.info("serving AR TTS %s as %r (voices %s)", ar_dir, ar.model_name, ", ".join(ar.voices))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import os
 import queue
 import socket
@@ -110,7 +109,7 @@ def _rank_main(
     from modalities.diffusion.parallel.hooks import apply_context_parallel
     from modalities.diffusion.parallel.volume import bytes_per_forward, check_divisible
 
-    parent = multiprocessing.parent_process()
+    parent = mp.parent_process()
     torch.set_num_threads(threads)
     world = cfg.world_size
     try:
