@@ -12,4 +12,12 @@ for arg in "$@"; do
         break
     fi
 done
-exec .venv/bin/python -m pytest -q "${targets[@]}" "$@"
+# Two pytest-xdist workers, each running whole files (a file's module fixtures, its servers and
+# Celery workers, start once): one file's set-ups and waits overlap the other's compute.
+# MMSERVE_TEST_WORKERS=0 runs the tests in this one process.
+workers=${MMSERVE_TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != 0 ]; then
+    xdist=(-n "$workers" --dist loadfile)
+fi
+exec .venv/bin/python -m pytest -q "${xdist[@]}" "${targets[@]}" "$@"
