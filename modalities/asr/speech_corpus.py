@@ -100,7 +100,9 @@ def _piper_voice() -> object:
     return PiperVoice.load(str(onnx))
 
 
-def synth_piper(texts: list[str]) -> list[np.ndarray]:
+def synth_piper(texts: list[str], rate: int = RATE) -> list[np.ndarray]:
+    """``texts`` spoken by the Piper voice, float32 at ``rate``: the same audio on every run
+    (seeded), so what is measured or asserted on it does not move with the voice's noise."""
     from modalities.audio import resample
 
     voice = _piper_voice()
@@ -108,7 +110,7 @@ def synth_piper(texts: list[str]) -> list[np.ndarray]:
     for text in texts:
         chunks = list(voice.synthesize(text))  # type: ignore[attr-defined]
         audio = np.concatenate([c.audio_float_array for c in chunks]).astype(np.float32)
-        out.append(resample(audio, chunks[0].sample_rate, RATE))
+        out.append(resample(audio, chunks[0].sample_rate, rate))
     return out
 
 
