@@ -10,10 +10,11 @@ under ``$MMSERVE_CACHE/asr-corpus``. Nothing is downloaded.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +45,17 @@ SENTENCES = [
 ]
 
 
+@functools.cache
+def _whisper_normalizer() -> Callable[[str], str]:
+    from transformers.models.whisper.english_normalizer import EnglishTextNormalizer
+
+    return EnglishTextNormalizer({})  # (no British-to-American spelling table ships offline)
+
+
 def normalize_text(text: str) -> str:
-    """Lower case, punctuation but apostrophes dropped, single spaces: what WER compares."""
-    return re.sub(r"\s+", " ", re.sub(r"[^\w' ]", " ", text.lower())).strip()
+    """What WER compares: Whisper's English normaliser, as ASR evaluations use it (lower case, no
+    punctuation, numbers as digits: "two plus three" and "2 plus 3" are the same words)."""
+    return _whisper_normalizer()(text)
 
 
 def word_error_rate(refs: list[str], hyps: list[str]) -> float:
