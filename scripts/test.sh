@@ -12,10 +12,15 @@ for arg in "$@"; do
         break
     fi
 done
-# Two pytest-xdist workers, each running whole files (a file's module fixtures, its servers and
-# Celery workers, start once): one file's set-ups and waits overlap the other's compute.
-# MMSERVE_TEST_WORKERS=0 runs the tests in this one process.
-workers=${MMSERVE_TEST_WORKERS:-2}
+# The whole suite: two pytest-xdist workers, each running whole files (a file's module fixtures,
+# its servers and Celery workers, start once), so one file's set-ups and waits overlap the
+# other's compute. Named tests run in this one process (--pdb works). MMSERVE_TEST_WORKERS=N
+# sets the number either way (0: one process).
+default_workers=2
+if [ ${#targets[@]} -eq 0 ]; then
+    default_workers=0
+fi
+workers=${MMSERVE_TEST_WORKERS:-$default_workers}
 xdist=()
 if [ "$workers" != 0 ]; then
     xdist=(-n "$workers" --dist loadfile)

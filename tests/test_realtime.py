@@ -2091,7 +2091,8 @@ async def _pause_mid_sentence(c: Client, until: str) -> None:
     """Stream "What is the capital", 1 s of silence, "of France?" and 2 s of silence at real time,
     then trickle silence (20 ms each 250 ms) until ``until`` or 3.5 s of silence in all: the turn
     must end on the served LLM's verdict, which a loaded CPU may give seconds late, and never by
-    the 4 s that eagerness "auto" waits for an unfinished turn (the VAD sees time in audio)."""
+    the 4 s that eagerness "auto" waits for an unfinished turn (the VAD sees time in audio; with
+    the voice's own ~0.2 s of quiet after the words it counts ~3.7 s, so keep this margin)."""
 
     async def feed() -> None:
         await c.stream(spoken("What is the capital", "of France?", gap_s=1.0, tail_s=2.0), pace=1.0)

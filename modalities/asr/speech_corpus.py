@@ -176,7 +176,7 @@ def corpus(voice: str) -> list[np.ndarray]:
         synth = {"piper": synth_piper, "espeak": synth_espeak}[voice]
         folder.mkdir(parents=True, exist_ok=True)
         for path, audio in zip(paths, synth(SENTENCES), strict=True):
-            tmp = path.with_suffix(".tmp.wav")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.wav")  # (test workers may build it at once)
             sf.write(tmp, audio, RATE, subtype="FLOAT")
             tmp.replace(path)
     return [sf.read(p, dtype="float32")[0] for p in paths]
