@@ -23,14 +23,23 @@ websockets = pytest.importorskip("websockets")
 RATE = 24_000
 
 
-def speech(text: str) -> bytes:
-    """``text`` spoken by the Piper voice as pcm16 at 24 kHz, with 0.3 s of silence before and 1 s after."""
+def spoken(*phrases: str, gap_s: float = 0.3, tail_s: float = 3.0) -> bytes:
+    """``phrases`` spoken by the Piper voice as 24 kHz pcm16, ``gap_s`` of silence between them
+    and ``tail_s`` after them."""
     from modalities.asr.speech_corpus import synth_piper
     from modalities.audio import to_pcm16
 
-    (audio,) = synth_piper([text], RATE)
-    silence = np.zeros(RATE, np.float32)
-    return to_pcm16(np.concatenate([silence[: RATE * 3 // 10], audio, silence]))
+    parts = [np.zeros(RATE * 3 // 10, np.float32)]
+    for i, audio in enumerate(synth_piper(list(phrases), RATE)):
+        parts += [np.zeros(int(RATE * gap_s), np.float32)] if i else []
+        parts.append(audio)
+    parts.append(np.zeros(int(RATE * tail_s), np.float32))
+    return to_pcm16(np.concatenate(parts))
+
+
+def speech(text: str) -> bytes:
+    """``text`` spoken by the Piper voice as pcm16 at 24 kHz, with 0.3 s of silence before and 1 s after."""
+    return spoken(text, tail_s=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -1125,20 +1134,6 @@ class Requests:
         async for out in self.generate_(request_id, prompt, params, priority):
             call["finished"] = out.finished
             yield out
-
-
-def spoken(*phrases: str, gap_s: float = 0.3, tail_s: float = 3.0) -> bytes:
-    """``phrases`` spoken by the Piper voice as 24 kHz pcm16, ``gap_s`` of silence between them
-    and ``tail_s`` after them."""
-    from modalities.asr.speech_corpus import synth_piper
-    from modalities.audio import to_pcm16
-
-    parts = [np.zeros(RATE * 3 // 10, np.float32)]
-    for i, audio in enumerate(synth_piper(list(phrases), RATE)):
-        parts += [np.zeros(int(RATE * gap_s), np.float32)] if i else []
-        parts.append(audio)
-    parts.append(np.zeros(int(RATE * tail_s), np.float32))
-    return to_pcm16(np.concatenate(parts))
 
 
 async def _voice_turn(url: str, pcm: bytes, max_tokens: int = 24) -> Client:
