@@ -42,8 +42,8 @@ class IdleTimeout(ServerEvents):
             now = time.monotonic()
             if r.calls and status == "completed":
                 self.idle_from = None  # (the client runs the functions: their output asks for the reply)
-            elif status == "cancelled" or r.first_audio is None:
-                self.idle_from = now
+            elif status == "cancelled" or r.first_audio is None or r.heard_ms is not None:
+                self.idle_from = now  # (a reply the client truncated stopped playing there)
             else:
                 self.idle_from = max(now, r.first_audio + r.audio_ms / 1000)
         self._restart_idle()

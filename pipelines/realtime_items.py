@@ -134,13 +134,16 @@ class Reply:
     error: dict[str, Any] | None = None  # why it failed (OpenAI's status_details.error)
 
     def played_ms(self) -> float:
-        """How much the client can have played: real-time clock since the first chunk, capped."""
+        """How much the client can have played: real-time clock since the first chunk, capped
+        (by its own truncation too, once it made one)."""
         if self.first_audio is None:
             return 0.0
-        return min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
+        played = min(self.audio_ms, (time.monotonic() - self.first_audio) * 1000.0)
+        return played if self.heard_ms is None else min(played, self.heard_ms)
 
     def playing(self) -> bool:
-        return self.audio and self.played_ms() < self.audio_ms
+        """Whether its audio may still be playing: not once the client truncated it (it stopped there)."""
+        return self.audio and self.heard_ms is None and self.played_ms() < self.audio_ms
 
 
 def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:

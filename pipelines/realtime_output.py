@@ -487,7 +487,8 @@ class ServerEvents:
         if r is not None and not r.done:
             if r is talk:
                 if r.audio and r.opened:
-                    await self._truncate(r, r.played_ms())
+                    if r.heard_ms is None:  # (a client's truncation already says what it heard)
+                        await self._truncate(r, r.played_ms())
                 elif (item := self.conv.get(r.item_id)) is not None:
                     item.truncated = True  # text only: the client saw every delta sent
                 talk = None  # cut here

@@ -1714,7 +1714,8 @@ def test_a_retrieve_mid_reply_shows_what_the_client_was_sent() -> None:
 def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
     """Stand-ins: the replies' ``speed`` (beta ``speed``, GA ``audio.output.speed``, 0.25 to 1.5)
     reaches the TTS options and requests; a GA session's ``type``, an ``event_id`` and a
-    truncation's ``content_index`` that are not what the protocol allows are errors."""
+    truncation's ``content_index`` that are not what the protocol allows are errors; an event
+    without a string ``type`` gets its ``event_id`` back."""
 
     from modalities.tts.protocol import TTSRequest
     from pipelines.frames import LLMStarted, Sentence
@@ -1755,6 +1756,9 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         assert error["error"]["param"] == "event_id" and error["error"]["event_id"] is None
         await s._handle(json.dumps({"type": "conversation.item.truncate", "item_id": "i", "content_index": "0"}))
         assert sent[-1]["error"]["param"] == "content_index"
+        for typeless in ({"event_id": "e1"}, {"type": 5, "event_id": "e1"}):  # the id is echoed all the same
+            await s._handle(json.dumps(typeless))
+            assert sent[-1]["error"]["param"] == "type" and sent[-1]["error"]["event_id"] == "e1", sent[-1]
 
     run(go())
 
@@ -1784,6 +1788,47 @@ def test_a_client_truncation_only_shortens_but_a_barge_ins_estimate_does_not_bou
         refused = await truncate(600)
         assert refused["type"] == "error" and refused["error"]["param"] == "audio_end_ms", refused
         assert (await truncate(400))["audio_end_ms"] == 400
+
+    run(go())
+
+
+@pytest.mark.parametrize("how", ["cancel", "barge_in", "completed"])
+def test_a_cut_after_a_client_truncation_keeps_what_the_client_heard(how: str) -> None:
+    """Stand-in: a client truncates the reply still streaming to 100 ms, then cancels it (or the
+    user speaks over it, or the reply ends): no second truncation at the server's estimate of
+    what was played (two seconds since its first chunk), and the item keeps the words of those
+    100 ms; the reply plays no more: the session is idle from its end, not from the end of
+    its 4 s of audio."""
+    from pipelines.conversation import Spoken
+    from pipelines.frames import Interrupt, LLMStarted
+    from pipelines.services import Services
+
+    sent: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        s = _stand_in(Services(), sent)
+        s.conv.add("assistant", "", "item_1", audio=True)
+        await s._on_frame(LLMStarted("resp_1", item_id="item_1", audio=True))
+        r = s.reply
+        assert r is not None and r is s.in_band
+        r.spoken = [Spoken("One two.", 2000.0), Spoken("Three four.", 2000.0)]
+        r.audio, r.audio_ms, r.first_audio = True, 4000.0, time.monotonic() - 2.0  # (spoken: no TTS here)
+        await s._open(r)
+        event = {"type": "conversation.item.truncate", "item_id": "item_1", "content_index": 0, "audio_end_ms": 100}
+        await s._handle(json.dumps(event))
+        assert sent[-1]["type"] == "conversation.item.truncated" and s.conv.get("item_1").text == ""
+        sent.clear()
+        if how == "cancel":
+            await s._handle(json.dumps({"type": "response.cancel"}))
+        elif how == "barge_in":
+            await s._interrupted(Interrupt())
+        else:
+            await s._finish(r, "completed")
+        assert "conversation.item.truncated" not in [e["type"] for e in sent], sent
+        assert s.conv.get("item_1").text == "" and s.conv.get("item_1").truncated
+        assert r.done and not r.playing() and r.played_ms() == 100.0
+        if how != "barge_in":  # (the user speaking: not idle)
+            assert s.idle_from is not None and s.idle_from <= time.monotonic()
 
     run(go())
 
