@@ -81,6 +81,21 @@ def test_content_types_and_validation_errors(base_url: str) -> None:
     assert err["param"] == "dimensions"
     err = _error(httpx.post(f"{base_url}/v1/chat/completions", json={"model": LLM}), 400)
     assert err["param"] == "messages" and "Missing required parameter" in err["message"]
+    # content: null only in an assistant's message with calls (OpenAI's history shape), rendered as ""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    chat = f"{base_url}/v1/chat/completions"
+    assert httpx.post(chat, json={"model": LLM, "messages": history, "max_tokens": 1}).status_code == 200
+    for bad in ({"role": "user"}, {"role": "user", "content": None}, {"role": "assistant", "content": None}):
+        err = _error(httpx.post(chat, json={"model": LLM, "messages": [bad], "max_tokens": 1}), 400)
+        assert err["param"] == "messages[0]" and "needs 'content'" in err["message"], err
+    for part in ({"type": "text"}, {"type": "text", "text": None}):
+        body = {"model": LLM, "messages": [{"role": "user", "content": [part]}], "max_tokens": 1}
+        assert _error(httpx.post(chat, json=body), 400)["param"] == "messages[0].content"
     _error(httpx.post(f"{base_url}/v1/completions", json=[1, 2]), 400)
     _error(httpx.get(f"{base_url}/v1/completions"), 405)
     # context caps are checked before any work: prompt + max_tokens over the 64-token window

@@ -302,6 +302,12 @@ class ContentPart(_Model):
     type: str
     text: str | None = None
 
+    @model_validator(mode="after")
+    def _check_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a 'text' content part needs its 'text'")
+        return self
+
 
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -313,7 +319,12 @@ class ChatMessage(_Model):
     @model_validator(mode="after")
     def _check_tool_turns(self) -> ChatMessage:
         """A tool's message names its call; an assistant's calls are named functions (the chat
-        template renders them, and a malformed one would fail there with a template error)."""
+        template renders them, and a malformed one would fail there with a template error); only
+        an assistant's message with calls may go without content (OpenAI's ``null``)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                f"a '{self.role}' message needs 'content'" + (" or 'tool_calls'" * (self.role == "assistant"))
+            )
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a 'tool' message needs the 'tool_call_id' of the call it answers")
         for call in self.tool_calls or []:
@@ -336,7 +347,7 @@ class ChatMessage(_Model):
         return "\n".join(texts)
 
     def to_template_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": self.role, "content": self.text() or ""}  # (templates read it as text)
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
