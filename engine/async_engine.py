@@ -128,6 +128,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def max_waiting(self) -> int:
+        """The waiting queue's bound: a request of more prompts than this can never be queued."""
+        return self.engine.config.max_waiting
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

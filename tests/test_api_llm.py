@@ -431,6 +431,18 @@ def test_queue_full_is_429(server: Server) -> None:
         server.client().completions.create(model=BUSY, prompt="x", max_tokens=2)
 
 
+def test_more_prompts_than_the_queue_holds_is_400_before_any_work(server: Server) -> None:
+    """A request of more prompts than the waiting queue's bound could never be queued whole: a 400
+    naming ``prompt`` (not a 429 to retry), before any prompt reaches the engine."""
+    engine = server.engines[MODEL].engine
+    limit, before = engine.config.max_waiting, engine.num_prompt_tokens
+    with server.http() as c:
+        body = {"model": MODEL, "prompt": [[5, 6]] * (limit + 1), "max_tokens": 2}
+        err = _assert_openai_error(c.post("/v1/completions", json=body), 400)
+        assert err["param"] == "prompt" and f"at most {limit}" in err["message"], err
+    assert engine.num_prompt_tokens == before
+
+
 # -- disconnects -----------------------------------------------------------------------------------
 
 

@@ -175,8 +175,12 @@ class Tracker:
             m.observe("time_per_output_token_seconds", tpot, help="TPOT (decode time per token)", model=self.model)
 
 
-def _check_context(engine: Any, prompts: list[list[int]], params: SamplingParams) -> None:
-    """The engine's context cap, enforced before any budget is charged or work queued."""
+def _check_context(engine: Any, prompts: list[list[int]], params: SamplingParams, param: str) -> None:
+    """The engine's context cap, and its waiting queue's bound on the prompts of one request (a
+    retry could never pass it), enforced before any budget is charged or work queued."""
+    queue = getattr(engine, "max_waiting", None)
+    if isinstance(queue, int) and len(prompts) > max(queue, 1):  # (one prompt may always wait its turn)
+        raise APIError(400, f"{len(prompts)} prompts in one request: this server queues at most {queue}", param=param)
     limit = getattr(engine, "max_model_len", None)
     if not isinstance(limit, int):
         return
@@ -210,7 +214,7 @@ async def start_generation(
     ``APIError`` (400/429/503) naming ``param`` and refund the charge; the others are aborted.
     Sets ``tracker.stream_header`` (the ``Server-Timing`` known before a stream's body)."""
     try:
-        _check_context(engine, prompts, params)
+        _check_context(engine, prompts, params, param)
     except PromptTooLongError as exc:
         raise as_api_error(exc, param) from exc
     tracker.charge = await charge(request, "llm_tokens", _charge_amount(engine, prompts, params))
