@@ -117,6 +117,7 @@ def test_video_mp4_and_frames(server: Server) -> None:
     [
         ("/v1/images/generations", {"prompt": "x", "size": "60x64"}, "multiple of 8"),
         ("/v1/images/generations", {"prompt": "x", "size": "4096x4096"}, "multiple of 8"),
+        ("/v1/images/generations", {"prompt": "x", "size": "0x64"}, "multiple of 8"),  # (0 is not "unset")
         ("/v1/images/generations", {"prompt": "x", "size": "big"}, "size"),
         ("/v1/images/generations", {"prompt": ""}, "prompt"),
         ("/v1/images/generations", {"prompt": "x", "n": 50}, "n must"),
@@ -127,6 +128,7 @@ def test_video_mp4_and_frames(server: Server) -> None:
         ("/v1/videos", {"prompt": "x", "num_frames": 8}, "4k+1"),
         ("/v1/videos", {"prompt": "x", "num_frames": 101}, "at most 33"),
         ("/v1/videos", {"prompt": "x", "size": "64x40"}, "multiple of 16"),
+        ("/v1/videos", {"prompt": "x", "size": "0x0"}, "multiple of 16"),
         ("/v1/videos", {"prompt": "   "}, "prompt"),
     ],
 )

@@ -198,8 +198,8 @@ class DiffusionEngine(BatchLoop):
         guidance = self.default_guidance if req.guidance_scale is None else float(req.guidance_scale)
         if not 0 <= guidance <= 100:
             raise ValueError("guidance_scale must be between 0 and 100")
-        width = req.width or self.model.default_side
-        height = req.height or self.model.default_side
+        width = self.model.default_side if req.width is None else req.width  # (0 is a size, refused)
+        height = self.model.default_side if req.height is None else req.height
         frames = self.model.check_shape(width, height, req.num_frames)
         if req.cache is None and req.cache_interval is None:
             cache = self.default_cache
