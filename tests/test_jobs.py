@@ -285,6 +285,36 @@ def test_llm_batches_equal_the_online_endpoints(base: str, endpoint: str) -> Non
         assert got[key] == want[key] and o["response"]["body"]["usage"] == online["usage"]
 
 
+def test_a_cancelled_batch_keeps_the_lines_it_finished(base: str) -> None:
+    """As OpenAI's: cancelling a batch mid-run leaves an output file of the lines done, in input
+    order (the lines the cancel cut short are neither there nor counted as failed)."""
+    bodies = [
+        {"model": "tiny", "prompt": f"line {i}", "temperature": 0}
+        | ({"max_tokens": 1} if i < 16 else {"max_tokens": 240, "ignore_eos": True})
+        for i in range(120)
+    ]
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": b} for i, b in enumerate(bodies)
+    ]
+    c = client(base)
+    upload = c.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode()), purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while (batch := c.batches.retrieve(batch.id)).request_counts.completed < 16:
+        assert time.monotonic() < deadline and batch.status != "completed", batch
+        time.sleep(0.05)
+    assert c.batches.cancel(batch.id).status == "cancelled"
+    while (batch := c.batches.retrieve(batch.id)).output_file_id is None:  # (once the run has stopped)
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    out = [json.loads(x) for x in c.files.content(batch.output_file_id).text.splitlines()]
+    done = [int(o["custom_id"][1:]) for o in out]
+    assert done == sorted(done) and set(range(16)) <= set(done) and len(done) < len(lines)
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    assert batch.status == "cancelled" and batch.error_file_id is None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(out), 0)
+
+
 def test_embeddings_batch_equals_the_online_endpoint(base: str, tmp_path: Path) -> None:
     lines = [
         {

@@ -25,7 +25,7 @@ from gateway.errors import APIError
 from workers.jobs import state
 from workers.jobs.api import get_job_or_404, not_found, owner_of, router, service, submit_or_raise
 from workers.jobs.files import file_object, list_object
-from workers.jobs.registry import JobContext, register_job_kind
+from workers.jobs.registry import JobCancelled, JobContext, register_job_kind
 from workers.jobs.store import UPLOADS, file_id
 
 ENDPOINTS = {"/v1/embeddings": "embed", "/v1/chat/completions": "llm", "/v1/completions": "llm"}
@@ -138,12 +138,29 @@ async def run_batch(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
             nonlocal done
             for i in todo:
                 ctx.check_cancelled()
-                outputs[i] = await _one(client, endpoint, lines[i])
+                out = await _one(client, endpoint, lines[i])
+                if ctx.cancelled:  # a line the cancel cut short (answered 503 inside): no result
+                    return
+                outputs[i] = out
                 done += 1
                 if done % step == 0 or done == total:
                     ctx.progress(done, total)
 
-        await asyncio.gather(*(worker() for _ in range(min(CONCURRENCY, total))))
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(CONCURRENCY, total))))
+        except (asyncio.CancelledError, JobCancelled):
+            if not ctx.cancelled:
+                raise  # (this process is going away: the job runs again elsewhere)
+            # As OpenAI's: a cancelled batch keeps the lines it finished, in its output and error files.
+            result = await _write_results(ctx, outputs, total)
+            raise JobCancelled(f"batch {ctx.job_id} was cancelled", result) from None
+    return await _write_results(ctx, outputs, total)
+
+
+async def _write_results(
+    ctx: JobContext, outputs: list[tuple[bool, dict[str, Any]] | None], total: int
+) -> dict[str, Any]:
+    """The output and error files of the lines done (in input order), and the batch's result."""
     ok_lines = [json.dumps(o[1]) for o in outputs if o is not None and o[0]]
     err_lines = [json.dumps(o[1]) for o in outputs if o is not None and not o[0]]
     result: dict[str, Any] = {"request_counts": {"total": total, "completed": len(ok_lines), "failed": len(err_lines)}}

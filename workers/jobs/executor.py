@@ -131,8 +131,8 @@ class Executor:
             if not ctx.cancelled:
                 raise  # this process is shutting down: the lease expires and the job is retried
             outcome = state.finish(token, "cancelled")  # no-op when cancel() already recorded it
-        except JobCancelled:
-            outcome = state.finish(token, "cancelled")  # also when the job stopped itself as cancelled
+        except JobCancelled as exc:  # also when the job stopped itself as cancelled
+            outcome = state.finish(token, "cancelled", result=exc.result)
         except Exception as exc:  # noqa: BLE001 - the job's failure is reported, not raised
             logger.warning("job %s (%s) attempt %d failed: %r", job_id, rec["kind"], rec["attempts"], exc)
             error = {"message": f"{type(exc).__name__}: {exc}", "type": "job_error"}
@@ -185,6 +185,7 @@ class Executor:
                 logger.warning("job %s: heartbeat failed: %r", job_id, exc)
                 continue
             if rec is None or rec["status"] != "running" or rec["token"] != token:
-                ctx.cancel_event.set()
-                work.cancel()
+                if not ctx.cancel_event.is_set():  # (a local cancel did it: a job keeping its partial result goes on)
+                    ctx.cancel_event.set()
+                    work.cancel()
                 return

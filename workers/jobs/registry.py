@@ -27,8 +27,9 @@ Contract of ``run(params, ctx)``:
   for ``--jobs-lease-s`` is taken for dead and run again elsewhere.
 - Its return value (a JSON-serialisable dict, or ``None``) is stored as the job's ``result``.
   Every ``ctx.store.put`` is also listed in the job's ``files`` with its URL.
-- Raising ``JobCancelled`` (from ``check_cancelled``) ends the job as ``cancelled``; any other
-  exception fails the attempt (``failed`` with the message, or retried when ``retry_on_error``).
+- Raising ``JobCancelled`` (from ``check_cancelled``) ends the job as ``cancelled``; one raised
+  with a ``result`` (what a cancelled batch finished) stores it, and the files it put, as the
+  cancelled job's. Any other exception fails the attempt (``failed`` with the message, or retried when ``retry_on_error``).
 - Jobs must be idempotent per attempt: a job whose worker died is run again from the start
   (up to the configured max attempts), with ``ctx.attempt`` counting from 1.
 
@@ -81,7 +82,12 @@ def parse_params(model: Any, params: dict[str, Any]) -> Any:
 
 
 class JobCancelled(Exception):
-    """Raised by ``JobContext.check_cancelled`` once the job was cancelled; ends the job as cancelled."""
+    """Raised by ``JobContext.check_cancelled`` once the job was cancelled; ends the job as
+    cancelled, with ``result`` as its result (the work done before the cancel) if given."""
+
+    def __init__(self, message: str, result: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class ResultStore(Protocol):

@@ -107,6 +107,11 @@ def _mine(rec: Record, token: str) -> bool:
     return rec["status"] == "running" and rec["token"] == token
 
 
+def _cancelled_attempt(rec: Record, token: str) -> bool:
+    """The attempt ``token`` ran when the job was cancelled (it may still keep what it finished)."""
+    return rec["status"] == "cancelled" and rec["token"] == token
+
+
 def heartbeat(token: str, lease_s: float) -> Transition:
     return lambda rec: {**rec, "lease_until": time.time() + lease_s} if _mine(rec, token) else None
 
@@ -116,8 +121,10 @@ def set_progress(token: str, step: int, total: int) -> Transition:
 
 
 def add_file(token: str, info: dict[str, Any]) -> Transition:
+    """A file the attempt ``token`` put (also after its job was cancelled: a partial result's)."""
+
     def fn(rec: Record) -> Record | None:
-        if not _mine(rec, token):
+        if not (_mine(rec, token) or _cancelled_attempt(rec, token)):
             return None
         files = [f for f in rec["files"] if f["name"] != info["name"]]
         return {**rec, "files": [*files, info]}
@@ -126,10 +133,13 @@ def add_file(token: str, info: dict[str, Any]) -> Transition:
 
 
 def finish(token: str, status: str, *, result: Any = None, error: dict[str, Any] | None = None) -> Transition:
-    """running (this attempt) -> a terminal status."""
+    """running (this attempt) -> a terminal status; an attempt cancelled meanwhile keeps a
+    ``result`` it ends with (``JobCancelled.result``)."""
     assert status in TERMINAL
 
     def fn(rec: Record) -> Record | None:
+        if status == "cancelled" and _cancelled_attempt(rec, token):  # cancel() recorded it first
+            return None if result is None else {**rec, "result": result}
         if not _mine(rec, token):
             return None
         return {
