@@ -11,10 +11,11 @@ scales with its own workers.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -82,6 +83,25 @@ def stage_pipeline(name: str, services: Services, opts: ChainOptions) -> Pipelin
 
 # -- running ---------------------------------------------------------------------------------------
 
+LIVE_CHECK_S = 0.25  # how often a running stage looks whether its chain still wants it
+T = TypeVar("T")
+
+
+async def while_live(store: StageStore, chain_id: str, dispatch: int | None, work: Awaitable[T]) -> T | None:
+    """``work``, or None once the chain ended (its job was cancelled) or was sent again while it
+    ran: then it is cancelled, and with it the stage's engine requests (an LLM decode, a TTS
+    stream), not left to run to the end on a worker."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=LIVE_CHECK_S))[0]:
+            if not await asyncio.to_thread(store.live, chain_id, dispatch):
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
 
 async def run_stage(
     store: StageStore,
@@ -93,8 +113,9 @@ async def run_stage(
 ) -> None:
     """One attempt of ``stage`` (on worker ``where``, sent as ``dispatch``) with ``services`` (or
     those it makes of the chain's options); a stage whose output is stored, of a chain that ended,
-    or of a stale dispatch is skipped. The attempt counts from the start, so one that fails on
-    its input or on a missing engine is bounded by ``max_attempts`` too."""
+    or of a stale dispatch is skipped, and one whose chain ends while it runs is stopped
+    (``while_live``). The attempt counts from the start, so one that fails on its input or on a
+    missing engine is bounded by ``max_attempts`` too."""
     if store.output(chain_id, stage) is not None or not store.live(chain_id, dispatch):
         return
     attempt = store.begin(chain_id, stage, where, dispatch)
@@ -104,7 +125,9 @@ async def run_stage(
     frames = store.input_frames(chain_id, stage, opts)
     engines = services if isinstance(services, Services) else services(opts)
     t0 = time.perf_counter()
-    out = await stage_pipeline(stage, engines, opts).run_all(frames)
+    out = await while_live(store, chain_id, dispatch, stage_pipeline(stage, engines, opts).run_all(frames))
+    if out is None:
+        return  # (the chain ended meanwhile: nothing to store)
     if error := next((f.error for f in out if isinstance(f, LLMDone) and f.error), None):
         raise StageFailed(error)  # the engine refused or failed the reply: retry, then fail the chain
     store.finish(chain_id, stage, out, time.perf_counter() - t0, dispatch)

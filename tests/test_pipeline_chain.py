@@ -198,6 +198,35 @@ def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes
     assert final["reply"] == out["reply"] and "audio" not in final
 
 
+def test_a_cancelled_chains_running_stage_stops_on_its_worker(cluster: dict[str, str]) -> None:
+    """A chain cancelled while its LLM stage decodes (its job was cancelled) stops that decode on
+    the LLM worker within a moment, stores no reply, and runs no later stage."""
+    from modalities.asr.speech_corpus import synth_piper
+    from modalities.audio import ASR_RATE, resample
+    from pipelines.chain import celery_chain
+    from pipelines.stage_store import ChainOptions, StageStore
+    from workers.celery_app import make_celery
+
+    app = make_celery(REDIS_URL, socket_timeout_s=10)
+    prefix = cluster["prefix"]
+    store = StageStore(REDIS_URL, prefix)
+    chain_id = uuid.uuid4().hex
+    (ask,) = synth_piper(["Tell me a very long story about a brave knight and a dragon."], 22_050)
+    opts = ChainOptions(max_tokens=1024, speak=False)  # (a story SmolLM2 tells for 1024 tokens)
+    store.create(chain_id, np.concatenate([np.zeros(8000, np.float32), resample(ask, 22_050, ASR_RATE)]), opts)
+    async_result = celery_chain(app, chain_id, opts, prefix).apply_async()
+    deadline = time.monotonic() + 120
+    while store.attempts(chain_id, "llm") == 0:
+        assert time.monotonic() < deadline and store.status(chain_id)["status"] not in ("succeeded", "failed")
+        time.sleep(0.05)
+    time.sleep(1.0)  # (decoding)
+    store.set_status(chain_id, "cancelled")  # what the job's follower does when the job is cancelled
+    cancelled = time.monotonic()
+    assert async_result.get(timeout=60) is None  # the LLM stage's task (the last): ended, without a result
+    assert time.monotonic() - cancelled < 5.0  # (1024 tokens on one thread take far longer)
+    assert store.output(chain_id, "llm") is None and store.status(chain_id)["status"] == "cancelled"
+
+
 def check_workers(stages: dict[str, Any]) -> None:
     workers = {name: s["worker"] for name, s in stages.items()}
     assert workers["vad"].startswith("asr-") and workers["asr"].startswith("asr-")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -928,6 +929,45 @@ def test_chain_stages_skip_done_and_cancelled_work() -> None:
     store.set_status("c", "cancelled")
     asyncio.run(run_stage(store, "c", "asr", Services()))  # a cancelled chain's stages are no-ops
     assert store.output("c", "asr") is None and store.status("c")["status"] == "cancelled"
+
+
+def test_a_running_stage_stops_once_its_chain_ends_or_is_sent_again() -> None:
+    """``while_live``: a stage's work runs to its result while its chain wants it; once the chain
+    is cancelled (its job was) or sent again under another dispatch, the work is cancelled within
+    a check (not left to run an LLM decode to its end on the worker) and nothing is returned."""
+    from pipelines.chain import LIVE_CHECK_S, while_live
+    from pipelines.stage_store import ChainOptions, StageStore
+
+    store = StageStore(None)
+    store.create("c", np.zeros(1600, np.float32), ChainOptions())
+    stopped: list[float] = []
+
+    async def forever() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            stopped.append(time.monotonic())
+            raise
+        return "never"
+
+    async def answer() -> str:
+        await asyncio.sleep(2 * LIVE_CHECK_S)  # (past a check or two)
+        return "done"
+
+    async def go(end: Callable[[], None]) -> float:
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            end()
+
+        asyncio.get_running_loop().create_task(later())
+        assert await asyncio.wait_for(while_live(store, "c", 0, forever()), 30) is None  # (not forever)
+        return time.monotonic()
+
+    assert asyncio.run(while_live(store, "c", 0, answer())) == "done"
+    returned = asyncio.run(go(lambda: store.r.hset(store.meta_key("c"), mapping={"dispatch": 1})))  # sent again
+    assert stopped and stopped[-1] <= returned
+    returned = asyncio.run(go(lambda: store.set_status("c", "cancelled")))
+    assert len(stopped) == 2 and stopped[-1] <= returned
 
 
 def test_vad_segmenter_reports_speech_resuming_after_a_pause() -> None:
