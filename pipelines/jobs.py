@@ -112,9 +112,9 @@ async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:
         await ChainFollower(rt, store, chain_id, opts, ctx.progress).follow(ctx.check_cancelled)
     out = await asyncio.to_thread(result, store, chain_id)
     files = {}
-    audio_out = out.pop("audio", None)
+    audio_out, rate = out.pop("audio", None), out.pop("sample_rate", None)  # (a silent input has no reply audio)
     if audio_out is not None and audio_out.size:
-        wav = await asyncio.to_thread(encode_audio, audio_out, out.pop("sample_rate"), "wav")
+        wav = await asyncio.to_thread(encode_audio, audio_out, rate, "wav")
         files["audio"] = await asyncio.to_thread(ctx.store.put, ctx.job_id, "reply.wav", wav, "audio/wav")
     status = out.pop("status")
     out["stages"] = status["stages"]

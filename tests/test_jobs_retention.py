@@ -122,6 +122,23 @@ def test_delete_one_job_output_and_an_upload(server: tuple[str, Path]) -> None:
     assert fid not in [f["id"] for f in listed]
 
 
+def test_an_upload_a_running_job_reads_is_not_deleted(server: tuple[str, Path]) -> None:
+    """As the sweep, ``DELETE /v1/files/{id}`` leaves the input of a queued or running job alone
+    (a 409 naming the job), and deletes it once the job ended."""
+    url, root = server
+    up = httpx.post(
+        f"{url}/v1/files", headers=_auth(), files={"file": ("a.txt", b"abc")}, data={"purpose": "user_data"}
+    )
+    fid = up.json()["id"]
+    job_id = _submit(url, {"steps": 5000, "delay": 0.01, "file_id": fid})
+    _wait(url, job_id, ("running",))
+    err = _error(httpx.delete(f"{url}/v1/files/{fid}", headers=_auth()), 409)
+    assert err["code"] == "file_in_use" and job_id in err["message"] and (root / "uploads" / fid).exists()
+    assert httpx.post(f"{url}/v1/jobs/{job_id}/cancel", headers=_auth()).status_code == 200
+    assert httpx.delete(f"{url}/v1/files/{fid}", headers=_auth()).status_code == 200
+    assert not (root / "uploads" / fid).exists()
+
+
 # -- the upload limit ------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from workers.jobs import state
 from workers.jobs.api import not_found, owner_of, router, service, visible
 from workers.jobs.runner import JobService
 from workers.jobs.store import UPLOADS, check_name, parse_file_id
-from workers.jobs.upkeep import delete_upload
+from workers.jobs.upkeep import delete_upload, uploads_in_use
 
 FILE_PURPOSES = ("batch", "user_data")
 _SAFE_FILENAME = re.compile(r"[^A-Za-z0-9._ -]")
@@ -146,12 +146,16 @@ async def get_file_content(file_id: str, request: Request) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
-    """Delete a file: an upload or generated file, or one output of a finished job (409 while the
-    job is queued or running; ``DELETE /v1/jobs/{id}`` deletes a job with all its files)."""
+    """Delete a file: an upload or generated file (409 while a queued or running job reads it), or
+    one output of a finished job (409 while the job is queued or running; ``DELETE
+    /v1/jobs/{id}`` deletes a job with all its files)."""
     svc = service(request.app)
     await file_object(svc, file_id, owner_of(request))  # 404 unless the caller's
     job_id, name = parse_file_id(file_id)
     if job_id == UPLOADS:
+        if (user := (await uploads_in_use(svc.backend)).get(file_id)) is not None:
+            msg = f"file {file_id} is the input of job {user}, which has not ended; delete it once the job ends"
+            raise APIError(409, msg, code="file_in_use")
         await delete_upload(svc.backend, svc.store, file_id, await svc.backend.get_meta(f"file:{file_id}"))
     else:
         rec, _ = await svc.backend.update(job_id, state.remove_file(name))

@@ -80,6 +80,16 @@ def _file_ids(params: dict[str, Any]) -> set[str]:
     return {v for k in ("file_id", "input_file_id") if isinstance(v := params.get(k), str)}
 
 
+async def uploads_in_use(backend: Backend) -> dict[str, str]:
+    """The uploaded files that queued and running jobs read: file id -> one such job's id."""
+    out: dict[str, str] = {}
+    for job_id in await backend.active_ids():
+        if (rec := await backend.get(job_id)) is not None:
+            for fid in _file_ids(rec["params"]):
+                out.setdefault(fid, job_id)
+    return out
+
+
 async def sweep(backend: Backend, store: Store, ttl_s: float, now: float | None = None) -> list[str]:
     """Delete what outlived the retention ``ttl_s`` (seconds): jobs that finished over ``ttl_s``
     ago (record, events and files), files of jobs no longer on record, and uploaded or generated
@@ -95,10 +105,7 @@ async def sweep(backend: Backend, store: Store, ttl_s: float, now: float | None 
     for job_id, name, mtime in await asyncio.to_thread(lambda: list(store.entries())):
         key = (job_id, name if job_id == UPLOADS else "")
         newest[key] = max(newest.get(key, 0.0), mtime)
-    in_use: set[str] = set()
-    for job_id in await backend.active_ids():
-        if (rec := await backend.get(job_id)) is not None:
-            in_use |= _file_ids(rec["params"])
+    in_use = await uploads_in_use(backend)
     for (job_id, fid), written in newest.items():
         if written >= cutoff or fid in in_use:
             continue
