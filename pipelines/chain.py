@@ -12,6 +12,7 @@ scales with its own workers.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
@@ -83,6 +84,7 @@ def stage_pipeline(name: str, services: Services, opts: ChainOptions) -> Pipelin
 
 # -- running ---------------------------------------------------------------------------------------
 
+logger = logging.getLogger("mmserve.pipelines")
 LIVE_CHECK_S = 0.25  # how often a running stage looks whether its chain still wants it
 T = TypeVar("T")
 
@@ -94,13 +96,20 @@ async def while_live(store: StageStore, chain_id: str, dispatch: int | None, wor
     task = asyncio.ensure_future(work)
     try:
         while not (await asyncio.wait({task}, timeout=LIVE_CHECK_S))[0]:
-            if not await asyncio.to_thread(store.live, chain_id, dispatch):
+            if not await _live(store, chain_id, dispatch):
                 return None
         return task.result()
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # (done: its failure is nobody's now)
+
+
+async def _live(store: StageStore, chain_id: str, dispatch: int | None) -> bool:
+    try:
+        return await asyncio.to_thread(store.live, chain_id, dispatch)
+    except Exception as exc:  # noqa: BLE001 - a Redis hiccup: the stage goes on (``finish`` checks again)
+        logger.warning("chain %s: could not check whether it still runs: %r", chain_id, exc)
+        return True
 
 
 async def run_stage(

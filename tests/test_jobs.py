@@ -303,13 +303,12 @@ def test_a_cancelled_batch_keeps_the_lines_it_finished(base: str) -> None:
     while (batch := c.batches.retrieve(batch.id)).request_counts.completed < 16:
         assert time.monotonic() < deadline and batch.status != "completed", batch
         time.sleep(0.05)
-    assert c.batches.cancel(batch.id).status == "cancelled"
-    while (batch := c.batches.retrieve(batch.id)).output_file_id is None:  # (once the run has stopped)
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
+    cancelled = c.batches.cancel(batch.id)  # (it answers once the finished lines are stored)
+    assert cancelled.status == "cancelled" and cancelled.output_file_id is not None, cancelled
+    batch = c.batches.retrieve(batch.id)
     out = [json.loads(x) for x in c.files.content(batch.output_file_id).text.splitlines()]
     done = [int(o["custom_id"][1:]) for o in out]
-    assert done == sorted(done) and set(range(16)) <= set(done) and len(done) < len(lines)
+    assert set(range(16)) <= set(done) and len(done) < len(lines)
     assert all(o["response"]["status_code"] == 200 for o in out)
     assert batch.status == "cancelled" and batch.error_file_id is None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (len(out), 0)

@@ -221,3 +221,30 @@ def test_lifespan_shuts_the_job_service_down(tmp_path: Path) -> None:
     with TestClient(app):
         assert not calls
     assert calls == [True]
+
+
+def test_a_cancelled_attempt_keeps_what_it_ends_with_and_no_other_attempt_does() -> None:
+    """Pure transitions: the attempt running when its job was cancelled may still list the files
+    it puts and store the result it ends with (a cancelled batch's finished lines; all of it when
+    it succeeded as the cancel came), and the job stays cancelled; another attempt's token
+    (the job was queued again meanwhile) changes nothing."""
+    from workers.jobs import state
+
+    rec = state.new_record(state.new_id("job"), "test.steps", "embed", {}, max_attempts=2)
+    token = rec["token"]
+    running = state.claim(token, 30.0, "w")(rec)
+    assert running is not None
+    cancelled = state.cancel(running)
+    assert cancelled is not None and cancelled["status"] == "cancelled"
+    info = {"name": "output.jsonl", "bytes": 3}
+    listed = state.add_file(token, info)(cancelled)
+    assert listed is not None and listed["files"] == [info]
+    kept = state.finish(token, "cancelled", result={"completed": 1})(listed)
+    assert kept is not None and (kept["status"], kept["result"]) == ("cancelled", {"completed": 1})
+    assert state.finish(token, "cancelled")(listed) is None  # nothing kept: no change
+    raced = state.finish(token, "succeeded", result={"completed": 2})(listed)
+    assert raced is not None and (raced["status"], raced["result"]) == ("cancelled", {"completed": 2})
+    assert state.finish(token, "failed", error={"message": "x", "type": "job_error"})(listed) is None
+    other = "f" * 32
+    assert state.add_file(other, info)(cancelled) is None
+    assert state.finish(other, "cancelled", result={"completed": 1})(cancelled) is None

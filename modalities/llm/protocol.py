@@ -320,8 +320,9 @@ class ChatMessage(_Model):
     def _check_tool_turns(self) -> ChatMessage:
         """A tool's message names its call; an assistant's calls are named functions (the chat
         template renders them, and a malformed one would fail there with a template error); only
-        an assistant's message with calls may go without content (OpenAI's ``null``)."""
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+        an assistant's message with calls, or a legacy function's, may go without content (OpenAI's
+        ``null``)."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls) and self.role != "function":
             raise ValueError(
                 f"a '{self.role}' message needs 'content'" + (" or 'tool_calls'" * (self.role == "assistant"))
             )

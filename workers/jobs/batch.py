@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import Annotated, Any
 
@@ -32,6 +33,10 @@ ENDPOINTS = {"/v1/embeddings": "embed", "/v1/chat/completions": "llm", "/v1/comp
 MAX_REQUESTS = 50_000
 CONCURRENCY = 64
 WINDOW_S = 24 * 3600
+# A batch cancelled while it ran is "cancelling" until its finished lines are stored (a moment:
+# its attempt notices within a heartbeat), at most this long (an attempt that died keeps none).
+CANCELLING_S = 30.0
+CANCEL_WAIT_S = 5.0  # how long a cancel waits for them before it answers
 
 
 def parse_input(data: bytes, endpoint: str) -> list[dict[str, Any]]:
@@ -138,23 +143,31 @@ async def run_batch(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
             nonlocal done
             for i in todo:
                 ctx.check_cancelled()
-                out = await _one(client, endpoint, lines[i])
+                ok, out = await _one(client, endpoint, lines[i])
                 if ctx.cancelled:  # a line the cancel cut short (answered 503 inside): no result
                     return
-                outputs[i] = out
+                if not ok and _shutting_down(out["response"]["body"]):
+                    raise asyncio.CancelledError  # (this process is going away: the job runs again elsewhere)
+                outputs[i] = ok, out
                 done += 1
                 if done % step == 0 or done == total:
                     ctx.progress(done, total)
 
         try:
             await asyncio.gather(*(worker() for _ in range(min(CONCURRENCY, total))))
+            return await _write_results(ctx, outputs, total)
         except (asyncio.CancelledError, JobCancelled):
-            if not ctx.cancelled:
-                raise  # (this process is going away: the job runs again elsewhere)
+            if not ctx.cancelled or ctx.lost:
+                raise  # (this process is going away, or another attempt took the job: it keeps nothing)
             # As OpenAI's: a cancelled batch keeps the lines it finished, in its output and error files.
             result = await _write_results(ctx, outputs, total)
             raise JobCancelled(f"batch {ctx.job_id} was cancelled", result) from None
-    return await _write_results(ctx, outputs, total)
+
+
+def _shutting_down(body: Any) -> bool:
+    """Whether a line's answer is the one a request cut by this process's shutdown gets."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("code") == "shutting_down"
 
 
 async def _write_results(
@@ -239,7 +252,7 @@ _STATUS = {
 def batch_view(rec: state.Record) -> dict[str, Any]:
     """The OpenAI batch object of a batch job."""
     p, result = rec["params"], rec["result"] or {}
-    status = _STATUS[rec["status"]]
+    status = "cancelling" if _cancelling(rec) else _STATUS[rec["status"]]
     created = int(rec["created_at"])
     counts = result.get("request_counts") or {"total": p["total"], "completed": rec["progress"]["step"], "failed": 0}
     finished = int(rec["finished_at"]) if rec["finished_at"] else None
@@ -268,11 +281,21 @@ def batch_view(rec: state.Record) -> dict[str, Any]:
         "completed_at": finished if status == "completed" else None,
         "failed_at": finished if status == "failed" else None,
         "expired_at": None,
-        "cancelling_at": finished if status == "cancelled" else None,
+        "cancelling_at": finished if status in ("cancelling", "cancelled") else None,
         "cancelled_at": finished if status == "cancelled" else None,
         "request_counts": counts,
         "metadata": p.get("metadata"),
     }
+
+
+def _cancelling(rec: state.Record) -> bool:
+    """Cancelled while it ran, and its finished lines not stored yet."""
+    return (
+        rec["status"] == "cancelled"
+        and bool(rec["started_at"])
+        and rec["result"] is None
+        and time.time() - (rec["finished_at"] or 0) < CANCELLING_S
+    )
 
 
 async def _batch_or_404(request: Request, batch_id: str) -> state.Record:
@@ -342,5 +365,10 @@ async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
     rec = await _batch_or_404(request, batch_id)
     if rec["status"] in ("succeeded", "failed"):
         raise APIError(409, f"batch {batch_id} already {_STATUS[rec['status']]}", code="batch_finished")
-    rec = await service(request.app).cancel(batch_id) or rec
+    svc = service(request.app)
+    rec = await svc.cancel(batch_id) or rec
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while _cancelling(rec) and time.monotonic() < deadline:  # its lines in flight stop, what is done is kept
+        await asyncio.sleep(0.05)
+        rec = await svc.get(batch_id) or rec
     return JSONResponse(batch_view(rec))

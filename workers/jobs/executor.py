@@ -72,13 +72,15 @@ class Executor:
         """Stop a job running here now (a sync ``run`` stops at its next ``check_cancelled``)."""
         if job_id in self.active:
             ctx, task = self.active[job_id]
-            ctx.cancel_event.set()
-            task.cancel()
+            if not ctx.cancel_event.is_set():  # once: a job keeping its partial result goes on
+                ctx.cancel_event.set()
+                task.cancel()
 
     async def _finish(self, job_id: str, fn: state.Transition) -> Record | None:
+        before = await self.backend.get(job_id)
         rec, changed = await self.backend.update(job_id, fn)
-        if changed and rec is not None:
-            await self.backend.add_event(job_id, state.status_event(rec))
+        if changed and rec is not None and (before is None or before["status"] != rec["status"]):
+            await self.backend.add_event(job_id, state.status_event(rec))  # (not for a result kept after a cancel)
             if rec["status"] == "queued" and self.redispatch is not None:
                 await self.redispatch(rec)
         return rec
@@ -185,7 +187,8 @@ class Executor:
                 logger.warning("job %s: heartbeat failed: %r", job_id, exc)
                 continue
             if rec is None or rec["status"] != "running" or rec["token"] != token:
-                if not ctx.cancel_event.is_set():  # (a local cancel did it: a job keeping its partial result goes on)
+                if not ctx.cancel_event.is_set():  # (once: a local cancel may have done it)
+                    ctx.lost = rec is None or rec["status"] != "cancelled" or rec["token"] != token
                     ctx.cancel_event.set()
                     work.cancel()
                 return

@@ -28,8 +28,9 @@ Contract of ``run(params, ctx)``:
 - Its return value (a JSON-serialisable dict, or ``None``) is stored as the job's ``result``.
   Every ``ctx.store.put`` is also listed in the job's ``files`` with its URL.
 - Raising ``JobCancelled`` (from ``check_cancelled``) ends the job as ``cancelled``; one raised
-  with a ``result`` (what a cancelled batch finished) stores it, and the files it put, as the
-  cancelled job's. Any other exception fails the attempt (``failed`` with the message, or retried when ``retry_on_error``).
+  with a ``result`` (what a cancelled batch finished) stores it as the cancelled job's (the
+  files a cancelled attempt put are listed either way; ``ctx.lost``: keep nothing). Any other
+  exception fails the attempt (``failed`` with the message, or retried when ``retry_on_error``).
 - Jobs must be idempotent per attempt: a job whose worker died is run again from the start
   (up to the configured max attempts), with ``ctx.attempt`` counting from 1.
 
@@ -187,7 +188,9 @@ class JobContext:
     - ``progress(step, total, preview=None)``: report progress (streamed to SSE/WebSocket clients
       in order); ``preview`` bytes are kept only when the client asked (``wants_preview``). It
       never raises, so it is safe to call from an engine thread's callback.
-    - ``check_cancelled()``: raises ``JobCancelled`` once the job was cancelled.
+    - ``check_cancelled()``: raises ``JobCancelled`` once the job was cancelled, or once this
+      attempt was taken over (``lost``: its lease ran out and the job was queued again, or its
+      record was deleted; it must then keep nothing).
     """
 
     job_id: str
@@ -200,6 +203,7 @@ class JobContext:
     wants_preview: bool = False
     on_progress: Callable[[ProgressEvent], None] = field(default=lambda ev: None, repr=False)
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
+    lost: bool = False
 
     def progress(self, step: int, total: int, preview: bytes | None = None, preview_type: str = "image/png") -> None:
         """Report ``step`` of ``total`` done. Never raises (safe in engine-thread callbacks); a

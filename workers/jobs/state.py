@@ -134,11 +134,12 @@ def add_file(token: str, info: dict[str, Any]) -> Transition:
 
 def finish(token: str, status: str, *, result: Any = None, error: dict[str, Any] | None = None) -> Transition:
     """running (this attempt) -> a terminal status; an attempt cancelled meanwhile keeps a
-    ``result`` it ends with (``JobCancelled.result``)."""
+    ``result`` it ends with (``JobCancelled.result``, or all of it when it finished as the
+    cancel came), and stays cancelled."""
     assert status in TERMINAL
 
     def fn(rec: Record) -> Record | None:
-        if status == "cancelled" and _cancelled_attempt(rec, token):  # cancel() recorded it first
+        if status in ("cancelled", "succeeded") and _cancelled_attempt(rec, token):  # cancel() came first
             return None if result is None else {**rec, "result": result}
         if not _mine(rec, token):
             return None
