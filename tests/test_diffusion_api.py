@@ -137,7 +137,8 @@ def test_bad_input_is_400(server: Server, path: str, body: dict[str, Any], param
     r = server.post(path, body)
     assert r.status_code == 400, r.text
     assert param_or_text in r.text
-    assert r.json()["error"]["type"] == "invalid_request_error"
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"], error  # (the field is named)
     assert {k: e.stats()["num_batches"] for k, e in server.engines.items()} == batches  # no compute
 
 

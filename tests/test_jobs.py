@@ -232,6 +232,7 @@ def test_unknown_ids_and_auth(base: str) -> None:
     ):
         error(get(base, path), 404)
     error(post(base, "/v1/jobs/job_nope/cancel", None), 404)
+    assert "No batch found" in error(get(base, "/v1/batches/batch_nope"), 404)["message"]
     error(httpx.post(f"{base}/v1/jobs", json={"kind": "test.steps"}), 401)
     ws_base = base.replace("http://", "ws://")
     with pytest.raises(websockets.exceptions.InvalidStatus) as rejected:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from engine.errors import InvalidParamError
+
 # name -> (first-block threshold, DeepCache interval): what "light/medium/aggressive" mean per family.
 PRESETS: dict[str, tuple[float, int]] = {"light": (0.05, 2), "medium": (0.1, 3), "aggressive": (0.2, 5)}
 MAX_INTERVAL = 50
@@ -59,9 +61,11 @@ def resolve_cache(value: str | float | None, *, unet: bool, interval: int | None
     (``unet=True``) or a transformer denoiser. Raises ``ValueError`` (a 400) on nonsense."""
     if interval is not None:
         if not unet:
-            raise ValueError("cache_interval applies to UNet models (DeepCache); use a cache threshold here")
+            raise InvalidParamError(
+                "cache_interval applies to UNet models (DeepCache); use a cache threshold here", "cache_interval"
+            )
         if not 1 <= interval <= MAX_INTERVAL:
-            raise ValueError(f"cache_interval must be between 1 and {MAX_INTERVAL}")
+            raise InvalidParamError(f"cache_interval must be between 1 and {MAX_INTERVAL}", "cache_interval")
         return OFF if interval == 1 else CacheSpec("deepcache", interval=interval)
     if value is None or value == "off" or value == 0:
         return OFF
@@ -70,15 +74,17 @@ def resolve_cache(value: str | float | None, *, unet: bool, interval: int | None
             value = float(value)
         except ValueError:
             if value not in PRESETS:
-                raise ValueError(
-                    f"unknown cache preset {value!r}; use off, {', '.join(PRESETS)} or a threshold"
+                raise InvalidParamError(
+                    f"unknown cache preset {value!r}; use off, {', '.join(PRESETS)} or a threshold", "cache"
                 ) from None
             threshold, steps = PRESETS[value]
             return CacheSpec("deepcache", interval=steps) if unet else CacheSpec("fbc", threshold=threshold)
     if unet:
-        raise ValueError("UNet models use DeepCache: give a preset name or cache_interval, not a threshold")
+        raise InvalidParamError(
+            "UNet models use DeepCache: give a preset name or cache_interval, not a threshold", "cache"
+        )
     if not 0 < value <= 10:
-        raise ValueError("a cache threshold must be in (0, 10]")
+        raise InvalidParamError("a cache threshold must be in (0, 10]", "cache")
     return CacheSpec("fbc", threshold=float(value))
 
 

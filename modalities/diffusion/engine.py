@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.batch_loop import BatchLoop, resolve
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, InvalidParamError, QueueFullError
 from modalities.diffusion.cache import resolve_cache
 from modalities.diffusion.model import DiffusionModel, Item, Shape, StopGeneration
 
@@ -189,15 +189,15 @@ class DiffusionEngine(BatchLoop):
         """Validate ``req`` against the model and limits (``ValueError`` -> 400); return the batch
         shape and the seed of each output."""
         if not req.prompt or not req.prompt.strip():
-            raise ValueError("prompt must not be empty")
+            raise InvalidParamError("prompt must not be empty", "prompt")
         if not 1 <= req.n <= self.max_n:
-            raise ValueError(f"n must be between 1 and {self.max_n}")
+            raise InvalidParamError(f"n must be between 1 and {self.max_n}", "n")
         steps = self.default_steps if req.steps is None else req.steps
         if not self.model.min_steps <= steps <= self.max_steps:
-            raise ValueError(f"steps must be between {self.model.min_steps} and {self.max_steps}")
+            raise InvalidParamError(f"steps must be between {self.model.min_steps} and {self.max_steps}", "steps")
         guidance = self.default_guidance if req.guidance_scale is None else float(req.guidance_scale)
         if not 0 <= guidance <= 100:
-            raise ValueError("guidance_scale must be between 0 and 100")
+            raise InvalidParamError("guidance_scale must be between 0 and 100", "guidance_scale")
         width = self.model.default_side if req.width is None else req.width  # (0 is a size, refused)
         height = self.model.default_side if req.height is None else req.height
         frames = self.model.check_shape(width, height, req.num_frames)
@@ -207,7 +207,7 @@ class DiffusionEngine(BatchLoop):
             cache = resolve_cache(req.cache, unet=self.model.is_unet, interval=req.cache_interval)
         seed = secrets.randbits(31) if req.seed is None else int(req.seed)
         if not 0 <= seed < 2**63 - self.max_n:
-            raise ValueError("seed must be a non-negative 63-bit integer")
+            raise InvalidParamError("seed must be a non-negative 63-bit integer", "seed")
         return Shape(width, height, frames, steps, guidance, cache), [seed + i for i in range(req.n)]
 
     async def run(self, req: GenerateRequest, on_step: StepCallback | None = None) -> GenerateResult:

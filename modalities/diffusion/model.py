@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from engine.errors import InvalidParamError  # noqa: E402
 from modalities.diffusion.cache import BlockCounter, CacheSpec, CacheSwitch  # noqa: E402
 
 logger = logging.getLogger("mmserve.diffusion")
@@ -108,17 +109,19 @@ class DiffusionModel:
         m = self.multiple
         for what, v in (("width", width), ("height", height)):
             if v < m or v % m or v > self.max_side:
-                raise ValueError(
-                    f"{what} {v} is not supported: use a multiple of {m} between {m} and {self.max_side} for this model"
+                raise InvalidParamError(
+                    f"{what} {v} is not supported: use a multiple of {m} between {m} and {self.max_side} for this model",
+                    "size",
                 )
         if not self.is_video:
             if num_frames not in (None, 1):
-                raise ValueError("this is an image model; num_frames does not apply")
+                raise InvalidParamError("this is an image model; num_frames does not apply", "num_frames")
             return 1
         frames = self.default_frames if num_frames is None else num_frames
         if frames < 1 or (frames - 1) % self.frame_step or frames > self.max_frames:
-            raise ValueError(
-                f"num_frames {frames} is not supported: use {self.frame_step}k+1 frames, at most {self.max_frames}"
+            raise InvalidParamError(
+                f"num_frames {frames} is not supported: use {self.frame_step}k+1 frames, at most {self.max_frames}",
+                "num_frames",
             )
         return frames
 

@@ -135,10 +135,10 @@ def visible(item_owner: str | None, owner: str | None) -> bool:
     return item_owner is None or owner is None or item_owner == owner
 
 
-async def get_job_or_404(svc: JobService, job_id: str, owner: str | None) -> state.Record:
+async def get_job_or_404(svc: JobService, job_id: str, owner: str | None, what: str = "job") -> state.Record:
     rec = await svc.get(job_id)
     if rec is None or not visible(rec.get("owner"), owner):
-        raise not_found("job", job_id)
+        raise not_found(what, job_id)
     return rec
 
 

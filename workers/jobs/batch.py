@@ -299,7 +299,7 @@ def _cancelling(rec: state.Record) -> bool:
 
 
 async def _batch_or_404(request: Request, batch_id: str) -> state.Record:
-    rec = await get_job_or_404(service(request.app), batch_id, owner_of(request))
+    rec = await get_job_or_404(service(request.app), batch_id, owner_of(request), "batch")
     if not rec["kind"].startswith("batch:"):
         raise not_found("batch", batch_id)
     return rec
