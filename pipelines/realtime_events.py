@@ -56,12 +56,10 @@ def parse_event(raw: str, known: frozenset[str]) -> dict[str, Any]:
         raise EventError(f"the event is not valid JSON: {exc.msg}", code="invalid_json") from exc
     except RecursionError as exc:
         raise EventError("the event is nested too deeply", code="invalid_json") from exc
-    if not isinstance(event, dict):
-        raise EventError("an event must be a JSON object with a string 'type'", param="type")
-    event_id = event.get("event_id")
+    event_id = event.get("event_id") if isinstance(event, dict) else None
     if event_id is not None and (not isinstance(event_id, str) or len(event_id) > 512):
         raise EventError("event_id must be a string of at most 512 characters", param="event_id")  # not echoed
-    if not isinstance(event.get("type"), str):
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
         raise EventError("an event must be a JSON object with a string 'type'", param="type", event_id=event_id)
     where = lone_surrogate(event) if may_hold_lone_surrogate(raw) else None
     if where is not None:

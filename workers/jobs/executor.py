@@ -71,16 +71,20 @@ class Executor:
     def cancel_local(self, job_id: str) -> None:
         """Stop a job running here now (a sync ``run`` stops at its next ``check_cancelled``)."""
         if job_id in self.active:
-            ctx, task = self.active[job_id]
-            if not ctx.cancel_event.is_set():  # once: a job keeping its partial result goes on
-                ctx.cancel_event.set()
-                task.cancel()
+            _stop(*self.active[job_id])
 
     async def _finish(self, job_id: str, fn: state.Transition) -> Record | None:
-        before = await self.backend.get(job_id)
-        rec, changed = await self.backend.update(job_id, fn)
-        if changed and rec is not None and (before is None or before["status"] != rec["status"]):
-            await self.backend.add_event(job_id, state.status_event(rec))  # (not for a result kept after a cancel)
+        moved = False  # whether ``fn`` changed the status (not so a result kept after a cancel)
+
+        def tracked(rec: Record) -> Record | None:
+            nonlocal moved
+            new = fn(rec)
+            moved = new is not None and new["status"] != rec["status"]
+            return new
+
+        rec, _ = await self.backend.update(job_id, tracked)
+        if moved and rec is not None:
+            await self.backend.add_event(job_id, state.status_event(rec))
             if rec["status"] == "queued" and self.redispatch is not None:
                 await self.redispatch(rec)
         return rec
@@ -187,8 +191,14 @@ class Executor:
                 logger.warning("job %s: heartbeat failed: %r", job_id, exc)
                 continue
             if rec is None or rec["status"] != "running" or rec["token"] != token:
-                if not ctx.cancel_event.is_set():  # (once: a local cancel may have done it)
-                    ctx.lost = rec is None or rec["status"] != "cancelled" or rec["token"] != token
-                    ctx.cancel_event.set()
-                    work.cancel()
+                _stop(ctx, work, lost=rec is None or rec["status"] != "cancelled" or rec["token"] != token)
                 return
+
+
+def _stop(ctx: JobContext, work: asyncio.Task[Any], lost: bool = False) -> None:
+    """Stop a job's attempt, once (a job keeping its partial result goes on after the first);
+    ``lost``: another attempt took the job over, or its record went (it keeps nothing)."""
+    if not ctx.cancel_event.is_set():
+        ctx.lost = lost
+        ctx.cancel_event.set()
+        work.cancel()
