@@ -169,19 +169,27 @@ def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             r.delete(key)
 
 
-def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes, cluster: dict[str, str]) -> None:
-    from modalities.audio import decode_audio
-    from pipelines.chain import celery_chain, result
-    from pipelines.stage_store import ChainOptions, StageStore
+def _send_chain(cluster: dict[str, str], audio: np.ndarray, opts: Any) -> tuple[Any, str, Any]:
+    """``audio``'s chain with ``opts`` stored and sent through Celery to the cluster's workers:
+    ``(its StageStore, its id, the chain's AsyncResult)``."""
+    from pipelines.chain import celery_chain
+    from pipelines.stage_store import StageStore
     from workers.celery_app import make_celery
 
     app = make_celery(REDIS_URL, socket_timeout_s=10)  # a loaded test machine can be slow to answer
-    prefix = cluster["prefix"]
-    store = StageStore(REDIS_URL, prefix)
+    store = StageStore(REDIS_URL, cluster["prefix"])
     chain_id = uuid.uuid4().hex
+    store.create(chain_id, audio, opts)
+    return store, chain_id, celery_chain(app, chain_id, opts, cluster["prefix"]).apply_async()
+
+
+def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes, cluster: dict[str, str]) -> None:
+    from modalities.audio import decode_audio
+    from pipelines.chain import result
+    from pipelines.stage_store import ChainOptions
+
     opts = ChainOptions(max_tokens=24, fail_once=["llm"])
-    store.create(chain_id, decode_audio(question_wav).samples, opts)
-    async_result = celery_chain(app, chain_id, opts, prefix).apply_async()
+    store, chain_id, async_result = _send_chain(cluster, decode_audio(question_wav).samples, opts)
     assert async_result.id  # the chain's id, before any stage ran
     assert store.status(chain_id)["status"] == "queued"
     deadline = time.monotonic() + 120
@@ -202,19 +210,13 @@ def test_a_cancelled_chains_running_stage_stops_on_its_worker(cluster: dict[str,
     """A chain cancelled while its LLM stage decodes (its job was cancelled) stops that decode on
     the LLM worker within a moment, stores no reply, and runs no later stage."""
     from modalities.asr.speech_corpus import synth_piper
-    from modalities.audio import ASR_RATE, resample
-    from pipelines.chain import celery_chain
-    from pipelines.stage_store import ChainOptions, StageStore
-    from workers.celery_app import make_celery
+    from modalities.audio import ASR_RATE
+    from pipelines.stage_store import ChainOptions
 
-    app = make_celery(REDIS_URL, socket_timeout_s=10)
-    prefix = cluster["prefix"]
-    store = StageStore(REDIS_URL, prefix)
-    chain_id = uuid.uuid4().hex
-    (ask,) = synth_piper(["Tell me a very long story about a brave knight and a dragon."], 22_050)
+    (ask,) = synth_piper(["Tell me a very long story about a brave knight and a dragon."], ASR_RATE)
     opts = ChainOptions(max_tokens=1024, speak=False)  # (a story SmolLM2 tells for 1024 tokens)
-    store.create(chain_id, np.concatenate([np.zeros(8000, np.float32), resample(ask, 22_050, ASR_RATE)]), opts)
-    async_result = celery_chain(app, chain_id, opts, prefix).apply_async()
+    audio = np.concatenate([np.zeros(ASR_RATE // 2, np.float32), ask])
+    store, chain_id, async_result = _send_chain(cluster, audio, opts)
     deadline = time.monotonic() + 120
     while store.attempts(chain_id, "llm") == 0:
         assert time.monotonic() < deadline and store.status(chain_id)["status"] not in ("succeeded", "failed")
