@@ -49,7 +49,7 @@ def run_stage_task(
         return None
     opts = store.options(chain_id)
     try:
-        rt.run(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id, dispatch))
+        rt.run_task(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id, dispatch))
     except Exception as exc:
         if store.attempts(chain_id, stage) < opts.max_attempts:
             raise self.retry(exc=exc, countdown=0.2) from exc

@@ -62,6 +62,7 @@ class WorkerRuntime:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="mmserve-worker-loop", daemon=True)
         self._running: dict[str, concurrent.futures.Future[None]] = {}
+        self._tasks = 0  # Celery tasks (jobs, chain stages) running on the loop: in-flight work too
         self._lock = threading.Lock()
         self._background: list[asyncio.Task[None]] = []
         self.redis: aioredis.Redis | None = None
@@ -87,6 +88,17 @@ class WorkerRuntime:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the engine loop and wait for its result (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run_task(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``run`` for a Celery task's work (a job, a chain stage): counted in the heartbeat's
+        ``inflight`` while it runs, as an engine call is."""
+        with self._lock:
+            self._tasks += 1
+        try:
+            return self.run(coro)
+        finally:
+            with self._lock:
+                self._tasks -= 1
 
     async def _astart(self) -> None:
         self.redis = aioredis.Redis.from_url(
@@ -188,7 +200,7 @@ class WorkerRuntime:
                 stats[name] = {}
         kv = max((s.get("kv_cache_usage", 0.0) for s in stats.values()), default=0.0)
         with self._lock:
-            inflight = len(self._running)
+            inflight = len(self._running) + self._tasks
         return {
             "worker_id": self.worker_id,
             "modality": self.modality,

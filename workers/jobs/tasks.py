@@ -82,5 +82,10 @@ async def _backend(cfg: dict[str, Any]) -> RedisBackend:
 @shared_task(name=TASK_NAME, bind=True)
 def run_job(self: Any, job_id: str, token: str, cfg: dict[str, Any]) -> None:
     """Run the attempt ``token`` of ``job_id``; a stale or cancelled attempt returns at once."""
+    from workers import runtime
+
     executor, loop = _executor(cfg, self.app)
-    asyncio.run_coroutine_threadsafe(executor.execute(job_id, token), loop).result()
+    if (rt := runtime.current()) is not None and rt.loop is loop:
+        rt.run_task(executor.execute(job_id, token))  # (counted in the worker's heartbeat)
+    else:
+        asyncio.run_coroutine_threadsafe(executor.execute(job_id, token), loop).result()
