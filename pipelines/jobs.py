@@ -60,6 +60,8 @@ def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str,
     from workers.jobs import ParamError, parse_params
 
     p = parse_params(PipelineParams, params)
+    if p.speak and not p.respond and "speak" in p.model_fields_set:
+        raise ParamError("speak", "speak needs respond: the TTS stage speaks the LLM's reply")
     for modality in ("asr", "llm"):
         if (name := getattr(p, modality)) is not None and has_modality(engines, modality):
             served = aliases.get(name, name)
