@@ -50,7 +50,7 @@ class Item:
             return None  # cut short: no call was made (its arguments may be no JSON)
         if self.kind == "function_call":
             call = ToolCall(self.name, self.text, self.call_id).to_openai()
-            return {"role": "assistant", "content": None, "tool_calls": [call]}
+            return {"role": "assistant", "content": "", "tool_calls": [call]}  # (templates print None)
         if self.kind == "function_call_output":
             return {"role": "tool", "tool_call_id": self.call_id, "content": self.text}
         return {"role": self.role, "content": self.text} if self.text.strip() else None

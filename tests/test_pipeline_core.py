@@ -356,6 +356,22 @@ def test_a_conversation_is_judged_by_what_it_renders(smollm2_tokenizer: Any) -> 
         conv.prompt_ids(tok, limit=8192 - 256, max_tokens=256)
 
 
+def test_a_reply_that_only_calls_a_function_renders_with_any_template(smollm2_tokenizer: Any) -> None:
+    """A call alone is an assistant message with empty content (None fails or prints "None")."""
+    from modalities.llm.chat import render_chat_text
+    from modalities.llm.tools import CHATML_TOOLS
+    from pipelines.conversation import Conversation
+
+    conv = Conversation()
+    conv.add("user", "What is the weather in Paris?")
+    conv.add("assistant", '{"city": "Paris"}', kind="function_call", call_id="c1", name="weather", response_id="r1")
+    conv.add("tool", '{"sky": "clear"}', kind="function_call_output", call_id="c1")
+    with_tools = render_chat_text(smollm2_tokenizer, conv.messages(), chat_template=CHATML_TOOLS.read_text())
+    assert '"city": "Paris"' in with_tools and "None" not in with_tools
+    plain = render_chat_text(smollm2_tokenizer, conv.messages())  # (a template that knows no calls)
+    assert "clear" in plain and "None" not in plain
+
+
 def test_a_render_on_a_snapshot_leaves_out_the_same_items_of_the_live_conversation(smollm2_tokenizer: Any) -> None:
     """The session may delete an item while a long render runs on a thread: the items the render
     left out stay out, and the latest one stays in."""
