@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from workers.jobs import JobContext, register_job_kind
+from workers.jobs import JobCancelled, JobContext, register_job_kind
 
 RUNS: Counter[str] = Counter()  # executions per params["tag"] in this process
 
@@ -45,6 +45,18 @@ async def flaky(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
     return {"attempt": ctx.attempt}
 
 
+async def partial_file(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
+    """Runs until cancelled, then writes what it did (``partial.txt``, after ``finish_s``) and
+    keeps it as a batch does."""
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        await asyncio.sleep(float(params.get("finish_s", 0.3)))
+        ctx.store.put(ctx.job_id, "partial.txt", b"what was done", "text/plain")
+        raise JobCancelled("cancelled", result={"partial": True}) from None
+    return {}
+
+
 def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params.get("steps", 3), int) or not 0 < params.get("steps", 3) <= 10_000:
         raise ValueError("steps must be an integer in [1, 10000]")
@@ -54,3 +66,4 @@ def validate(params: dict[str, Any], engines: dict[str, Any]) -> dict[str, Any]:
 register_job_kind("test.steps", "embed", steps, validate=validate, concurrency=4)
 register_job_kind("test.sync_steps", "embed", sync_steps, validate=validate, concurrency=2)
 register_job_kind("test.flaky", "embed", flaky, retry_on_error=True)
+register_job_kind("test.partial_file", "embed", partial_file)

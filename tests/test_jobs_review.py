@@ -248,3 +248,30 @@ def test_a_cancelled_attempt_keeps_what_it_ends_with_and_no_other_attempt_does()
     other = "f" * 32
     assert state.add_file(other, info)(cancelled) is None
     assert state.finish(other, "cancelled", result={"completed": 1})(cancelled) is None
+
+
+def test_a_file_put_after_its_job_was_deleted_is_not_kept(tmp_path: Path) -> None:
+    """A job cancelled, then deleted while its attempt still writes its partial result: the file
+    that attempt puts after the deletion is removed, not left in the store with no job."""
+    from workers.jobs import state
+    from workers.jobs.executor import Executor
+    from workers.jobs.state import MemoryBackend
+    from workers.jobs.store import LocalStore
+    from workers.jobs.upkeep import delete_job
+
+    async def scenario() -> list[str]:
+        backend, store = MemoryBackend(), LocalStore(tmp_path)
+        rec = state.new_record(state.new_id("job"), "test.partial_file", "embed", {"finish_s": 1.0}, max_attempts=1)
+        await backend.create(rec)
+        run = asyncio.create_task(Executor(backend, store, {}, lease_s=3.0).execute(rec["id"], rec["token"]))
+        while (await backend.get(rec["id"]))["status"] != "running":
+            await asyncio.sleep(0.01)
+        cancelled, _ = await backend.update(rec["id"], state.cancel)
+        assert cancelled is not None and cancelled["status"] == "cancelled"
+        await asyncio.sleep(0.7)  # (the attempt hears of it at its next heartbeat and finishes up)
+        await delete_job(backend, store, cancelled)  # what DELETE /v1/jobs/{id} does
+        await asyncio.wait_for(run, 10)
+        assert await backend.get(rec["id"]) is None
+        return [name for job_id, name, _ in store.entries() if job_id == rec["id"]]
+
+    assert asyncio.run(scenario()) == []

@@ -168,11 +168,15 @@ class Executor:
             what, value = item
             try:
                 if what == "file":
-                    await self.backend.update(job_id, state.add_file(token, value))
+                    rec, _ = await self.backend.update(job_id, state.add_file(token, value))
+                    if rec is None:  # the job was deleted (cancelled, then deleted as it ran): keep nothing
+                        await asyncio.to_thread(self.store.delete, job_id, value["name"])
                     continue
                 ev: ProgressEvent = value
-                await self.backend.update(job_id, state.set_progress(token, ev.step, ev.total))
+                await self.backend.update(job_id, state.set_progress(token, ev.step, ev.total, ev.detail))
                 out: dict[str, Any] = {"type": "progress", "step": ev.step, "total": ev.total}
+                if ev.detail is not None:
+                    out["detail"] = ev.detail
                 if ev.preview is not None:
                     out["preview"] = base64.b64encode(ev.preview).decode()
                     out["preview_type"] = ev.preview_type
