@@ -130,6 +130,7 @@ def test_video_mp4_and_frames(server: Server) -> None:
         ("/v1/videos", {"prompt": "x", "size": "64x40"}, "multiple of 16"),
         ("/v1/videos", {"prompt": "x", "size": "0x0"}, "multiple of 16"),
         ("/v1/videos", {"prompt": "   "}, "prompt"),
+        ("/v1/videos", {"prompt": "x", "n": 2}, "n must be 1"),
     ],
 )
 def test_bad_input_is_400(server: Server, path: str, body: dict[str, Any], param_or_text: str) -> None:

@@ -67,3 +67,11 @@ class VideoGenerationRequest(_Common):
     num_frames: int | None = None
     fps: int = Field(default=16, ge=1, le=120)
     response_format: Literal["mp4", "b64_json", "frames", "url"] = "mp4"
+    n: int = 1  # (named so that n > 1 is refused, not ignored)
+
+    @field_validator("n")
+    @classmethod
+    def _one_video(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("a request makes one video: n must be 1")
+        return v
