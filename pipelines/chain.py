@@ -27,7 +27,7 @@ from pipelines.processor import Pipeline, Processor
 from pipelines.reply import LLM, LLMOptions
 from pipelines.services import Services
 from pipelines.speech import ASR, TTS, Sentences, TTSOptions
-from pipelines.stage_store import ChainOptions, StageFailed, StageStore
+from pipelines.stage_store import ChainOptions, Progress, StageFailed, StageStore, no_progress
 
 # -- processors only the chain needs ---------------------------------------------------------------
 
@@ -147,15 +147,19 @@ async def run_local(
     chain_id: str,
     services: Services,
     check: Callable[[], None] = lambda: None,
-    progress: Callable[[int, int], None] = lambda done, total: None,
+    progress: Progress = no_progress,
 ) -> dict[str, Any]:
     """Every stage in-process, each retried up to ``max_attempts``; returns ``result(...)``.
     ``check()`` runs before each attempt (it raises to stop, e.g. ``JobContext.check_cancelled``);
-    ``progress(done, total)`` counts the stages done."""
+    ``progress`` gets the stages done and their timings before each stage and at the end."""
     opts = store.options(chain_id)
     stages = opts.stages()
+
+    def report(done: int) -> None:
+        progress(done, len(stages), detail=store.progress_detail(store.meta(chain_id), opts))
+
     for done, spec in enumerate(stages):
-        progress(done, len(stages))
+        report(done)
         for attempt in range(1, opts.max_attempts + 1):
             check()
             try:
@@ -165,7 +169,7 @@ async def run_local(
                 if attempt == opts.max_attempts:
                     store.set_status(chain_id, "failed", f"{spec.name}: {exc}")
                     raise
-    progress(len(stages), len(stages))
+    report(len(stages))
     store.set_status(chain_id, "succeeded")
     return result(store, chain_id)
 

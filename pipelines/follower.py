@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 import uuid
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.chain import celery_chain
-from pipelines.stage_store import ChainOptions, StageStore
+from pipelines.stage_store import ChainOptions, Progress, StageStore, no_progress
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -76,21 +77,22 @@ def running(meta: dict[bytes, bytes]) -> tuple[str, str] | None:
 @dataclass
 class ChainFollower:
     """Sends the chain ``chain_id`` (its stages on ``rt``'s cluster) and follows it to its end,
-    reporting ``progress(stages done, stages)``. ``rt``: the worker runtime (``redis``, an async
-    client; ``redis_url``; ``prefix``)."""
+    reporting its ``progress``. ``rt``: the worker runtime (``redis``, an async client;
+    ``redis_url``; ``prefix``)."""
 
     rt: Any
     store: StageStore
     chain_id: str
     opts: ChainOptions
-    progress: Callable[[int, int], None] = lambda done, total: None
+    progress: Progress = no_progress
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    _reported: tuple[int, dict[str, Any]] = field(default=(-1, {}), init=False)
 
     async def follow(self, check_cancelled: Callable[[], None]) -> None:
         """Until the chain ends; raises if it failed (``RuntimeError``), when a newer attempt of
         the job took it over (``Superseded``), or what ``check_cancelled`` raises (the chain is
         then marked cancelled: its queued stages become no-ops)."""
-        redis, key, total = self.rt.redis, self.store.meta_key(self.chain_id), len(self.opts.stages())
+        redis, key = self.rt.redis, self.store.meta_key(self.chain_id)
         await redis.hset(key, "follower", self.token)
         meta = await redis.hgetall(key)
         if meta.get(b"status") not in ENDED:
@@ -98,8 +100,8 @@ class ChainFollower:
                 await self._send_again(meta, *lost)
             elif running(meta) is None:
                 await self._send()
-        done, seen, since = self.store.stages_done(meta, self.opts), None, time.monotonic()
-        self.progress(done, total)
+        seen, since = None, time.monotonic()
+        self._report(meta)
         next_check = time.monotonic() + CHECK_S
         try:  # the worker's async client: polling never blocks the engine loop
             while (status := await redis.hget(key, "status")) is not None and status not in ENDED:
@@ -109,11 +111,11 @@ class ChainFollower:
                     meta = await redis.hgetall(key)
                     if meta.get(b"follower") != self.token.encode():
                         raise Superseded(f"chain {self.chain_id} is followed by a newer attempt of its job")
-                    if (now_done := self.store.stages_done(meta, self.opts)) != done:
-                        done = now_done
-                        self.progress(done, total)
+                    done = self.store.stages_done(meta, self.opts)
                     if (state := (meta.get(b"status"), meta.get(b"dispatch"), done)) != seen:
                         seen, since = state, time.monotonic()
+                    waiting = await self._no_worker(meta) if time.monotonic() - since > 2 * CHECK_S else None
+                    self._report(meta, waiting)
                     await self._check(meta, since)
                 await asyncio.sleep(0.05)
         except BaseException:
@@ -122,7 +124,43 @@ class ChainFollower:
         if status != b"succeeded":
             state = await asyncio.to_thread(self.store.status, self.chain_id)
             raise RuntimeError(f"pipeline failed: {state and state['error']}")
-        self.progress(total, total)
+        self._report(await redis.hgetall(key))
+
+    def _report(self, meta: dict[bytes, bytes], waiting: str | None = None) -> None:
+        """Report progress when it changed: the stages done, their attempts, workers and seconds,
+        and ``waiting_for_worker`` (the modality of the next stage, when no live worker serves
+        it: its task waits on the queue until one starts)."""
+        detail = self.store.progress_detail(meta, self.opts)
+        if waiting is not None:
+            detail["waiting_for_worker"] = waiting
+        total = len(self.opts.stages())
+        done = total if meta.get(b"status") == b"succeeded" else self.store.stages_done(meta, self.opts)
+        if (done, detail) == self._reported:
+            return
+        if waiting is not None and self._reported[1].get("waiting_for_worker") != waiting:
+            logger.warning(
+                "chain %s: its %s stage waits: no live worker serves %s", self.chain_id, detail["stage"], waiting
+            )
+        self._reported = (done, detail)
+        self.progress(done, total, detail=detail)
+
+    async def _no_worker(self, meta: dict[bytes, bytes]) -> str | None:
+        """The next stage's modality if no stage is under way and no live worker (not draining)
+        serves it; else None."""
+        from workers.wire import Keys
+
+        todo = [s for s in self.opts.stages() if f"{s.name}.finished".encode() not in meta]
+        if not todo or running(meta) is not None:
+            return None
+        keys = [k async for k in self.rt.redis.scan_iter(match=Keys(self.rt.prefix).worker_pattern, count=500)]
+        for raw in await self.rt.redis.mget(keys) if keys else []:
+            try:
+                beat = json.loads(raw) if raw is not None else {}
+            except ValueError:
+                continue
+            if beat.get("modality") == todo[0].modality and not beat.get("draining"):
+                return None
+        return todo[0].modality
 
     async def _check(self, meta: dict[bytes, bytes], since: float) -> None:
         """Send the chain again if its stage's worker was lost, or its next stage's task."""

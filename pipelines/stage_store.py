@@ -9,7 +9,7 @@ import functools
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,6 +53,17 @@ class ChainOptions:
     def stages(self) -> list[StageSpec]:
         names = ["vad", "asr"] + (["llm"] if self.respond else []) + (["tts"] if self.respond and self.speak else [])
         return [s for s in STAGES if s.name in names]
+
+
+class Progress(Protocol):
+    """Where a chain is: ``step`` stages done of ``total``, ``detail`` as ``progress_detail``
+    (``JobContext.progress`` is one)."""
+
+    def __call__(self, step: int, total: int, *, detail: dict[str, Any] | None = None) -> None: ...
+
+
+def no_progress(step: int, total: int, *, detail: dict[str, Any] | None = None) -> None:
+    return None
 
 
 class StageFailed(RuntimeError):
@@ -163,28 +174,43 @@ class StageStore:
         """How many of the chain's stages have finished, from its ``meta`` hash."""
         return sum(f"{s.name}.finished".encode() in meta for s in opts.stages())
 
-    def status(self, chain_id: str) -> dict[str, Any] | None:
-        """``{"id", "status", "error", "stages": {name: {attempts, seconds}}}``; None if unknown."""
-        meta = {k.decode(): v for k, v in self.r.hgetall(self._key(chain_id, "meta")).items()}
-        if not meta:
-            return None
-        opts: ChainOptions = pickle.loads(meta["options"])  # noqa: S301
+    @staticmethod
+    def stages_view(meta: dict[bytes, bytes], opts: ChainOptions) -> dict[str, dict[str, Any]]:
+        """``{name: {modality, attempts, seconds, worker}}`` of the chain's stages, from its
+        ``meta`` hash (``seconds``: of the attempt that finished; None until one has)."""
         stages = {}
         for s in opts.stages():
-            seconds = meta.get(f"{s.name}.seconds")
-            where = meta.get(f"{s.name}.where")
+            seconds, where = meta.get(f"{s.name}.seconds".encode()), meta.get(f"{s.name}.where".encode())
             stages[s.name] = {
                 "modality": s.modality,
-                "attempts": int(meta.get(f"{s.name}.attempts", 0)),
+                "attempts": int(meta.get(f"{s.name}.attempts".encode(), 0)),
                 "seconds": float(seconds) if seconds is not None else None,
                 "worker": where.decode() if where else None,
             }
-        err = meta.get("error")
+        return stages
+
+    @classmethod
+    def progress_detail(cls, meta: dict[bytes, bytes], opts: ChainOptions) -> dict[str, Any]:
+        """A job's progress ``detail``: ``{"stage": the first stage not finished (None once all
+        are), "stages": stages_view}``."""
+        todo = [s.name for s in opts.stages() if f"{s.name}.finished".encode() not in meta]
+        return {"stage": todo[0] if todo else None, "stages": cls.stages_view(meta, opts)}
+
+    def meta(self, chain_id: str) -> dict[bytes, bytes]:
+        return self.r.hgetall(self._key(chain_id, "meta"))
+
+    def status(self, chain_id: str) -> dict[str, Any] | None:
+        """``{"id", "status", "error", "stages": stages_view}``; None if unknown."""
+        meta = self.meta(chain_id)
+        if not meta:
+            return None
+        opts: ChainOptions = pickle.loads(meta[b"options"])  # noqa: S301
+        err = meta.get(b"error")
         return {
             "id": chain_id,
-            "status": meta["status"].decode(),
+            "status": meta[b"status"].decode(),
             "error": err.decode() if err else None,
-            "stages": stages,
+            "stages": self.stages_view(meta, opts),
         }
 
     def delete(self, chain_id: str) -> None:

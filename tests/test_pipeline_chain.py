@@ -10,12 +10,13 @@ spoken by the Piper voice):
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any], bad: tuple[s
         ({**params, "max_tokens": 0}, "max_tokens"),
         ({**params, "nope": 1}, "nope"),
         ({}, "file_id"),
+        ({**params, "respond": False, "speak": True}, "speak"),  # (the TTS speaks the LLM's reply)
         *wrong,
     ):
         resp = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": bad_params})
@@ -76,7 +78,9 @@ def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any], bad: tuple[s
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
     assert job["status"] == "succeeded", job
-    assert job["progress"] == {"step": 4, "total": 4}  # (stages done of the chain's)
+    progress = job["progress"]  # stages done of the chain's, and each one's timing
+    assert (progress["step"], progress["total"], progress["detail"]["stage"]) == (4, 4, None)
+    assert all(s["seconds"] > 0 and s["attempts"] >= 1 for s in progress["detail"]["stages"].values())
     out = job["result"]
     wav_out = http.get(out["files"]["audio"])
     assert wav_out.status_code == 200
@@ -221,12 +225,28 @@ def test_a_cancelled_chains_running_stage_stops_on_its_worker(cluster: dict[str,
     while store.attempts(chain_id, "llm") == 0:
         assert time.monotonic() < deadline and store.status(chain_id)["status"] not in ("succeeded", "failed")
         time.sleep(0.05)
-    time.sleep(1.0)  # (decoding)
+    beat = worker_beat(cluster, store.status(chain_id)["stages"]["llm"]["worker"], lambda b: b.get("inflight", 0) >= 1)
+    assert beat.get("inflight", 0) >= 1  # the stage counts as the LLM worker's work in its heartbeat
     store.set_status(chain_id, "cancelled")  # what the job's follower does when the job is cancelled
     cancelled = time.monotonic()
     assert async_result.get(timeout=60) is None  # the LLM stage's task (the last): ended, without a result
     assert time.monotonic() - cancelled < 5.0  # (1024 tokens on one thread take far longer)
     assert store.output(chain_id, "llm") is None and store.status(chain_id)["status"] == "cancelled"
+
+
+def worker_beat(cluster: dict[str, str], worker: str, ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The first heartbeat of ``worker`` that is ``ok`` within 5 s (else the last one seen)."""
+    import redis
+
+    from workers.wire import Keys
+
+    r, deadline = redis.Redis.from_url(REDIS_URL), time.monotonic() + 5
+    while (
+        not ok(beat := json.loads(r.get(Keys(cluster["prefix"]).worker(worker)) or "{}"))
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    return beat
 
 
 def check_workers(stages: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ a thread plays its stages as a worker would write them (``begin``, ``finish``, s
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -144,7 +145,7 @@ def test_a_stage_whose_worker_is_lost_is_sent_again(h: Harness) -> None:
 
     opts = h.chain("lost", play, max_attempts=2)
     reports: list[tuple[int, int]] = []
-    asyncio.run(h.follow("lost", opts, progress=lambda *p: reports.append(p)))
+    asyncio.run(h.follow("lost", opts, progress=lambda step, total, **_: reports.append((step, total))))
     assert h.sent == [("lost", 1), ("lost", 2)] and h.store.attempts("lost", "llm") == 2
     assert reports[0] == (0, 4) and reports[-1] == (4, 4)
 
@@ -212,6 +213,47 @@ def test_a_chain_with_nothing_under_way_or_queued_is_sent_again(h: Harness, monk
     asyncio.run(scenario())
     assert h.sent == [("stalled", 1), ("stalled", 2)]
     assert h.store.attempts("stalled", "asr") == 1  # (done stages are not redone)
+
+
+def test_progress_tells_the_stages_and_a_stage_no_live_worker_serves(h: Harness) -> None:
+    """Each change of the chain's stages (attempts, workers, seconds) is reported; a next stage
+    whose modality no live worker serves is named (``waiting_for_worker``) until one heartbeats."""
+    from workers.wire import Keys
+
+    reports: list[tuple[int, int, dict[str, Any]]] = []
+
+    def play(chain_id: str, dispatch: int) -> None:
+        for stage, seconds in (("vad", 0.01), ("asr", 0.02)):
+            h.store.begin(chain_id, stage, "asr-1", dispatch)
+            h.store.finish(chain_id, stage, [], seconds, dispatch)
+        deadline = time.monotonic() + 5  # the LLM stage's task waits: no LLM worker
+        while not any(d.get("waiting_for_worker") for *_, d in reports) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        h.sync.set(Keys(h.prefix).worker("llm-1"), json.dumps({"modality": "llm"}), px=5000)
+        time.sleep(0.5)
+        h.store.begin(chain_id, "llm", "llm-1", dispatch)
+        h.store.finish(chain_id, "llm", [], 0.03, dispatch)
+        h.store.set_status(chain_id, "succeeded")
+
+    def progress(step: int, total: int, *, detail: dict[str, Any] | None = None) -> None:
+        assert detail is not None
+        reports.append((step, total, detail))
+
+    opts = h.chain("slow", play, speak=False)
+    asyncio.run(h.follow("slow", opts, progress=progress))
+    waiting = [(step, d["stage"]) for step, _, d in reports if d.get("waiting_for_worker") == "llm"]
+    assert waiting and set(waiting) == {(2, "llm")}  # (vad and asr done, of 3)
+    step, total, last = reports[-1]
+    assert (step, total, last["stage"]) == (3, 3, None) and "waiting_for_worker" not in last
+    stages = last["stages"]
+    assert [(s["seconds"], s["worker"], s["attempts"]) for s in stages.values()] == [
+        (0.01, "asr-1", 1),
+        (0.02, "asr-1", 1),
+        (0.03, "llm-1", 1),
+    ]
+    i = next(i for i, r in enumerate(reports) if r[2].get("waiting_for_worker"))
+    assert "waiting_for_worker" not in reports[i + 1][2]  # (once the LLM worker heartbeats)
+    assert all(a != b for a, b in zip(reports, reports[1:], strict=False))  # (changes only)
 
 
 def test_a_stale_attempt_runs_nothing_and_keeps_nothing() -> None:

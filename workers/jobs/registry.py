@@ -168,12 +168,14 @@ def job_kinds() -> dict[str, JobKind]:
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report of a running job (``preview``: optional bytes, e.g. a small PNG)."""
+    """One progress report of a running job (``preview``: optional bytes, e.g. a small PNG;
+    ``detail``: the kind's own JSON-able account of where it is, e.g. a chain's stages)."""
 
     step: int
     total: int
     preview: bytes | None = None
     preview_type: str | None = None
+    detail: dict[str, Any] | None = None
 
 
 @dataclass
@@ -185,9 +187,10 @@ class JobContext:
       ``app.state.engines`` in local mode, the worker's engines under celery); ``aliases``: extra
       accepted model names -> served name.
     - ``store``: the result store; ``store.put(job_id, name, data, content_type) -> url``.
-    - ``progress(step, total, preview=None)``: report progress (streamed to SSE/WebSocket clients
-      in order); ``preview`` bytes are kept only when the client asked (``wants_preview``). It
-      never raises, so it is safe to call from an engine thread's callback.
+    - ``progress(step, total, preview=None, detail=None)``: report progress (streamed to
+      SSE/WebSocket clients in order, ``detail`` also kept in the record's ``progress``);
+      ``preview`` bytes are kept only when the client asked (``wants_preview``). It never
+      raises, so it is safe to call from an engine thread's callback.
     - ``check_cancelled()``: raises ``JobCancelled`` once the job was cancelled, or once this
       attempt was taken over (``lost``: its lease ran out and the job was queued again, or its
       record was deleted; it must then keep nothing).
@@ -205,13 +208,21 @@ class JobContext:
     cancel_event: threading.Event = field(default_factory=threading.Event, repr=False)
     lost: bool = False
 
-    def progress(self, step: int, total: int, preview: bytes | None = None, preview_type: str = "image/png") -> None:
+    def progress(
+        self,
+        step: int,
+        total: int,
+        preview: bytes | None = None,
+        preview_type: str = "image/png",
+        detail: dict[str, Any] | None = None,
+    ) -> None:
         """Report ``step`` of ``total`` done. Never raises (safe in engine-thread callbacks); a
         cancelled job's reports are dropped, so call ``check_cancelled`` to stop."""
         if self.cancel_event.is_set():
             return
         keep = preview if (preview is not None and self.wants_preview) else None
-        self.on_progress(ProgressEvent(int(step), int(total), keep, preview_type if keep is not None else None))
+        kept_type = preview_type if keep is not None else None
+        self.on_progress(ProgressEvent(int(step), int(total), keep, kept_type, detail))
 
     def check_cancelled(self) -> None:
         if self.cancel_event.is_set():

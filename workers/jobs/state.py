@@ -116,8 +116,9 @@ def heartbeat(token: str, lease_s: float) -> Transition:
     return lambda rec: {**rec, "lease_until": time.time() + lease_s} if _mine(rec, token) else None
 
 
-def set_progress(token: str, step: int, total: int) -> Transition:
-    return lambda rec: {**rec, "progress": {"step": step, "total": total}} if _mine(rec, token) else None
+def set_progress(token: str, step: int, total: int, detail: dict[str, Any] | None = None) -> Transition:
+    progress = {"step": step, "total": total, **({"detail": detail} if detail is not None else {})}
+    return lambda rec: {**rec, "progress": progress} if _mine(rec, token) else None
 
 
 def add_file(token: str, info: dict[str, Any]) -> Transition:
