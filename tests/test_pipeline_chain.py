@@ -260,3 +260,21 @@ def test_celery_dispatch_through_the_jobs_api(question_wav: bytes, cluster: dict
         out = run_job(http, question_wav, {"max_tokens": 24})
     check_result(out, attempts=(1, 1, 1, 1))
     check_workers(out["stages"])
+
+
+def test_celery_logs_no_result_of_an_mmserve_task(caplog: pytest.LogCaptureFixture) -> None:
+    """``mmserve worker``'s log: Celery's success line of a chain's last stage task leaves out its
+    return value (the transcript and reply); other tasks' lines are Celery's own."""
+    import logging
+
+    from celery.app import trace
+
+    from pipelines.tasks import TASK_NAME
+    from workers.worker import hide_task_results
+
+    hide_task_results()
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"):
+        for name, value in ((TASK_NAME, "{'reply': 'Paris is the capital'}"), ("other.task", "42")):
+            line = {"id": "t", "name": name, "return_value": value, "runtime": 0.1, "args": "()", "kwargs": "{}"}
+            trace.info(trace.LOG_SUCCESS, line)
+    assert "Paris" not in caplog.text and "(not logged)" in caplog.text and "succeeded in 0.1s: 42" in caplog.text

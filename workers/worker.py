@@ -27,6 +27,24 @@ from workers.celery_app import DEFAULT_PREFIX, make_celery, modality_queue, work
 logger = logging.getLogger("mmserve.worker")
 
 
+class _ResultsNotLogged(logging.Filter):
+    """Celery logs each task's return value at INFO; mmserve's tasks return users' data (an
+    ``audio.pipeline`` chain's transcript and reply), which stays out of the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, dict) and str(args.get("name", "")).startswith("mmserve.") and "return_value" in args:
+            record.args = {**args, "return_value": "(not logged)"}
+        return True
+
+
+def hide_task_results() -> None:
+    """Install ``_ResultsNotLogged`` on Celery's task-trace logger (once)."""
+    trace = logging.getLogger("celery.app.trace")
+    if not any(isinstance(f, _ResultsNotLogged) for f in trace.filters):
+        trace.addFilter(_ResultsNotLogged())
+
+
 def default_concurrency(args: argparse.Namespace) -> int:
     """Calls at once (a thread each): an LLM worker's batch; a speech worker's bound of requests
     held (``--tts-max-requests``, ``--asr-max-requests``) and a few jobs or live turns past it, so
@@ -77,6 +95,7 @@ def run_worker(args: argparse.Namespace) -> int:
             return 2
         os.environ["C_FORCE_ROOT"] = "1"  # Celery's own check; the user accepted it above
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hide_task_results()
     args.only = [args.modality]
     built = plugins.build_all(args)
     if not built.engines:
