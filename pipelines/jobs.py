@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -60,6 +61,8 @@ def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str,
     from workers.jobs import ParamError, parse_params
 
     p = parse_params(PipelineParams, params)
+    if p.fail_once and os.environ.get("MMSERVE_FAULT_INJECTION") != "1":
+        raise ParamError("fail_once", "fault injection is off on this server (MMSERVE_FAULT_INJECTION=1 turns it on)")
     if p.speak and not p.respond and "speak" in p.model_fields_set:
         raise ParamError("speak", "speak needs respond: the TTS stage speaks the LLM's reply")
     for modality in ("asr", "llm"):

@@ -91,7 +91,9 @@ def run_job(http: httpx.Client, wav: bytes, params: dict[str, Any], bad: tuple[s
     return out
 
 
-def test_local_dispatch_through_the_jobs_api(question_wav: bytes, smollm2_dir: Path, tmp_path: Path) -> None:
+def test_local_dispatch_through_the_jobs_api(
+    question_wav: bytes, smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
     from gateway.app import create_app
@@ -110,6 +112,9 @@ def test_local_dispatch_through_the_jobs_api(question_wav: bytes, smollm2_dir: P
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(tmp_path)}), app.state.engines)
     with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
         params = {"max_tokens": 24, "fail_once": ["llm"], "llm": "smollm2", "voice": "alloy"}
+        refused = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": {"file_id": "file-x", **params}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "params.fail_once"
+        monkeypatch.setenv("MMSERVE_FAULT_INJECTION", "1")  # (a drill: the LLM stage's first attempt fails)
         out = run_job(http, question_wav, params, bad=("llm", "asr", "tts", "voice"))
         check_result(out)
         assert all(s["worker"] == "local" for s in out["stages"].values())
