@@ -846,7 +846,7 @@ def test_response_input_renders_function_items() -> None:
         items = response_items([{"type": "item_reference", "id": "fc"}, output], s.conv)
         tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
         assert [i.message() for i in items] == [
-            {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+            {"role": "assistant", "content": "", "tool_calls": [tool_call]},
             {"role": "tool", "tool_call_id": "c1", "content": "42"},
         ]
         with pytest.raises(EventError) as err:
