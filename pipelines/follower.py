@@ -35,6 +35,7 @@ from pipelines.stage_store import ChainOptions, Progress, StageStore, no_progres
 logger = logging.getLogger("mmserve.pipelines")
 
 CHECK_S = 1.0  # how often the chain's workers and queues are checked
+LIVE_TTL_S = 5.0  # how long one reading of the live workers' modalities serves every follower
 STALL_S = 10.0  # nothing under way and nothing queued for this long: the next stage's task was lost
 ENDED = (b"succeeded", b"failed")
 
@@ -55,6 +56,30 @@ def celery_app(redis_url: str) -> Any:
     from workers.celery_app import make_celery
 
     return make_celery(redis_url)
+
+
+_LIVE: dict[str, tuple[float, set[str]]] = {}  # prefix -> (when read, modalities): shared by the followers
+
+
+async def live_modalities(redis: Any, prefix: str) -> set[str]:
+    """The modalities live workers (not draining) of ``prefix`` serve, read from their
+    heartbeats at most every ``LIVE_TTL_S`` per process (a SCAN walks the whole keyspace)."""
+    from workers.wire import Keys
+
+    read_at, served = _LIVE.get(prefix, (-LIVE_TTL_S, set()))
+    if time.monotonic() - read_at < LIVE_TTL_S:
+        return served
+    keys = [k async for k in redis.scan_iter(match=Keys(prefix).worker_pattern, count=1000)]
+    served = set()
+    for raw in await redis.mget(keys) if keys else []:
+        try:
+            beat = json.loads(raw) if raw is not None else {}
+        except ValueError:
+            continue
+        if isinstance(beat, dict) and beat.get("modality") and not beat.get("draining"):
+            served.add(str(beat["modality"]))
+    _LIVE[prefix] = (time.monotonic(), served)
+    return served
 
 
 class Superseded(RuntimeError):
@@ -146,21 +171,16 @@ class ChainFollower:
 
     async def _no_worker(self, meta: dict[bytes, bytes]) -> str | None:
         """The next stage's modality if no stage is under way and no live worker (not draining)
-        serves it; else None."""
-        from workers.wire import Keys
-
+        serves it; else None (also when Redis cannot tell: the hint is not worth failing for)."""
         todo = [s for s in self.opts.stages() if f"{s.name}.finished".encode() not in meta]
         if not todo or running(meta) is not None:
             return None
-        keys = [k async for k in self.rt.redis.scan_iter(match=Keys(self.rt.prefix).worker_pattern, count=500)]
-        for raw in await self.rt.redis.mget(keys) if keys else []:
-            try:
-                beat = json.loads(raw) if raw is not None else {}
-            except ValueError:
-                continue
-            if beat.get("modality") == todo[0].modality and not beat.get("draining"):
-                return None
-        return todo[0].modality
+        try:
+            served = await live_modalities(self.rt.redis, self.rt.prefix)
+        except Exception as exc:  # noqa: BLE001 - a Redis hiccup
+            logger.debug("chain %s: could not read the workers' heartbeats: %r", self.chain_id, exc)
+            return None
+        return None if todo[0].modality in served else todo[0].modality
 
     async def _check(self, meta: dict[bytes, bytes], since: float) -> None:
         """Send the chain again if its stage's worker was lost, or its next stage's task."""

@@ -221,13 +221,14 @@ def test_progress_tells_the_stages_and_a_stage_no_live_worker_serves(h: Harness)
     from workers.wire import Keys
 
     reports: list[tuple[int, int, dict[str, Any]]] = []
+    h.sync.set(Keys(h.prefix).worker("asr-1"), json.dumps({"modality": "asr"}), px=30_000)
 
     def play(chain_id: str, dispatch: int) -> None:
         for stage, seconds in (("vad", 0.01), ("asr", 0.02)):
             h.store.begin(chain_id, stage, "asr-1", dispatch)
             h.store.finish(chain_id, stage, [], seconds, dispatch)
         deadline = time.monotonic() + 5  # the LLM stage's task waits: no LLM worker
-        while not any(d.get("waiting_for_worker") for *_, d in reports) and time.monotonic() < deadline:
+        while not any(d.get("waiting_for_worker") == "llm" for *_, d in reports) and time.monotonic() < deadline:
             time.sleep(0.02)
         h.sync.set(Keys(h.prefix).worker("llm-1"), json.dumps({"modality": "llm"}), px=5000)
         time.sleep(0.5)
