@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import sys
@@ -41,6 +42,7 @@ from typing import Any
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway import argtypes
 from gateway.errors import APIError
 
 HASH_PREFIX = "sha256:"
@@ -75,7 +77,7 @@ def _check_limits(limits: Any, where: str) -> dict[str, float]:
     for unit, value in limits.items():
         if unit not in UNITS:
             raise ValueError(f"{where}: unknown limit unit {unit!r}; choose from {', '.join(UNITS)}")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
             raise ValueError(f"{where}: limit {unit} must be a positive number per minute, got {value!r}")
         out[unit] = float(value)
     return out
@@ -275,8 +277,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="UNIT=PER_MIN",
         help="default per-tenant rate limit (units: llm_tokens, embed_inputs, audio_seconds, image_steps)",
     )
-    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish")
-    g.add_argument("--drain-grace", type=float, default=0.0, help="seconds to keep serving after /ready turns 503")
+    g.add_argument(
+        "--drain-timeout",
+        type=argtypes.at_least(float, 0),
+        default=30.0,
+        help="seconds to let in-flight requests finish",
+    )
+    g.add_argument(
+        "--drain-grace",
+        type=argtypes.at_least(float, 0),
+        default=0.0,
+        help="seconds to keep serving after /ready turns 503",
+    )
     g.add_argument("--log-format", choices=["json", "text"], default="json", help="request log format")
 
 

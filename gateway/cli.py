@@ -5,16 +5,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import struct
 import sys
 import time
 from pathlib import Path
 
 from engine import allocator
+from gateway import argtypes
 from gateway.plugins import MODALITIES
 
 
 def _comma_list(value: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"name at least one of {', '.join(MODALITIES)}")
     unknown = [v for v in items if v not in MODALITIES]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown modality {', '.join(unknown)}; choose from {', '.join(MODALITIES)}")
@@ -30,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
     try:
         app = build_app(args, freeze_heap=True)  # a server process: start-up's objects live on
-    except (ValueError, FileNotFoundError) as exc:  # a bad model or option: say which, no traceback
+    except (ValueError, OSError, struct.error) as exc:  # a bad model or option: say which, no traceback
         logging.getLogger("mmserve.gateway").debug("start-up failed", exc_info=True)
         print(f"mmserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +78,7 @@ def _models_make_tiny(args: argparse.Namespace) -> int:
     from gateway.plugins import tiny_archs
 
     start = time.perf_counter()
+    argtypes.new_output_dir(args.dir)
     if args.arch in ARCHS:
         out = make_tiny(args.arch, args.dir, seed=args.seed)
     else:
@@ -90,7 +95,9 @@ def _models_convert_gguf(args: argparse.Namespace) -> int:
         print(f"not a .gguf file: {args.src}", file=sys.stderr)
         return 1
     dst = Path(args.dst) if args.dst else gguf_cache_dir(src)
-    if dst.exists():
+    if args.dst:
+        argtypes.new_output_dir(dst, src)
+    elif dst.exists():
         print(f"{dst} already exists; nothing to do (delete it to convert again)")
         return 0
     start = time.perf_counter()
@@ -100,14 +107,18 @@ def _models_convert_gguf(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    if argv[:1] == ["embed"]:  # the embeddings benchmark has its own parser
+        from bench.embed import main as bench_main
+
+        argv = argv[1:]
+    else:
+        from bench.cli import main as bench_main
     try:
-        from bench.cli import main as bench_main  # the bench engineer's module
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", "bench.cli"):
-            raise
-        print("mmserve bench: bench/cli.py is not built yet", file=sys.stderr)
-        return 2
-    return int(bench_main(argv) or 0)
+        return int(bench_main(argv) or 0)
+    except Exception as exc:  # noqa: BLE001 - a bad argument or an unreachable server: one line, no traceback
+        logging.getLogger("mmserve").debug("bench failed", exc_info=True)
+        print(f"mmserve bench: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,15 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=argtypes.port, default=8000)
     serve.add_argument("--only", type=_comma_list, default=None, help=f"comma list of {','.join(MODALITIES)}")
     serve.add_argument(
         "--no-warmup",
         action="store_true",
         help="skip the start-up warm-up (a spoken turn through the voice pipeline when LLM, ASR and TTS are served)",
     )
-    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
-    serve.add_argument("--max-body-mb", type=float, default=None, help="largest request body accepted (default 32)")
+    serve.add_argument("--api-key", type=argtypes.api_key, default=None, help="require Authorization: Bearer <key>")
+    serve.add_argument(
+        "--max-body-mb", type=argtypes.positive, default=None, help="largest request body accepted (default 32)"
+    )
     serve.add_argument(
         "--dispatch",
         choices=["local", "celery"],
@@ -142,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix", default="mmserve", help="cluster queue/key prefix (must match the workers')")
     plugins.add_serve_args(serve)
     auth.add_serve_args(serve)  # --keys-file, --limit, --drain-*, --log-format
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", type=argtypes.log_level, default="info")
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser("worker", help="run one modality's engines as a Celery worker (--dispatch celery)")
@@ -197,14 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     openmp_defaults()
     allocator.keep_freed_memory()
-    if argv[:2] == ["bench", "embed"]:  # the embeddings benchmark has its own parser
-        from bench.embed import main as bench_embed
-
-        return int(bench_embed(argv[2:]) or 0)
     if argv and argv[0] == "bench":  # everything after `bench` belongs to bench.cli
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (OSError, ValueError, struct.error) as exc:  # a bad file or value: say what, no traceback
+        logging.getLogger("mmserve").debug("%s failed", args.command, exc_info=True)
+        print(f"mmserve {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -139,8 +139,10 @@ def add_models_commands(subparsers: Any) -> None:
 
 
 def _import_whisper_ct2(args: Any) -> int:
+    from gateway.argtypes import new_output_dir
     from modalities.asr.convert import convert_whisper_ct2
 
+    new_output_dir(args.dst, args.src)
     dst = convert_whisper_ct2(Path(args.src), Path(args.dst), [Path(p) for p in args.part])
     print(dst)
     return 0

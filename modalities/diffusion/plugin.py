@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gateway.argtypes import at_least
 from gateway.plugins import Built
 from modalities.diffusion import jobs
 from modalities.diffusion.api import router
@@ -44,11 +45,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default step cache when a request names none: off, light, medium, aggressive, or a first-block threshold",
     )
-    g.add_argument("--diffusion-max-batch", type=int, default=8, help="most outputs generated in one batch")
-    g.add_argument("--diffusion-batch-window-ms", type=float, default=50.0, help="how long requests are collected")
-    g.add_argument("--diffusion-max-side", type=int, default=1024, help="largest width/height accepted")
     g.add_argument(
-        "--cp-degree", type=int, default=1, help="context parallelism: run each DiT batch across N rank processes"
+        "--diffusion-max-batch", type=at_least(int, 1), default=8, help="most outputs generated in one batch"
+    )
+    g.add_argument(
+        "--diffusion-batch-window-ms", type=at_least(float, 0), default=50.0, help="how long requests are collected"
+    )
+    g.add_argument("--diffusion-max-side", type=at_least(int, 16), default=1024, help="largest width/height accepted")
+    g.add_argument(
+        "--cp-degree",
+        type=at_least(int, 1),
+        default=1,
+        help="context parallelism: run each DiT batch across N rank processes",
     )
     g.add_argument("--cp-mode", default="ulysses", choices=("ulysses", "ring", "hybrid"), help="context-parallel kind")
 

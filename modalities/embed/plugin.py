@@ -6,6 +6,7 @@ import argparse
 import logging
 from typing import Any
 
+from gateway.argtypes import at_least
 from gateway.plugins import Built
 from modalities.embed.api import router
 
@@ -19,11 +20,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--embed", default=None, help="embedding model: a local sentence-transformers/HF directory")
     g.add_argument(
         "--embed-workers",
-        type=int,
+        type=at_least(int, 1),
         default=None,
         help="model threads (default 1, using every core; more helps many tiny concurrent requests)",
     )
-    g.add_argument("--embed-threads", type=int, default=None, help="intra-op threads per model thread")
+    g.add_argument("--embed-threads", type=at_least(int, 1), default=None, help="intra-op threads per model thread")
 
 
 def build(args: Any, explicit: bool = False) -> Built:

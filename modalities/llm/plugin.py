@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.admission import parse_limit
 from engine.config import DEFAULT_MAX_WAITING
+from gateway.argtypes import at_least, positive
 from gateway.plugins import Built
 from modalities.llm.api import router
 
@@ -40,8 +41,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template file that replaces the model's own (e.g. one that renders tools in "
         "the Hermes <tool_call> format, which function calling needs)",
     )
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=at_least(int, 1), default=None)
+    g.add_argument("--max-num-batched-tokens", type=at_least(int, 1), default=None)
     g.add_argument(
         "--max-waiting",
         type=parse_limit,
@@ -50,9 +51,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         f"Retry-After: every request, live voice turns', pipeline stages' and batch lines' too "
         f"(default {DEFAULT_MAX_WAITING}; 0: no bound)",
     )
-    g.add_argument("--kv-cache-gb", type=float, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-cache-gb", type=positive, default=None)
+    g.add_argument("--block-size", type=at_least(int, 1), default=None)
+    g.add_argument("--max-model-len", type=at_least(int, 1), default=None)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default=None)
     g.add_argument(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.admission import parse_limit
+from gateway.argtypes import at_least
 from gateway.plugins import Built
 from modalities.tts.api import router
 from modalities.tts.protocol import DEFAULT_MAX_REQUESTS, OPENAI_MODELS
@@ -49,8 +50,12 @@ WORKER_OPTIONS = (  # (see gateway.plugins)
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("tts")
     g.add_argument("--tts", default=None, help="Piper voice: 'joe' (default, packaged) or a .onnx voice file")
-    g.add_argument("--tts-workers", type=int, default=2, help="Piper synthesis threads (each its own ONNX session)")
-    g.add_argument("--tts-threads", type=int, default=None, help="onnxruntime intra-op threads per Piper worker")
+    g.add_argument(
+        "--tts-workers", type=at_least(int, 1), default=2, help="Piper synthesis threads (each its own ONNX session)"
+    )
+    g.add_argument(
+        "--tts-threads", type=at_least(int, 1), default=None, help="onnxruntime intra-op threads per Piper worker"
+    )
     g.add_argument(
         "--tts-seed",
         type=int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from gateway.argtypes import at_least, directory, positive
 from workers.jobs import api, batch, files  # noqa: F401 - batch and files add their routes to api.router
 from workers.jobs.runner import JobsConfig
 
@@ -25,21 +26,33 @@ router = api.router  # /v1/jobs, /v1/files, /v1/batches
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("jobs")
-    g.add_argument("--results-dir", default=None, help="job result store directory (default $MMSERVE_CACHE/results)")
+    g.add_argument(
+        "--results-dir",
+        type=directory,
+        default=None,
+        help="job result store directory (default $MMSERVE_CACHE/results)",
+    )
     g.add_argument("--results-s3-bucket", default=None, help="store job results in this S3-compatible bucket")
     g.add_argument("--results-s3-endpoint", default=None, help="S3 endpoint URL (MinIO, Ceph, ...); default AWS")
     g.add_argument("--results-s3-prefix", default="mmserve/", help="key prefix inside the bucket")
-    g.add_argument("--jobs-max-attempts", type=int, default=3, help="attempts per job before it is failed")
-    g.add_argument("--jobs-lease-s", type=float, default=30.0, help="a job whose worker is silent this long is retried")
-    g.add_argument("--jobs-max-queued", type=int, default=10_000, help="waiting jobs before submissions get 429")
+    g.add_argument("--jobs-max-attempts", type=at_least(int, 1), default=3, help="attempts per job before it is failed")
+    g.add_argument(
+        "--jobs-lease-s", type=positive, default=30.0, help="a job whose worker is silent this long is retried"
+    )
+    g.add_argument(
+        "--jobs-max-queued", type=at_least(int, 1), default=10_000, help="waiting jobs before submissions get 429"
+    )
     g.add_argument(
         "--jobs-ttl-h",
-        type=float,
+        type=positive,
         default=DEFAULT_TTL_H,
         help="hours a finished job's record and result files, and an uploaded file, are kept (default 24)",
     )
     g.add_argument(
-        "--files-max-mb", type=float, default=DEFAULT_FILES_MAX_MB, help="largest POST /v1/files upload (default 200)"
+        "--files-max-mb",
+        type=positive,
+        default=DEFAULT_FILES_MAX_MB,
+        help="largest POST /v1/files upload (default 200)",
     )
 
 

@@ -1,0 +1,75 @@
+"""``mmserve``'s command line on bad input: a value that would start a broken server (listening
+elsewhere, without authentication, hanging or refusing every request) is a usage error naming
+its flag, and a bad file or directory is one line, ``mmserve <command>: error: ...``, exit 1,
+with nothing overwritten. In-process (``gateway.cli.main``), nothing loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["serve", "--port", "73676"], "--port: must be 0-65535"),
+        (["serve", "--port", "-1"], "--port: must be 0 or more"),
+        (["serve", "--api-key", ""], "--api-key: must be a non-empty key"),
+        (["serve", "--api-key", "a key"], "--api-key: must be a non-empty key"),
+        (["serve", "--only", ","], "--only: name at least one"),
+        (["serve", "--kv-cache-gb", "0"], "--kv-cache-gb: must be a number more than 0"),
+        (["serve", "--max-model-len", "0"], "--max-model-len: must be 1 or more"),
+        (["serve", "--embed-workers", "-1"], "--embed-workers: must be 1 or more"),
+        (["serve", "--diffusion-max-batch", "0"], "--diffusion-max-batch: must be 1 or more"),
+        (["serve", "--max-body-mb", "-1"], "--max-body-mb: must be a number more than 0"),
+        (["serve", "--files-max-mb", "nan"], "--files-max-mb: must be a number more than 0"),
+        (["serve", "--jobs-ttl-h", "-1"], "--jobs-ttl-h: must be a number more than 0"),
+        (["serve", "--jobs-max-queued", "-1"], "--jobs-max-queued: must be 1 or more"),
+        (["serve", "--tts-workers", "x"], "--tts-workers: not a whole number"),
+        (["serve", "--limit", "llm_tokens=inf"], "must be a positive number per minute"),
+        (["serve", "--log-level", "bogus"], "--log-level: choose from debug"),
+        (["serve", "--results-dir", __file__], "--results-dir: " + __file__ + " is not a directory"),
+        (["worker", "--modality", "embed", "--heartbeat-s", "0"], "--heartbeat-s: must be a number more than 0"),
+        (["worker", "--modality", "embed", "--concurrency", "0"], "--concurrency: must be 1 or more"),
+        (["keys", "add", "--keys-file", "k.json", "--tenant", "t", "--limit", "llm_tokens=nan"], "positive number"),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_naming_its_flag(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmserve {argv[0]}: error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+def test_a_model_is_written_only_into_a_new_or_empty_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    assert "not an empty directory" in _fails(["models", "make-tiny", "llama", str(mine)], capsys)
+    assert [p.name for p in mine.iterdir()] == ["config.json"] and (mine / "config.json").read_text() == "{}"
+    assert "is the source too" in _fails(["models", "import-whisper-ct2", str(mine), str(mine)], capsys)
+    assert [p.name for p in mine.iterdir()] == ["config.json"]
+
+
+def test_a_bad_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(b"GGUF\x03\x00\x00\x00")  # a GGUF header cut short
+    _fails(["models", "convert-gguf", str(cut), str(tmp_path / "out")], capsys)
+    keys = tmp_path / "keys.json"
+    keys.write_text("{not json")
+    _fails(["keys", "add", "--keys-file", str(keys), "--tenant", "t"], capsys)
+    assert "mmserve bench: error: ValueError" in _fails(["bench", "tts", "--concurrency", "a,b"], capsys)
