@@ -254,6 +254,22 @@ def worker_beat(cluster: dict[str, str], worker: str, ok: Callable[[dict[str, An
     return beat
 
 
+def test_more_pipeline_jobs_than_the_asr_workers_threads_all_finish(
+    question_wav: bytes, cluster: dict[str, str]
+) -> None:
+    """Four ``audio.pipeline`` jobs at once on an ASR worker of four threads: their followers
+    take at most half of them, so the VAD and ASR stage tasks they send find a thread (with a
+    follower on every thread, no stage could ever run)."""
+    with httpx.Client(base_url=cluster["base"], timeout=30) as http:
+        up = http.post("/v1/files", files={"file": ("q.wav", question_wav, "audio/wav")}, data={"purpose": "user_data"})
+        params = {"file_id": up.json()["id"], "max_tokens": 8, "speak": False}
+        ids = [http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": params}).json()["id"] for _ in range(4)]
+        deadline = time.monotonic() + 150
+        while (states := [http.get(f"/v1/jobs/{i}").json()["status"] for i in ids]) != ["succeeded"] * 4:
+            assert time.monotonic() < deadline and "failed" not in states, states
+            time.sleep(0.5)
+
+
 def check_workers(stages: dict[str, Any]) -> None:
     workers = {name: s["worker"] for name, s in stages.items()}
     assert workers["vad"].startswith("asr-") and workers["asr"].startswith("asr-")

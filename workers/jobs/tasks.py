@@ -12,6 +12,7 @@ import asyncio
 import importlib
 import os
 import threading
+from collections import Counter
 from typing import Any
 
 from celery import shared_task
@@ -29,6 +30,8 @@ for _module in filter(None, (m.strip() for m in os.environ.get("MMSERVE_JOB_MODU
 _EXECUTORS: dict[tuple[int, str], tuple[Executor, asyncio.AbstractEventLoop]] = {}
 _REAPERS: list[Any] = []  # keeps the reaper tasks referenced
 _LOCK = threading.Lock()
+_RUNNING: Counter[str] = Counter()  # jobs of each kind running in this process
+BUSY_RETRY_S = 1.0  # a job past its kind's places here is offered again after this
 
 
 def _load_plugins() -> None:
@@ -79,13 +82,44 @@ async def _backend(cfg: dict[str, Any]) -> RedisBackend:
     return RedisBackend(cfg["redis_url"], cfg["key_prefix"], cfg.get("result_ttl_s", 86400.0))
 
 
+def _take_slot(kind: str, limit: int) -> bool:
+    """One of ``limit`` places of ``kind`` in this process (``_free_slot`` gives it back)."""
+    with _LOCK:
+        if _RUNNING[kind] >= limit:
+            return False
+        _RUNNING[kind] += 1
+        return True
+
+
+def _free_slot(kind: str) -> None:
+    with _LOCK:
+        _RUNNING[kind] -= 1
+
+
 @shared_task(name=TASK_NAME, bind=True)
 def run_job(self: Any, job_id: str, token: str, cfg: dict[str, Any]) -> None:
-    """Run the attempt ``token`` of ``job_id``; a stale or cancelled attempt returns at once."""
+    """Run the attempt ``token`` of ``job_id``; a stale or cancelled attempt returns at once.
+
+    At most the kind's ``concurrency`` jobs of a kind run at once in a worker, and at most half
+    its Celery threads: the rest stay for engine calls and for the stage tasks an
+    ``audio.pipeline`` job sends to its own queue (followers holding every thread would wait on
+    stages no thread is left to run). A job past that goes back to the queue for a moment."""
     from workers import runtime
+    from workers.jobs.registry import get_job_kind
 
     executor, loop = _executor(cfg, self.app)
-    if (rt := runtime.current()) is not None and rt.loop is loop:
-        rt.run_task(executor.execute(job_id, token))  # (counted in the worker's heartbeat)
-    else:
-        asyncio.run_coroutine_threadsafe(executor.execute(job_id, token), loop).result()
+    rt = runtime.current()
+    rec = asyncio.run_coroutine_threadsafe(executor.backend.get(job_id), loop).result()
+    kind = get_job_kind(rec["kind"]) if rec is not None and rec["status"] == "queued" else None
+    if kind is not None:
+        limit = min(kind.concurrency, max(1, rt.capacity // 2)) if rt is not None else kind.concurrency
+        if not _take_slot(kind.kind, limit):
+            raise self.retry(countdown=BUSY_RETRY_S, max_retries=None)
+    try:
+        if rt is not None and rt.loop is loop:
+            rt.run_task(executor.execute(job_id, token))  # (counted in the worker's heartbeat)
+        else:
+            asyncio.run_coroutine_threadsafe(executor.execute(job_id, token), loop).result()
+    finally:
+        if kind is not None:
+            _free_slot(kind.kind)
