@@ -75,3 +75,9 @@ def directory(text: str) -> str:
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not a directory")
     return text
+
+
+def redis_url(text: str) -> str:
+    if text.partition("://")[0] not in ("redis", "rediss", "unix") or "://" not in text:
+        raise argparse.ArgumentTypeError(f"a redis://, rediss:// or unix:// URL, got {text!r}")
+    return text

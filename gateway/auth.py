@@ -179,8 +179,9 @@ def _toml(data: dict[str, Any]) -> str:
 
 
 def write_keys_file(path: str | Path, data: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename), readable by the owner only."""
-    path = Path(path)
+    """Write atomically (temp file + rename), readable by the owner only; a symlink's target is
+    the file written (the one a server reads through the link)."""
+    path = Path(os.path.realpath(path))
     text = _toml(data) if path.suffix == ".toml" else json.dumps(data, indent=2) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:

@@ -90,10 +90,11 @@ def _models_make_tiny(args: argparse.Namespace) -> int:
 def _models_convert_gguf(args: argparse.Namespace) -> int:
     from engine.model_loader import DEFAULT_LLM, convert_gguf, gguf_cache_dir, gguf_source
 
+    if args.src and not Path(args.src).expanduser().is_file():
+        raise FileNotFoundError(f"no such file: {args.src}")
     src = gguf_source(args.src or DEFAULT_LLM)
     if src is None:
-        print(f"not a .gguf file: {args.src}", file=sys.stderr)
-        return 1
+        raise ValueError(f"not a .gguf file: {args.src}")
     dst = Path(args.dst) if args.dst else gguf_cache_dir(src)
     if args.dst:
         argtypes.new_output_dir(dst, src)
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--redis-url",
+        type=argtypes.redis_url,
         default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="Redis for --dispatch celery (default $MMSERVE_REDIS_URL or local db 0)",
     )

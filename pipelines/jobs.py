@@ -65,6 +65,7 @@ def validate(params: dict[str, Any], engines: dict[str, Any], aliases: dict[str,
         raise ParamError("fail_once", "fault injection is off on this server (MMSERVE_FAULT_INJECTION=1 turns it on)")
     if p.speak and not p.respond and "speak" in p.model_fields_set:
         raise ParamError("speak", "speak needs respond: the TTS stage speaks the LLM's reply")
+    p.speak = p.speak and p.respond  # (stored as run: the params shown can be sent again)
     for modality in ("asr", "llm"):
         if (name := getattr(p, modality)) is not None and has_modality(engines, modality):
             served = aliases.get(name, name)

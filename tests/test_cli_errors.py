@@ -34,6 +34,8 @@ from gateway.cli import main
         (["serve", "--results-dir", __file__], "--results-dir: " + __file__ + " is not a directory"),
         (["worker", "--modality", "embed", "--heartbeat-s", "0"], "--heartbeat-s: must be a number more than 0"),
         (["worker", "--modality", "embed", "--concurrency", "0"], "--concurrency: must be 1 or more"),
+        (["worker", "--modality", "embed", "--redis-url", "notaurl"], "--redis-url: a redis://"),
+        (["serve", "--dispatch", "celery", "--redis-url", "localhost:6379"], "--redis-url: a redis://"),
         (["keys", "add", "--keys-file", "k.json", "--tenant", "t", "--limit", "llm_tokens=nan"], "positive number"),
     ],
 )
@@ -66,6 +68,7 @@ def test_a_model_is_written_only_into_a_new_or_empty_directory(
 
 
 def test_a_bad_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "no such file" in _fails(["models", "convert-gguf", str(tmp_path / "none.gguf")], capsys)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(b"GGUF\x03\x00\x00\x00")  # a GGUF header cut short
     _fails(["models", "convert-gguf", str(cut), str(tmp_path / "out")], capsys)
@@ -73,3 +76,13 @@ def test_a_bad_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[st
     keys.write_text("{not json")
     _fails(["keys", "add", "--keys-file", str(keys), "--tenant", "t"], capsys)
     assert "mmserve bench: error: ValueError" in _fails(["bench", "tts", "--concurrency", "a,b"], capsys)
+
+
+def test_keys_add_writes_through_a_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The server reads the keys file through a link: the link stays, its target gets the key."""
+    real, link = tmp_path / "real.json", tmp_path / "keys.json"
+    assert main(["keys", "add", "--keys-file", str(real), "--tenant", "a"]) == 0
+    link.symlink_to(real)
+    assert main(["keys", "add", "--keys-file", str(link), "--tenant", "b"]) == 0
+    capsys.readouterr()
+    assert link.is_symlink() and '"b"' in real.read_text() and '"a"' in real.read_text()

@@ -112,6 +112,7 @@ def test_local_dispatch_through_the_jobs_api(
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(tmp_path)}), app.state.engines)
     with serve_app(app) as base, httpx.Client(base_url=base, timeout=30) as http:
         params = {"max_tokens": 24, "fail_once": ["llm"], "llm": "smollm2", "voice": "alloy"}
+        monkeypatch.delenv("MMSERVE_FAULT_INJECTION", raising=False)
         refused = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": {"file_id": "file-x", **params}})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "params.fail_once"
         monkeypatch.setenv("MMSERVE_FAULT_INJECTION", "1")  # (a drill: the LLM stage's first attempt fails)
@@ -230,8 +231,12 @@ def test_a_cancelled_chains_running_stage_stops_on_its_worker(cluster: dict[str,
     while store.attempts(chain_id, "llm") == 0:
         assert time.monotonic() < deadline and store.status(chain_id)["status"] not in ("succeeded", "failed")
         time.sleep(0.05)
-    beat = worker_beat(cluster, store.status(chain_id)["stages"]["llm"]["worker"], lambda b: b.get("inflight", 0) >= 1)
-    assert beat.get("inflight", 0) >= 1  # the stage counts as the LLM worker's work in its heartbeat
+
+    def decoding(beat: dict[str, Any]) -> bool:
+        return beat.get("inflight", 0) >= 1 and any(s.get("num_running", 0) for s in beat.get("stats", {}).values())
+
+    beat = worker_beat(cluster, store.status(chain_id)["stages"]["llm"]["worker"], decoding)
+    assert decoding(beat)  # (the stage counts as the LLM worker's work in its heartbeat)
     store.set_status(chain_id, "cancelled")  # what the job's follower does when the job is cancelled
     cancelled = time.monotonic()
     assert async_result.get(timeout=60) is None  # the LLM stage's task (the last): ended, without a result

@@ -22,7 +22,7 @@ import uuid
 from celery import signals
 
 from engine.heap import freeze_startup_heap
-from gateway.argtypes import at_least, log_level, positive
+from gateway.argtypes import at_least, log_level, positive, redis_url
 from workers.celery_app import DEFAULT_PREFIX, make_celery, modality_queue, worker_queue
 
 logger = logging.getLogger("mmserve.worker")
@@ -69,7 +69,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         help="calls run at once (threads; default: --max-num-seqs or 64 for llm, so batches fill; for tts and asr "
         "their --*-max-requests bound plus 8, at least 16, so that the bound refuses; 16 otherwise)",
     )
-    parser.add_argument("--redis-url", default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument(
+        "--redis-url", type=redis_url, default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="queue and key prefix (one per cluster)")
     parser.add_argument("--worker-id", default=None, help="default: <modality>-<host>-<pid>-<random>")
     parser.add_argument("--heartbeat-s", type=positive, default=1.0, help="load report period (TTL: 3x)")

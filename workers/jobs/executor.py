@@ -170,7 +170,7 @@ class Executor:
                 if what == "file":
                     rec, _ = await self.backend.update(job_id, state.add_file(token, value))
                     if rec is None:  # the job was deleted (cancelled, then deleted as it ran): keep nothing
-                        await asyncio.to_thread(self.store.delete, job_id, value["name"])
+                        await asyncio.to_thread(self.store.delete_job, job_id)
                     continue
                 ev: ProgressEvent = value
                 await self.backend.update(job_id, state.set_progress(token, ev.step, ev.total, ev.detail))

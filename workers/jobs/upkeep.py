@@ -66,6 +66,7 @@ async def delete_job(backend: Backend, store: Store, rec: Record) -> None:
     if rec["kind"].startswith("batch:"):
         await backend.index_remove(state.batches_index(rec.get("owner")), rec["id"])
     await backend.delete(rec["id"])
+    await asyncio.to_thread(store.delete_job, rec["id"])  # a file its attempt put meanwhile
 
 
 async def delete_upload(backend: Backend, store: Store, fid: str, meta: dict[str, Any] | None) -> None:
