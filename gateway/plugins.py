@@ -99,6 +99,8 @@ def build_all(args: Any) -> Built:
         if not enabled(name, only) or not hasattr(plugin, "build"):
             continue
         built: Built = plugin.build(args, explicit=name in only)
+        if name in only and not built.engines:  # (asked for by name: a server without it is no use)
+            raise ValueError(f"--only {name}: no {name} model to serve (check its model options)")
         for served, engine in built.engines.items():
             if served in out.engines:
                 raise ValueError(f"two engines are served as {served!r}; rename one (--served-model-name)")

@@ -67,6 +67,15 @@ def test_a_model_is_written_only_into_a_new_or_empty_directory(
     assert [p.name for p in mine.iterdir()] == ["config.json"]
 
 
+def test_a_modality_asked_for_by_name_must_have_a_model() -> None:
+    """(Else ``serve`` started a server with no model at all; ``serve`` prints this and exits 2.)"""
+    from gateway.cli import build_parser
+    from gateway.plugins import build_all
+
+    with pytest.raises(ValueError, match="--only diffusion: give --image or --video"):
+        build_all(build_parser().parse_args(["serve", "--only", "diffusion"]))
+
+
 def test_a_bad_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "no such file" in _fails(["models", "convert-gguf", str(tmp_path / "none.gguf")], capsys)
     cut = tmp_path / "cut.gguf"

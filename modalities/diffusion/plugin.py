@@ -109,7 +109,7 @@ def build(args: Any, explicit: bool = False) -> Built:
             built.aliases[spec] = engine.model_name
         logger.info("serving %s generation %s as %r", engine.modality, engine.model.path, engine.model_name)
     if explicit and not built.engines:
-        logger.warning("diffusion enabled with --only but neither --image nor --video was given")
+        raise ValueError("--only diffusion: give --image or --video (a pipeline directory, or tiny-dit)")
     return built
 
 
