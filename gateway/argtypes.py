@@ -1,6 +1,7 @@
-"""argparse types for the command line's numbers: a bad value is a usage error naming its flag
-(``argument --port: must be 0-65535, got 73676``) before anything loads, not a server that
-starts and then hangs, refuses every request, or listens elsewhere."""
+"""argparse types for the command line's values (numbers, ports, keys, URLs, directories): a bad
+value is a usage error naming its flag (``argument --port: must be 0-65535, got 73676``) before
+anything loads, not a server that starts and then hangs, refuses every request, or listens
+elsewhere."""
 
 from __future__ import annotations
 
