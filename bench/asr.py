@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.argtypes import at_least, output_file
 from modalities.asr.speech_corpus import word_error_rate
 
 RATE = 16_000
@@ -102,7 +103,7 @@ def run_generate(whisper: Any, clips: list[np.ndarray], batch_size: int) -> tupl
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mmserve bench asr", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny.en", help="ASR model spec (as --asr)")
-    ap.add_argument("--clips", type=int, default=32, help="concurrent clips")
+    ap.add_argument("--clips", type=at_least(int, 1), default=32, help="concurrent clips")
     ap.add_argument("--sentences-per-clip", type=int, default=3)
     ap.add_argument("--encoder-batch", type=int, default=8, help="max windows per encoder forward")
     ap.add_argument(
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", action="store_true", help="mmserve also aligns word timestamps (their cost)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--device", default="cpu", help="where every side runs: cpu or cuda (fp32, TF32 off)")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
     import torch

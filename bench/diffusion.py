@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from gateway.argtypes import output_file
+
 PROMPTS = [
     "a lighthouse on a cliff at dusk, oil painting",
     "a bowl of ramen, studio photo",
@@ -222,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: batching,video,cache")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     return ap
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from gateway.argtypes import at_least
+
 
 def make_texts(tokenizer: Any, n: int, seed: int, min_words: int = 2, max_words: int = 160) -> list[str]:
     """``n`` seeded texts of log-uniform word counts, words drawn from the tokenizer's vocabulary."""
@@ -186,7 +188,7 @@ async def _drive(base: str, texts: list[str], clients: int) -> dict[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mmserve bench embed", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="local model directory (default: packaged all-MiniLM-L6-v2)")
-    ap.add_argument("--n", type=int, default=2000, help="texts for the in-process comparison")
+    ap.add_argument("--n", type=at_least(int, 1), default=2000, help="texts for the in-process comparison")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=32, help="sentence-transformers batch size")
     ap.add_argument("--max-batch-tokens", type=int, default=4096, help="our engine's padded-token budget")

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.argtypes import at_least
 from workers.jobs import JobContext, register_job_kind
 
 
@@ -60,7 +61,7 @@ _register(64)  # also imported by the workers (MMSERVE_JOB_MODULES=bench.jobs)
 def add_jobs_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kind", choices=["sleep", "images"], default="sleep", help="synthetic or real image jobs")
     ap.add_argument("--dispatch", choices=["local", "celery"], default="local")
-    ap.add_argument("--submitters", type=int, default=8, help="concurrent submitting clients")
+    ap.add_argument("--submitters", type=at_least(int, 1), default=8, help="concurrent submitting clients")
     ap.add_argument("--jobs", type=int, default=200, help="jobs in total")
     ap.add_argument("--steps", type=int, default=5, help="progress steps (sleep) or denoising steps (images)")
     ap.add_argument("--step-ms", type=float, default=10.0, help="duration of a step (sleep)")

@@ -19,6 +19,8 @@ import statistics
 import time
 from typing import Any
 
+from gateway.argtypes import at_least
+
 VARIANTS = ("unpacked", "packed", "gguf")
 
 
@@ -54,10 +56,10 @@ def add_batch_args(
 ) -> None:
     """The flags of a decode-batch timing (here and ``bench.threads``)."""
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--batch", type=int, default=batch, help="concurrent sequences")
+    ap.add_argument("--batch", type=at_least(int, 1), default=batch, help="concurrent sequences")
     ap.add_argument("--prompt-len", type=int, default=prompt_len)
     ap.add_argument("--steps", type=int, default=steps, help="decode steps per round")
-    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--rounds", type=at_least(int, 1), default=rounds)
     ap.add_argument("--threads", type=int, default=threads, help="torch threads")
 
 

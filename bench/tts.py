@@ -18,12 +18,12 @@ import asyncio
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.report import Playback
+from gateway.argtypes import at_least, counts, output_file
 
 TEXTS = [
     "Sure, I can help with that. The meeting is at three o'clock in the main conference room. "
@@ -39,8 +39,8 @@ TEXTS = [
 
 def add_tts_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backends", default="piper,ar", help="comma list of piper, ar")
-    ap.add_argument("--concurrency", default="1,8", help="comma list of concurrent request counts")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds per concurrency (c requests each)")
+    ap.add_argument("--concurrency", type=counts, default="1,8", help="comma list of concurrent request counts")
+    ap.add_argument("--rounds", type=at_least(int, 1), default=5, help="rounds per concurrency (c requests each)")
     ap.add_argument(
         "--arrivals",
         choices=("burst", "closed"),
@@ -56,7 +56,7 @@ def add_tts_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", default=None, help="measure a running server's /v1/audio/speech instead")
     ap.add_argument("--model", default=None, help="with --url: the model to request")
     ap.add_argument("--voice", default=None, help="with --url: the voice to request")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench.report import Playback
+from gateway.argtypes import at_least, counts, output_file
 from pipelines.realtime_audio import FORMATS, RATE
 
 QUESTIONS = [
@@ -62,8 +63,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--url", default=None, help="an existing server (http://host:port); default: launch one")
     ap.add_argument("--llm", default=None, help="--llm for the launched server (default: SmolLM2)")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the launched server")
-    ap.add_argument("--turns", type=int, default=20, help="turns per concurrency level (split across sessions)")
-    ap.add_argument("--sessions", default="1,4", help="comma list of concurrent session counts")
+    ap.add_argument(
+        "--turns", type=at_least(int, 1), default=20, help="turns per concurrency level (split across sessions)"
+    )
+    ap.add_argument("--sessions", type=counts, default="1,4", help="comma list of concurrent session counts")
     ap.add_argument("--chunk-ms", type=int, default=40, help="audio chunk size sent by the client")
     ap.add_argument("--pace", type=float, default=1.0, help="1.0 = real time")
     ap.add_argument("--silence-ms", type=int, default=400, help="server VAD silence_duration_ms")
@@ -107,7 +110,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="the session's input_audio_noise_reduction (default: none)",
     )
     ap.add_argument("--timeout", type=float, default=120.0, help="per-turn timeout (s)")
-    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
 
 
 def synthesise(texts: list[str]) -> list[tuple[bytes, float]]:

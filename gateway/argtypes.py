@@ -82,3 +82,18 @@ def redis_url(text: str) -> str:
     if text.partition("://")[0] not in ("redis", "rediss", "unix") or "://" not in text:
         raise argparse.ArgumentTypeError(f"a redis://, rediss:// or unix:// URL, got {text!r}")
     return text
+
+
+def counts(text: str) -> str:
+    """A comma list of whole numbers >= 1 (e.g. a benchmark's concurrency levels), kept as given."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise argparse.ArgumentTypeError(f"a comma list of whole numbers >= 1, got {text!r}")
+    return text
+
+
+def output_file(text: str) -> Path:
+    """A file to write results to (checked before the work that fills it: not a directory)."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: name a file")
+    return Path(text)

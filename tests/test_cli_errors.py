@@ -84,7 +84,27 @@ def test_a_bad_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[st
     keys = tmp_path / "keys.json"
     keys.write_text("{not json")
     _fails(["keys", "add", "--keys-file", str(keys), "--tenant", "t"], capsys)
-    assert "mmserve bench: error: ValueError" in _fails(["bench", "tts", "--concurrency", "a,b"], capsys)
+    assert "is neither tiny.en" in _fails(["bench", "asr", "--model", str(cut)], capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "tts", "--concurrency", "0"], "--concurrency: a comma list of whole numbers >= 1"),
+        (["bench", "tts", "--rounds", "0"], "--rounds: must be 1 or more"),
+        (["bench", "tts", "--out", "/tmp"], "--out: /tmp is a directory"),
+        (["bench", "voice", "--sessions", "a,b"], "--sessions: a comma list"),
+        (["bench", "step", "--batch", "0"], "--batch: must be 1 or more"),
+        (["bench", "asr", "--clips", "0"], "--clips: must be 1 or more"),
+    ],
+)
+def test_a_bench_takes_no_value_that_would_make_an_empty_table(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(Before: NaN tables with exit 0, or a traceback after the whole run for a bad ``--out``.)"""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_keys_add_writes_through_a_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
