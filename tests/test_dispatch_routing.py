@@ -139,3 +139,21 @@ def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all
     with pytest.raises(QueueFullError):
         asyncio.run(run())
     assert len(tried) == 1
+
+
+def test_a_gateway_that_starts_without_redis_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """(Before, the first failed reading was silent: a gateway with a wrong ``--redis-url`` started
+    with no word in its log, then answered every call with a 503.)"""
+    import asyncio
+    import logging
+
+    from workers.remote import Cluster
+
+    async def go() -> None:
+        cluster = Cluster("redis://127.0.0.1:1/0", socket_timeout_s=0.5)  # (nothing listens on port 1)
+        await cluster.start()
+        await cluster.shutdown()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(go())
+    assert "Redis at redis://127.0.0.1:1/0 is unreachable" in caplog.text

@@ -98,6 +98,8 @@ class Cluster:
                 retry_on_error=[redis.exceptions.ConnectionError],
             )
             await self.refresh()
+            if not self.redis_ok:  # (later failures are logged as they happen)
+                logger.warning("Redis at %s is unreachable: calls get 503 until it answers", self.redis_url)
             self._refresher = asyncio.create_task(self._refresh_loop())
 
     async def shutdown(self) -> None:
