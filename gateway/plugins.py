@@ -5,8 +5,9 @@ Each modality package may have a ``plugin`` module (``modalities/<name>/plugin.p
 - ``router``: a FastAPI ``APIRouter`` with the modality's endpoints (mounted under auth);
 - ``add_serve_args(parser)``: its ``mmserve serve`` / ``mmserve worker`` options;
 - ``build(args, explicit) -> Built``: the engines it serves for ``args`` (``explicit`` is true when
-  the user asked for this modality with ``--only``; a missing *default* model may then be an error,
-  otherwise the plugin may skip itself with a warning);
+  the user asked for this modality with ``--only``: it then serves a model or raises
+  ``ValueError`` saying which option is missing; otherwise a plugin whose default model is
+  missing may skip itself with a warning);
 - optionally ``add_models_commands(subparsers)``: extra ``mmserve models`` subcommands;
 - optionally ``body_limits(args) -> {"METHOD /path": bytes}``: routes that stream their request
   body under a limit of their own instead of the gateway's ``--max-body-mb`` (``args`` may be
@@ -99,8 +100,6 @@ def build_all(args: Any) -> Built:
         if not enabled(name, only) or not hasattr(plugin, "build"):
             continue
         built: Built = plugin.build(args, explicit=name in only)
-        if name in only and not built.engines:  # (asked for by name: a server without it is no use)
-            raise ValueError(f"--only {name}: no {name} model to serve (check its model options)")
         for served, engine in built.engines.items():
             if served in out.engines:
                 raise ValueError(f"two engines are served as {served!r}; rename one (--served-model-name)")
