@@ -172,15 +172,15 @@ class ChainFollower:
     async def _no_worker(self, meta: dict[bytes, bytes]) -> str | None:
         """The next stage's modality if no stage is under way and no live worker (not draining)
         serves it; else None (also when Redis cannot tell: the hint is not worth failing for)."""
-        todo = [s for s in self.opts.stages() if f"{s.name}.finished".encode() not in meta]
-        if not todo or running(meta) is not None:
+        stage = self.store.next_stage(meta, self.opts)
+        if stage is None or running(meta) is not None:
             return None
         try:
             served = await live_modalities(self.rt.redis, self.rt.prefix)
         except Exception as exc:  # noqa: BLE001 - a Redis hiccup
             logger.debug("chain %s: could not read the workers' heartbeats: %r", self.chain_id, exc)
             return None
-        return None if todo[0].modality in served else todo[0].modality
+        return None if stage.modality in served else stage.modality
 
     async def _check(self, meta: dict[bytes, bytes], since: float) -> None:
         """Send the chain again if its stage's worker was lost, or its next stage's task."""
@@ -206,8 +206,8 @@ class ChainFollower:
         """Tasks waiting on the queue of the chain's next stage not done (0: none is left)."""
         from workers.celery_app import modality_queue
 
-        todo = [s for s in self.opts.stages() if f"{s.name}.finished".encode() not in meta]
-        return int(await self.rt.redis.llen(modality_queue(todo[0].modality, self.rt.prefix))) if todo else 0
+        stage = self.store.next_stage(meta, self.opts)
+        return int(await self.rt.redis.llen(modality_queue(stage.modality, self.rt.prefix))) if stage else 0
 
     async def _send(self) -> None:
         """Send the chain's stages as a new dispatch (the tasks of earlier ones become no-ops;

@@ -175,6 +175,11 @@ class StageStore:
         return sum(f"{s.name}.finished".encode() in meta for s in opts.stages())
 
     @staticmethod
+    def next_stage(meta: dict[bytes, bytes], opts: ChainOptions) -> StageSpec | None:
+        """The chain's first stage not finished, from its ``meta`` hash (None once all are)."""
+        return next((s for s in opts.stages() if f"{s.name}.finished".encode() not in meta), None)
+
+    @staticmethod
     def stages_view(meta: dict[bytes, bytes], opts: ChainOptions) -> dict[str, dict[str, Any]]:
         """``{name: {modality, attempts, seconds, worker}}`` of the chain's stages, from its
         ``meta`` hash (``seconds``: of the attempt that finished; None until one has)."""
@@ -193,8 +198,8 @@ class StageStore:
     def progress_detail(cls, meta: dict[bytes, bytes], opts: ChainOptions) -> dict[str, Any]:
         """A job's progress ``detail``: ``{"stage": the first stage not finished (None once all
         are), "stages": stages_view}``."""
-        todo = [s.name for s in opts.stages() if f"{s.name}.finished".encode() not in meta]
-        return {"stage": todo[0] if todo else None, "stages": cls.stages_view(meta, opts)}
+        stage = cls.next_stage(meta, opts)
+        return {"stage": stage.name if stage else None, "stages": cls.stages_view(meta, opts)}
 
     def meta(self, chain_id: str) -> dict[bytes, bytes]:
         return self.r.hgetall(self._key(chain_id, "meta"))
