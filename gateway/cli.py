@@ -14,6 +14,9 @@ from engine import allocator
 from gateway import argtypes
 from gateway.plugins import MODALITIES
 
+# A bad file or value in a command's input: one line naming it, no traceback (the trace at debug).
+USER_ERRORS = (OSError, ValueError, struct.error)
+
 
 def _comma_list(value: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
@@ -34,7 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(getattr(args, "log_format", "json"), getattr(args, "log_level", "info"))
     try:
         app = build_app(args, freeze_heap=True)  # a server process: start-up's objects live on
-    except (ValueError, OSError, struct.error) as exc:  # a bad model or option: say which, no traceback
+    except USER_ERRORS as exc:  # a bad model or option (before the server starts: exit 2)
         logging.getLogger("mmserve.gateway").debug("start-up failed", exc_info=True)
         print(f"mmserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (OSError, ValueError, struct.error) as exc:  # a bad file or value: say what, no traceback
+    except USER_ERRORS as exc:
         logging.getLogger("mmserve").debug("%s failed", args.command, exc_info=True)
         print(f"mmserve {args.command}: error: {exc}", file=sys.stderr)
         return 1
