@@ -29,10 +29,10 @@ def at_least(kind: type[int] | type[float], low: float) -> Callable[[str], float
 def positive(text: str) -> float:
     """A finite number > 0."""
     try:
-        value = at_least(float, 0.0)(text)
-    except argparse.ArgumentTypeError:
-        value = 0.0
-    if value == 0:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a number more than 0, got {text}")
     return value
 
