@@ -201,6 +201,22 @@ def from_engine_error(exc: BaseException, param: str | None = None) -> APIError 
     return None
 
 
+def failure_error(exc: BaseException, internal_type: str = "server_error") -> dict[str, Any]:
+    """The OpenAI error object (``message``, ``type``, ``param``, ``code``) of a failure reported
+    after the work was accepted (a job's, a realtime reply's): an input's error or an engine's
+    refusal reads as its route's answer would; anything else (a bug) is of ``internal_type`` and
+    names the exception's class, for whoever reads the logs."""
+    mapped = from_engine_error(exc) if isinstance(exc, Exception) else None
+    if mapped is not None:
+        return mapped.to_dict()["error"]
+    return {"message": f"{type(exc).__name__}: {exc}", "type": internal_type, "param": None, "code": None}
+
+
+def is_input_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the input's fault (a retry would fail the same way)."""
+    return failure_error(exc)["type"] == "invalid_request_error"
+
+
 def as_api_error(exc: BaseException, param: str | None = None) -> BaseException:
     """What a route raises for ``exc``: its ``APIError`` (``from_engine_error``), else ``exc``
     itself (a bug, which surfaces as a 500)."""

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from gateway.errors import is_input_error
 from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
 from pipelines.frames import AudioFrame, End, Frame, LLMDone, Transcript, TTSAudio, UserAudio
@@ -123,8 +124,8 @@ async def run_stage(
     """One attempt of ``stage`` (on worker ``where``, sent as ``dispatch``) with ``services`` (or
     those it makes of the chain's options); a stage whose output is stored, of a chain that ended,
     or of a stale dispatch is skipped, and one whose chain ends while it runs is stopped
-    (``while_live``). The attempt counts from the start, so one that fails on its input or on a
-    missing engine is bounded by ``max_attempts`` too."""
+    (``while_live``). The attempt counts from the start, so one that fails on a missing engine is
+    bounded by ``max_attempts`` too (one that fails on its input is not retried)."""
     if store.output(chain_id, stage) is not None or not store.live(chain_id, dispatch):
         return
     attempt = store.begin(chain_id, stage, where, dispatch)
@@ -166,7 +167,7 @@ async def run_local(
                 await run_stage(store, chain_id, spec.name, services)
                 break
             except Exception as exc:
-                if attempt == opts.max_attempts:
+                if attempt == opts.max_attempts or is_input_error(exc):  # (the input's: it would fail again)
                     store.set_status(chain_id, "failed", f"{spec.name}: {exc}")
                     raise
     report(len(stages))

@@ -200,7 +200,8 @@ class _Concurrent:
             item = getattr(frame, "item_id", "")
             reply = proc.reply_of(frame)
             event_id = getattr(frame, "event_id", None)  # (the client event it came from, if any)
-            self._emit(i, ErrorFrame(f"{type(exc).__name__}: {exc}", proc.name, code, item, event_id, reply))
+            message = str(exc) if code else f"{type(exc).__name__}: {exc}"  # (the input's: no class name)
+            self._emit(i, ErrorFrame(message, proc.name, code, item, event_id, reply))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

@@ -10,9 +10,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import EngineError
 from engine.offload import OFF_LOOP_CHARS, run_sized
-from gateway.errors import APIError, from_engine_error
+from gateway.errors import failure_error
 from modalities.llm.tools import ToolCallStream, declared
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
@@ -186,7 +185,8 @@ class LLM(Processor):
             request=req.number,
             event_id=req.event_id,
         )
-        final, error, mapped = None, None, None
+        final = None
+        failed: dict[str, Any] | None = None  # the error object of a failed reply
         whole = False  # it ran to its end
         ids: list[int] = []
         spec = None
@@ -223,9 +223,7 @@ class LLM(Processor):
                     yield frame
             whole = True
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
-            error = f"{type(exc).__name__}: {exc}"
-            # (an APIError: a lost worker's 503 under celery dispatch)
-            mapped = from_engine_error(exc) if isinstance(exc, EngineError | APIError) else None
+            failed = failure_error(exc)  # (an APIError: a lost worker's 503 under celery dispatch)
         finally:
             if spec is not None and whole:
                 spec.outputs.cancel()  # (its first sentence's synthesis is the TTS stage's to take)
@@ -239,9 +237,9 @@ class LLM(Processor):
             prompt_tokens=len(ids),
             completion_tokens=len(final.outputs[0].token_ids) if final else 0,
             cached_tokens=final.num_cached_tokens if final else 0,
-            error=error,
-            error_type=mapped.type if mapped is not None else "server_error",
-            error_code=mapped.code if mapped is not None else None,
+            error=failed["message"] if failed else None,
+            error_type=failed["type"] if failed else "server_error",
+            error_code=failed["code"] if failed else None,
         )
 
     def _calls(

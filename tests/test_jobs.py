@@ -204,6 +204,15 @@ def test_errors_are_retried_when_the_kind_asks() -> None:
         failed = wait(url, bad["id"])
         assert failed["status"] == "failed" and failed["attempts"] == 3
         assert failed["error"]["message"].startswith("RuntimeError: flaky attempt 3 (gave up after 3 attempts)")
+        bad_input = httpx.post(f"{url}/v1/jobs", json={"kind": "test.flaky", "params": {"bad_input": True}}).json()
+        refused = wait(url, bad_input["id"])  # the input's fault: not retried, reported as a route would
+        assert refused["status"] == "failed" and refused["attempts"] == 1, refused
+        assert refused["error"] == {
+            "message": "params.bad_input: this input can't be processed",
+            "type": "invalid_request_error",
+            "param": "params.bad_input",
+            "code": "invalid_value",
+        }, refused
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from workers.jobs import JobCancelled, JobContext, register_job_kind
+from workers.jobs import JobCancelled, JobContext, ParamError, register_job_kind
 
 RUNS: Counter[str] = Counter()  # executions per params["tag"] in this process
 
@@ -39,7 +39,10 @@ def sync_steps(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
 
 
 async def flaky(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
-    """Fails its first ``fail_attempts`` attempts (a kind registered with ``retry_on_error``)."""
+    """Fails its first ``fail_attempts`` attempts (a kind registered with ``retry_on_error``), or
+    at once on its input when ``bad_input`` is set."""
+    if params.get("bad_input"):
+        raise ParamError("bad_input", "this input can't be processed")
     if ctx.attempt <= int(params.get("fail_attempts", 1)):
         raise RuntimeError(f"flaky attempt {ctx.attempt}")
     return {"attempt": ctx.attempt}

@@ -14,6 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from gateway.errors import failure_error, is_input_error
 from workers.jobs import state
 from workers.jobs.registry import JobCancelled, JobContext, JobKind, ProgressEvent, get_job_kind
 from workers.jobs.state import Backend, Record
@@ -141,10 +142,10 @@ class Executor:
             outcome = state.finish(token, "cancelled", result=exc.result)
         except Exception as exc:  # noqa: BLE001 - the job's failure is reported, not raised
             logger.warning("job %s (%s) attempt %d failed: %r", job_id, rec["kind"], rec["attempts"], exc)
-            error = {"message": f"{type(exc).__name__}: {exc}", "type": "job_error"}
+            error = failure_error(exc, internal_type="job_error")
             outcome = (
                 state.requeue_or_fail(token, error["message"], expired_only=False)
-                if kind.retry_on_error
+                if kind.retry_on_error and not is_input_error(exc)
                 else state.finish(token, "failed", error=error)
             )
         finally:
