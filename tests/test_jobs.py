@@ -262,6 +262,22 @@ def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
+def test_the_openai_client_pages_through_files_and_batches(base: str) -> None:
+    """Auto-paging with ``limit=1`` reads every file and batch once, newest first; a cursor that
+    names nothing of the caller's is a 400 naming ``after`` (it listed from the top)."""
+    c = client(base)
+    for i in range(3):
+        c.files.create(file=(f"p{i}.txt", b"page"), purpose="user_data")
+    whole = [f.id for f in c.files.list(limit=10_000).data]
+    assert len(whole) >= 3 and [f.id for f in c.files.list(limit=1)] == whole
+    batches = [b.id for b in c.batches.list(limit=100).data]
+    assert [b.id for b in c.batches.list(limit=1)] == batches
+    for listing in (c.files.list, c.batches.list):
+        with pytest.raises(openai.BadRequestError) as refused:
+            listing(after="file-nothing")
+        assert refused.value.body["param"] == "after" and "list again" in refused.value.body["message"]  # type: ignore[index]
+
+
 def run_batch(base: str, lines: list[dict[str, Any]], endpoint: str) -> tuple[Any, list[dict[str, Any]]]:
     """Upload ``lines``, run them as a batch, return the finished batch and its output lines."""
     c = client(base)

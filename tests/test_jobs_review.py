@@ -275,3 +275,35 @@ def test_a_file_put_after_its_job_was_deleted_is_not_kept(tmp_path: Path) -> Non
         return [name for job_id, name, _ in store.entries() if job_id == rec["id"]]
 
     assert asyncio.run(scenario()) == []
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_listing_pages_after_a_cursor_and_refuses_an_unknown_one(kind: str) -> None:
+    """(An unknown ``after`` listed from the top: a client paging past a deleted item read its
+    pages again.)"""
+    from workers.jobs.redis_backend import RedisBackend
+    from workers.jobs.state import MemoryBackend
+
+    if kind == "redis" and not redis_reachable(REDIS_URL):
+        pytest.skip("needs the Redis server on 127.0.0.1:6379")
+
+    async def scenario() -> tuple[list[list[str] | None], list[str] | None]:
+        backend: Any = MemoryBackend() if kind == "memory" else RedisBackend(REDIS_URL, f"page{uuid.uuid4().hex[:8]}")
+        try:
+            for i in range(5):
+                await backend.index_add("files:alice", f"file-{i}")
+                await asyncio.sleep(0.002)  # (Redis orders by the time added)
+            pages, after = [], None
+            while (page := await backend.index_list("files:alice", 2, after)) and len(pages) < 5:
+                pages.append(page)
+                after = page[-1]
+            return pages, await backend.index_list("files:alice", 2, "file-gone")
+        finally:
+            if kind == "redis":
+                for key in await backend.r.keys(f"{backend.prefix}:*"):
+                    await backend.r.delete(key)
+            await backend.close()
+
+    pages, unknown = asyncio.run(scenario())
+    assert pages == [["file-4", "file-3"], ["file-2", "file-1"], ["file-0"]]
+    assert unknown is None

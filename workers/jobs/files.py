@@ -109,13 +109,23 @@ async def list_files(
 ) -> JSONResponse:
     """The caller's uploaded files, newest first (OpenAI list object)."""
     svc, owner = service(request.app), owner_of(request)
-    ids = await svc.backend.index_list(state.files_index(owner), limit + 1, after)
+    ids = await page_ids(svc, state.files_index(owner), limit, after, "file")
     data = []
     for fid in ids:
         meta = await svc.backend.get_meta(f"file:{fid}")
         if meta is not None and (purpose is None or meta["purpose"] == purpose):
             data.append(public_meta(meta, svc.cfg.result_ttl_s))
     return JSONResponse(list_object(data[:limit], more=len(ids) > limit))
+
+
+async def page_ids(svc: JobService, index: str, limit: int, after: str | None, what: str) -> list[str]:
+    """Up to ``limit + 1`` ids of the caller's ``index`` after the cursor ``after`` (the extra one
+    tells ``has_more``); 400 when ``after`` is none of them (deleted, expired or never listed)."""
+    ids = await svc.backend.index_list(index, limit + 1, after)
+    if ids is None:
+        msg = f"after: no {what} '{after}' in your list (deleted or expired?); list again from the start"
+        raise APIError(400, msg, param="after", code="invalid_value")
+    return ids
 
 
 def list_object(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:

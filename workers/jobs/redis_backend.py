@@ -137,9 +137,11 @@ class RedisBackend:
         await self.r.zadd(key, {item_id: time.time()})
         await self.r.zremrangebyscore(key, 0, time.time() - self.ttl_s)  # entries outlive nothing they name
 
-    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
+    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str] | None:
         key = self._k("index", index)
-        rank = await self.r.zrevrank(key, after) if after else None
+        rank = await self.r.zrevrank(key, after) if after is not None else None
+        if after is not None and rank is None:
+            return None
         start = rank + 1 if rank is not None else 0
         return [m.decode() for m in await self.r.zrevrange(key, start, start + limit - 1)]
 

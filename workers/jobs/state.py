@@ -271,8 +271,9 @@ class Backend(Protocol):
         """Remember ``item_id`` in the listing ``index`` (for ``GET /v1/batches``, ``/v1/files``)."""
         ...
 
-    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
-        """Up to ``limit`` ids of ``index``, newest first, starting after the id ``after``."""
+    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str] | None:
+        """Up to ``limit`` ids of ``index``, newest first, starting after the id ``after``; ``None``
+        when ``after`` is not in it (a page restarted from the top would repeat what was read)."""
         ...
 
     async def index_remove(self, index: str, item_id: str) -> None: ...
@@ -399,9 +400,11 @@ class MemoryBackend:
     async def index_add(self, index: str, item_id: str) -> None:
         self.indexes.setdefault(index, []).append(item_id)
 
-    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str]:
+    async def index_list(self, index: str, limit: int, after: str | None = None) -> list[str] | None:
         ids = self.indexes.get(index, [])[::-1]
-        start = ids.index(after) + 1 if after in ids else 0
+        if after is not None and after not in ids:
+            return None
+        start = ids.index(after) + 1 if after is not None else 0
         return ids[start : start + limit]
 
     async def index_remove(self, index: str, item_id: str) -> None:
