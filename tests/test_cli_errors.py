@@ -115,3 +115,22 @@ def test_keys_add_writes_through_a_symlink(tmp_path: Path, capsys: pytest.Captur
     assert main(["keys", "add", "--keys-file", str(link), "--tenant", "b"]) == 0
     capsys.readouterr()
     assert link.is_symlink() and '"b"' in real.read_text() and '"a"' in real.read_text()
+
+
+@pytest.mark.parametrize("case", ["garbage", "empty", "config"])
+def test_a_piper_voice_that_is_no_voice_is_one_line_before_the_server_starts(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(It failed inside the server's start-up: a traceback and exit 3.) Nothing is cached for it."""
+    from engine.model_loader import cache_root
+    from modalities.tts.piper_engine import default_voice_path
+
+    real = default_voice_path()
+    voice = tmp_path / f"{case}.onnx"
+    voice.write_bytes({"garbage": b"not a model" * 100, "empty": b"", "config": real.read_bytes()}[case])
+    config = Path(f"{real}.json").read_text()
+    Path(f"{voice}.json").write_text('{"audio": {}}' if case == "config" else config)
+    assert main(["serve", "--only", "tts", "--tts", str(voice), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmserve serve: error: {voice}") and "Traceback" not in err and err.count("\n") == 1, err
+    assert not list((cache_root() / "piper").glob(f"{case}-*")), "a cut of a file that is no voice was cached"

@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +83,20 @@ def resolve_voice_path(spec: str | None) -> Path:
     return path
 
 
+def read_voice_config(path: Path) -> dict[str, Any]:
+    """The voice's ``.onnx.json``; ``ValueError`` naming the file when it is no Piper config."""
+    from piper import PiperConfig
+
+    with open(f"{path}.json", encoding="utf-8") as f:
+        config = json.load(f)  # (a JSONDecodeError is a ValueError)
+    try:
+        PiperConfig.from_dict(config)
+        int(config["audio"]["sample_rate"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}.json is not a Piper voice config (missing or bad {exc})") from None
+    return config
+
+
 def split_speed(speed: float) -> tuple[float, float]:
     """``(the voice's own speed, the time-stretch's)``: their product is ``speed``."""
     natural = min(max(speed, NATURAL_SPEED[0]), NATURAL_SPEED[1])
@@ -108,9 +123,9 @@ class PiperEngine(ReportsUsage):
     ) -> None:
         self.seed = seed  # seeds the voice's noise: the same requests in the same order sound the same
         self.path = resolve_voice_path(str(model_path) if model_path is not None else None)
-        with open(f"{self.path}.json", encoding="utf-8") as f:
-            self._config_dict = json.load(f)
+        self._config_dict = read_voice_config(self.path)
         self.sample_rate = int(self._config_dict["audio"]["sample_rate"])
+        cut_voice(self.path)  # (once, cached) here: a file that is no voice fails at start-up, in one line
         stem = self.path.name.removesuffix(".onnx")
         self.model_name = name or f"piper-{stem}"
         short = stem.split("-")[1] if stem.count("-") >= 2 else stem  # en_US-joe-medium -> joe
@@ -149,7 +164,6 @@ class PiperEngine(ReportsUsage):
     async def _start(self) -> None:
         self._stopping = False
         phonemizer = asyncio.ensure_future(asyncio.to_thread(self._phonemizer.start))  # loads meanwhile
-        await asyncio.to_thread(cut_voice, self.path)  # once, before the sessions that read it
         voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
         await phonemizer
         cores = os.cpu_count() or 1

@@ -40,7 +40,8 @@ _CUT_VERSION = 2  # of the cache layout (1: front and decoder only)
 
 def cut_voice(path: Path) -> Path:
     """The cache directory of ``path``'s graphs (``front.onnx``, ``flow.onnx``, ``decoder.onnx``),
-    made once; it holds no flow where the flow can't be cut off, and nothing where the decoder can't."""
+    made once; it holds no flow where the flow can't be cut off, and nothing where the decoder can't.
+    ``ValueError`` for a file that is no ONNX model (nothing is cached for it)."""
     st = path.stat()
     ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{_CUT_VERSION}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:12]
@@ -49,10 +50,16 @@ def cut_voice(path: Path) -> Path:
 
 def _cut(path: Path, out: Path) -> None:
     import onnx
+    from google.protobuf.message import DecodeError
     from onnx.utils import Extractor
 
-    model = onnx.load(str(path))
+    try:
+        model = onnx.load(str(path))
+    except DecodeError as exc:
+        raise ValueError(f"{path} is not an ONNX model ({exc})") from None
     graph = model.graph
+    if not graph.node:  # (an empty file parses as an empty model)
+        raise ValueError(f"{path} holds no ONNX graph")
     start = next((n for n in graph.node if n.name == _DECODER_START), None)
     if start is not None:
         inputs = [i.name for i in graph.input]
