@@ -63,14 +63,30 @@ def _models_list(args: argparse.Namespace) -> int:
         print(f"llm  {DEFAULT_LLM} (default): {gguf}\n     -> {cached} [{state}]")
     except FileNotFoundError as exc:
         print(f"llm  {DEFAULT_LLM} (default): unavailable: {exc}")
-    print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join(ARCHS)}")
+    from gateway.plugins import MODALITIES, servable, tiny_archs
+
+    print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join([*ARCHS, *tiny_archs()])}")
     try:
         from modalities.embed.model import DEFAULT_EMBED, default_embed_path
 
         print(f"embed {DEFAULT_EMBED} (default): {default_embed_path()}")
     except FileNotFoundError as exc:
         print(f"embed: unavailable: {exc}")
-    from gateway.plugins import MODALITIES, servable
+    from modalities.asr.model import DEFAULT_ASR, packaged_asr
+
+    for spec, found in packaged_asr().items():
+        name = f"asr  whisper-{spec}{' (default)' if spec == DEFAULT_ASR else ''}"
+        if isinstance(found, FileNotFoundError):
+            print(f"{name}: unavailable: {found}")
+        else:
+            state = "converted" if found[1].is_dir() else "converted on first use"
+            print(f"{name}: {found[0]}\n     -> {found[1]} [{state}]")
+    try:
+        from modalities.tts.piper_engine import default_voice_path
+
+        print(f"tts  piper (default voice): {default_voice_path()}")
+    except FileNotFoundError as exc:
+        print(f"tts  piper: unavailable: {exc}")
 
     print(f"not built yet: {', '.join(m for m in MODALITIES if m not in servable()) or 'none'}")
     return 0

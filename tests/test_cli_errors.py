@@ -1,7 +1,8 @@
 """``mmserve``'s command line on bad input: a value that would start a broken server (listening
 elsewhere, without authentication, hanging or refusing every request) is a usage error naming
 its flag, and a bad file or directory is one line, ``mmserve <command>: error: ...``, exit 1,
-with nothing overwritten. In-process (``gateway.cli.main``), nothing loads."""
+with nothing overwritten; ``models list`` names every modality's model. In-process
+(``gateway.cli.main``), nothing loads."""
 
 from __future__ import annotations
 
@@ -134,3 +135,18 @@ def test_a_piper_voice_that_is_no_voice_is_one_line_before_the_server_starts(
     err = capsys.readouterr().err
     assert err.startswith(f"mmserve serve: error: {voice}") and "Traceback" not in err and err.count("\n") == 1, err
     assert not list((cache_root() / "piper").glob(f"{case}-*")), "a cut of a file that is no voice was cached"
+
+
+def test_models_list_names_every_modalitys_default_and_every_tiny_arch(capsys: pytest.CaptureFixture[str]) -> None:
+    """(It named the LLM's and the embedder's only, and the LLM's tiny archs.)"""
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    for says in (
+        "llm  smollm2 (default)",
+        "embed ",
+        "asr  whisper-tiny.en (default)",
+        "asr  whisper-base",
+        "tts  piper",
+    ):
+        assert says in out, out
+    assert all(arch in out for arch in ("llama", "tts-ar", "dit", "video")), out

@@ -58,6 +58,18 @@ def import_whisper_ct2(src: Path, dst: Path, parts: list[Path] | None = None, se
     return build_once(dst, META_FILE, make)
 
 
+def packaged_asr() -> dict[str, tuple[Path, Path] | FileNotFoundError]:
+    """The Whisper models shipped in pip packages: spec -> (the package's directory, the converted
+    directory in the cache, which exists once converted), or why the spec is unavailable."""
+    out: dict[str, tuple[Path, Path] | FileNotFoundError] = {}
+    for spec in _PACKAGED:
+        try:
+            out[spec] = (_packaged_sources(spec)[0], _cache_root() / f"whisper-{spec}")
+        except FileNotFoundError as exc:
+            out[spec] = exc
+    return out
+
+
 def resolve_asr_path(spec: str | None) -> Path:
     """The transformers Whisper directory for ``spec`` (converting into the cache on first use)."""
     spec = spec or DEFAULT_ASR
