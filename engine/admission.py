@@ -17,7 +17,6 @@ takes, not all at once into the same full bound."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import time
@@ -99,14 +98,3 @@ class Admission:
         if len(self._due) < limit * (MAX_RETRY_AFTER_S // unit + 1):  # (more ahead would change nothing)
             self._due.append(now + wait)
         return float(wait)
-
-
-def parse_limit(text: str) -> int | None:
-    """A ``--*-max-requests`` value: a positive count, or 0 for no bound (argparse ``type``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (no bound) or more, got {value}")
-    return value or None

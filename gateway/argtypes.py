@@ -26,6 +26,14 @@ def at_least(kind: type[int] | type[float], low: float) -> Callable[[str], float
     return parse
 
 
+def count_or_unbounded(text: str) -> int | None:
+    """A ``--*-max-requests`` / ``--max-waiting`` value: a count, or 0 for no bound (``None``)."""
+    try:
+        return int(at_least(int, 0)(text)) or None
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (0: no bound)") from None
+
+
 def positive(text: str) -> float:
     """A finite number > 0."""
     try:

@@ -30,6 +30,8 @@ from gateway.cli import main
         (["serve", "--jobs-ttl-h", "-1"], "--jobs-ttl-h: must be a number more than 0"),
         (["serve", "--jobs-max-queued", "-1"], "--jobs-max-queued: must be 1 or more"),
         (["serve", "--tts-workers", "x"], "--tts-workers: not a whole number"),
+        (["serve", "--tts-max-requests", "-1"], "--tts-max-requests: must be 0 or more, got -1 (0: no bound)"),
+        (["serve", "--max-waiting", "1.5"], "--max-waiting: not a whole number: '1.5' (0: no bound)"),
         (["serve", "--limit", "llm_tokens=inf"], "must be a positive number per minute"),
         (["serve", "--log-level", "bogus"], "--log-level: choose from debug"),
         (["serve", "--results-dir", __file__], "--results-dir: " + __file__ + " is not a directory"),

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine.admission import parse_limit
+from gateway.argtypes import count_or_unbounded
 from gateway.plugins import Built
 from modalities.asr.api import router
 from modalities.asr.engine import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_REQUESTS
@@ -69,7 +69,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--asr-max-requests",
-        type=parse_limit,
+        type=count_or_unbounded,
         default=DEFAULT_MAX_REQUESTS,
         help="transcriptions held at once past which new uploads get 429 with Retry-After (jobs and live turns "
         "wait; 0: no bound; per worker under --dispatch celery)",

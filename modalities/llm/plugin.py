@@ -7,9 +7,8 @@ import logging
 import sys
 from typing import Any
 
-from engine.admission import parse_limit
 from engine.config import DEFAULT_MAX_WAITING
-from gateway.argtypes import at_least, positive
+from gateway.argtypes import at_least, count_or_unbounded, positive
 from gateway.plugins import Built
 from modalities.llm.api import router
 
@@ -45,7 +44,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=at_least(int, 1), default=None)
     g.add_argument(
         "--max-waiting",
-        type=parse_limit,
+        type=count_or_unbounded,
         default=DEFAULT_MAX_WAITING,
         help="requests waiting for a place in the running batch past which new ones get 429 with "
         f"Retry-After: every request, live voice turns', pipeline stages' and batch lines' too "
@@ -98,7 +97,7 @@ def engine_config(args: Any, model: str) -> Any:
         if value is not None:
             kwargs[name] = value
     if hasattr(args, "max_waiting"):
-        kwargs["max_waiting"] = args.max_waiting or sys.maxsize  # (``parse_limit``: None is no bound)
+        kwargs["max_waiting"] = args.max_waiting or sys.maxsize  # (``count_or_unbounded``: None is no bound)
     quant = getattr(args, "quantization", None)
     if quant is not None:
         kwargs["quantization"] = None if quant == "none" else quant

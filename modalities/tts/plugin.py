@@ -8,8 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine.admission import parse_limit
-from gateway.argtypes import at_least
+from gateway.argtypes import at_least, count_or_unbounded
 from gateway.plugins import Built
 from modalities.tts.api import router
 from modalities.tts.protocol import DEFAULT_MAX_REQUESTS, OPENAI_MODELS
@@ -64,7 +63,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tts-max-requests",
-        type=parse_limit,
+        type=count_or_unbounded,
         default=DEFAULT_MAX_REQUESTS,
         help="syntheses each voice holds at once past which new speech requests get 429 with Retry-After "
         "(jobs and live turns wait; the --tts-ar voice holds at least its --tts-ar-max-num-seqs; 0: no "
