@@ -149,8 +149,10 @@ def read_keys_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     text = path.read_text()
     if path.suffix == ".toml":
-        import tomllib  # Python 3.11+; JSON keys files work everywhere
-
+        try:
+            import tomllib
+        except ImportError:  # (Python 3.10)
+            raise ValueError(f"{path}: TOML keys files need Python 3.11 or later; use JSON") from None
         data = tomllib.loads(text)
     else:
         data = json.loads(text)
