@@ -195,6 +195,17 @@ def write_keys_file(path: str | Path, data: dict[str, Any]) -> None:
 WS_KEY_PROTOCOL = "openai-insecure-api-key."
 
 
+def ws_subprotocol(ws: HTTPConnection, preferred: str | None = None) -> str | None:
+    """The subprotocol a WebSocket route accepts: ``preferred`` if offered, else the first offered
+    that carries no key, else the key's (a browser fails a handshake whose answer names none of
+    the protocols it offered: one that sends only ``openai-insecure-api-key.<key>`` could not
+    connect); ``None`` when none is offered."""
+    offered = [p.strip() for p in ws.scope.get("subprotocols", [])]
+    if preferred in offered:
+        return preferred
+    return next((p for p in offered if not p.startswith(WS_KEY_PROTOCOL)), offered[0] if offered else None)
+
+
 def bearer_token(request: HTTPConnection) -> str | None:
     """The key from ``Authorization: Bearer``; on WebSockets also from the subprotocol
     ``openai-insecure-api-key.<key>`` (how OpenAI Realtime browser clients, which cannot set

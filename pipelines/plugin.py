@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket
 
+from gateway.auth import ws_subprotocol
+
 __all__ = ["router"]
 
 router = APIRouter()
@@ -25,8 +27,7 @@ async def realtime(ws: WebSocket, model: str | None = None, intent: str | None =
 
     state = ws.app.state
     engines, aliases = state.engines, getattr(state, "aliases", {})
-    subprotocol = "realtime" if "realtime" in ws.scope.get("subprotocols", []) else None
-    await ws.accept(subprotocol=subprotocol)
+    await ws.accept(subprotocol=ws_subprotocol(ws, "realtime"))
     if intent not in (None, "transcription"):
         await _refuse(ws, f"intent must be 'transcription' or absent, got {intent!r}", "invalid_value", "intent")
         return

@@ -249,6 +249,9 @@ def test_unknown_ids_and_auth(base: str) -> None:
     assert rejected.value.response.status_code == 401
     with websockets.sync.client.connect(f"{ws_base}/v1/jobs/job_nope/ws", additional_headers=HEADERS) as ws:
         assert json.loads(ws.recv())["error"]["code"] == "not_found"
+    key_only = [f"openai-insecure-api-key.{API_KEY}"]  # a browser's: its answer must name what it offered
+    with websockets.sync.client.connect(f"{ws_base}/v1/jobs/job_nope/ws", subprotocols=key_only) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol == key_only[0] and json.loads(ws.recv())["error"]["code"] == "not_found"
     resp = httpx.post(f"{base}/v1/jobs", content=b"{not json", headers={**HEADERS, "content-type": "application/json"})
     error(resp, 400)
 

@@ -1113,6 +1113,8 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
             await c.send("input_audio_buffer.clear")
             await c.until("input_audio_buffer.cleared")
             assert [e for e in c.events if e["type"] == "error"] == [full, err]
+        async with websockets.connect(ws_url, subprotocols=protocols[1:]) as ws:  # the key alone (a browser)
+            assert ws.subprotocol == protocols[1] and json.loads(await ws.recv())["type"] == "session.created"
 
     with serve_app(app) as url:
         run(go(url.replace("http://", "ws://") + "/v1/realtime"))

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import HTTPConnection
 
 from engine.errors import QueueFullError
+from gateway.auth import ws_subprotocol
 from gateway.errors import APIError
 from gateway.ratelimit import charge
 from workers.jobs import state
@@ -338,7 +339,7 @@ async def job_events(
 async def job_ws(websocket: WebSocket, job_id: str, previews: bool = False) -> None:
     """The job's events as JSON messages; ``{"type": "cancel"}`` from the client cancels it."""
     svc = service(websocket.app)
-    await websocket.accept()
+    await websocket.accept(subprotocol=ws_subprotocol(websocket))
     rec = await svc.get(job_id)
     if rec is None or not visible(rec.get("owner"), owner_of(websocket)):
         await websocket.send_json(not_found("job", job_id).to_dict())
