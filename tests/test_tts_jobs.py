@@ -71,8 +71,10 @@ def test_long_text_job_writes_one_audio_file_with_progress(base: str) -> None:
     job = _wait(base, resp.json()["id"])
     assert job["status"] == "succeeded", job
     result = job["result"]
-    audio_bytes = httpx.get(f"{base}{result['url']}", timeout=30).content
-    audio = decode_audio(audio_bytes, rate=None)
+    fetched = httpx.get(f"{base}{result['url']}", timeout=30)
+    recorded = next(f["content_type"] for f in job["files"] if f["url"] == result["url"])
+    assert fetched.headers["content-type"] == recorded == "audio/wav"  # (not the platform's guess, audio/x-wav)
+    audio = decode_audio(fetched.content, rate=None)
     pieces = sum(len(split_text(s)) for s in segments(text))
     assert audio.rate == 24000
     # each piece stops at <|audio_end|> or after FRAMES frames (the random model sometimes ends early)

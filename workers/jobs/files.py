@@ -149,6 +149,9 @@ async def get_file_content(file_id: str, request: Request) -> Response:
         data, content_type = await asyncio.to_thread(svc.store.get, job_id, check_name(name))
     except FileNotFoundError as exc:
         raise not_found("file content", file_id) from exc
+    if job_id != UPLOADS and (rec := await svc.get(job_id)) is not None:  # the type the job recorded
+        recorded = next((f.get("content_type") for f in rec["files"] if f["name"] == name), None)
+        content_type = recorded or content_type
     return Response(
         data, media_type=content_type, headers={"Content-Disposition": f'inline; filename="{obj["filename"]}"'}
     )
