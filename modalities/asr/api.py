@@ -66,7 +66,7 @@ def pick_asr_engine(engines: dict[str, Any], aliases: dict[str, str], model: str
         aliases,
         model or None,  # an empty form field counts as omitted
         asr,
-        none_served="no speech-to-text model is served (start with --asr)",
+        none_served="no speech-to-text model is served (include asr in --only; --asr picks the model)",
         unsupported="does not support transcription",
     )
 

@@ -44,7 +44,7 @@ def resolve_embedding_engine(request: Request, model: str | None) -> tuple[str, 
         aliases,
         model,
         embedders,
-        none_served="no embedding model is served (start with --embed)",
+        none_served="no embedding model is served (include embed in --only; --embed picks the model)",
         unsupported="does not support embeddings",
     )
 

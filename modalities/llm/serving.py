@@ -45,7 +45,7 @@ def resolve_engine(request: Request, model: str | None) -> tuple[str, Any]:
         getattr(state, "aliases", {}),
         model,
         llms,
-        none_served="no text generation model is served (start with --llm)",
+        none_served="no text generation model is served (include llm in --only; --llm picks the model)",
         unsupported="does not generate text",
     )
 

@@ -36,7 +36,9 @@ def resolve_tts(
     unknown voice) or 404 (unknown model)."""
     tts = tts_engines(engines)
     if not tts:
-        raise APIError(400, "no text-to-speech model is served (start with --tts)", param="model")
+        raise APIError(
+            400, "no text-to-speech model is served (include tts in --only; --tts picks the voice)", param="model"
+        )
     fixed: str | None = None
     if model is not None and model not in OPENAI_MODELS:
         name = model if model in engines else (aliases or {}).get(model, model)
