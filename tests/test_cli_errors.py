@@ -122,9 +122,11 @@ def test_keys_add_writes_through_a_symlink(tmp_path: Path, capsys: pytest.Captur
 
 @pytest.mark.parametrize("case", ["garbage", "empty", "config"])
 def test_a_piper_voice_that_is_no_voice_is_one_line_before_the_server_starts(
-    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """(It failed inside the server's start-up: a traceback and exit 3.) Nothing is cached for it."""
+    # (serve's logging set-up would point the root logger at this test's captured stderr for good)
+    monkeypatch.setattr("gateway.logs.configure_logging", lambda *_: None)
     from engine.model_loader import cache_root
     from modalities.tts.piper_engine import default_voice_path
 
