@@ -275,6 +275,7 @@ def test_the_openai_client_pages_through_files_and_batches(base: str) -> None:
     assert len(whole) >= 3 and [f.id for f in c.files.list(limit=1)] == whole
     batches = [b.id for b in c.batches.list(limit=100).data]
     assert [b.id for b in c.batches.list(limit=1)] == batches
+    assert [f["id"] for f in get(base, "/v1/files?after=").json()["data"]] == whole  # (empty: from the top)
     for listing in (c.files.list, c.batches.list):
         with pytest.raises(openai.BadRequestError) as refused:
             listing(after="file-nothing")

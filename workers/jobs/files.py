@@ -121,7 +121,7 @@ async def list_files(
 async def page_ids(svc: JobService, index: str, limit: int, after: str | None, what: str) -> list[str]:
     """Up to ``limit + 1`` ids of the caller's ``index`` after the cursor ``after`` (the extra one
     tells ``has_more``); 400 when ``after`` is none of them (deleted, expired or never listed)."""
-    ids = await svc.backend.index_list(index, limit + 1, after)
+    ids = await svc.backend.index_list(index, limit + 1, after or None)  # (``?after=``: from the top)
     if ids is None:
         msg = f"after: no {what} '{after}' in your list (deleted or expired?); list again from the start"
         raise APIError(400, msg, param="after", code="invalid_value")
