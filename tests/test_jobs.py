@@ -270,12 +270,17 @@ def test_the_openai_client_pages_through_files_and_batches(base: str) -> None:
     names nothing of the caller's is a 400 naming ``after`` (it listed from the top)."""
     c = client(base)
     for i in range(3):
-        c.files.create(file=(f"p{i}.txt", b"page"), purpose="user_data")
-    whole = [f.id for f in c.files.list(limit=10_000).data]
+        c.files.create(file=(f"page{i}.txt", b"page"), purpose="user_data")
+    listed = c.files.list(limit=10_000).data
+    whole, kept = [f.id for f in listed], [f.id for f in listed if not f.filename.startswith("page")]
     assert len(whole) >= 3 and [f.id for f in c.files.list(limit=1)] == whole
     batches = [b.id for b in c.batches.list(limit=100).data]
     assert [b.id for b in c.batches.list(limit=1)] == batches
     assert [f["id"] for f in get(base, "/v1/files?after=").json()["data"]] == whole  # (empty: from the top)
+    for f in c.files.list(limit=1):  # deleting what it pages through: a deleted cursor still reads on
+        if f.filename.startswith("page"):
+            c.files.delete(f.id)
+    assert [f.id for f in c.files.list(limit=1)] == kept
     for listing in (c.files.list, c.batches.list):
         with pytest.raises(openai.BadRequestError) as refused:
             listing(after="file-nothing")

@@ -279,8 +279,8 @@ def test_a_file_put_after_its_job_was_deleted_is_not_kept(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_a_listing_pages_after_a_cursor_and_refuses_an_unknown_one(kind: str) -> None:
-    """(An unknown ``after`` listed from the top: a client paging past a deleted item read its
-    pages again.)"""
+    """(An unknown ``after`` listed from the top: a client paging past an expired item read its
+    pages again.) An item its owner deleted stays a cursor."""
     from workers.jobs.redis_backend import RedisBackend
     from workers.jobs.state import MemoryBackend
 
@@ -297,6 +297,10 @@ def test_a_listing_pages_after_a_cursor_and_refuses_an_unknown_one(kind: str) ->
             while (page := await backend.index_list("files:alice", 2, after)) and len(pages) < 5:
                 pages.append(page)
                 after = page[-1]
+            await backend.index_retire("files:alice", "file-3")  # deleted by its owner: still a cursor
+            await backend.index_remove("files:alice", "file-2")  # expired: gone
+            assert await backend.index_list("files:alice", 2, "file-3") == ["file-1", "file-0"]
+            assert await backend.index_list("files:alice", 2, "file-2") is None
             return pages, await backend.index_list("files:alice", 2, "file-gone")
         finally:
             if kind == "redis":

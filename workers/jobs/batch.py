@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.errors import APIError
 from workers.jobs import state
 from workers.jobs.api import get_job_or_404, not_found, owner_of, router, service, submit_or_raise
-from workers.jobs.files import file_object, list_object, page_ids
+from workers.jobs.files import file_object, list_page
 from workers.jobs.registry import JobCancelled, JobContext, register_job_kind
 from workers.jobs.store import UPLOADS, file_id
 
@@ -350,9 +350,11 @@ async def list_batches(
 ) -> JSONResponse:
     """The caller's batches, newest first (OpenAI list object)."""
     svc, owner = service(request.app), owner_of(request)
-    ids = await page_ids(svc, state.batches_index(owner), limit, after, "batch")
-    data = [batch_view(rec) for bid in ids[:limit] if (rec := await svc.get(bid)) is not None]
-    return JSONResponse(list_object(data, more=len(ids) > limit))
+
+    async def load(bid: str) -> dict[str, Any] | None:
+        return batch_view(rec) if (rec := await svc.get(bid)) is not None else None
+
+    return JSONResponse(await list_page(svc, state.batches_index(owner), limit, after, "batch", load))
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -17,6 +17,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import File, Form, Query, Request, UploadFile
@@ -109,23 +110,41 @@ async def list_files(
 ) -> JSONResponse:
     """The caller's uploaded files, newest first (OpenAI list object)."""
     svc, owner = service(request.app), owner_of(request)
-    ids = await page_ids(svc, state.files_index(owner), limit, after, "file")
-    data = []
-    for fid in ids:
+
+    async def load(fid: str) -> dict[str, Any] | None:
         meta = await svc.backend.get_meta(f"file:{fid}")
-        if meta is not None and (purpose is None or meta["purpose"] == purpose):
-            data.append(public_meta(meta, svc.cfg.result_ttl_s))
-    return JSONResponse(list_object(data[:limit], more=len(ids) > limit))
+        if meta is None or (purpose is not None and meta["purpose"] != purpose):
+            return None
+        return public_meta(meta, svc.cfg.result_ttl_s)
+
+    return JSONResponse(await list_page(svc, state.files_index(owner), limit, after, "file", load))
 
 
-async def page_ids(svc: JobService, index: str, limit: int, after: str | None, what: str) -> list[str]:
-    """Up to ``limit + 1`` ids of the caller's ``index`` after the cursor ``after`` (the extra one
-    tells ``has_more``); 400 when ``after`` is none of them (deleted, expired or never listed)."""
-    ids = await svc.backend.index_list(index, limit + 1, after or None)  # (``?after=``: from the top)
-    if ids is None:
-        msg = f"after: no {what} '{after}' in your list (deleted or expired?); list again from the start"
-        raise APIError(400, msg, param="after", code="invalid_value")
-    return ids
+async def list_page(
+    svc: JobService,
+    index: str,
+    limit: int,
+    after: str | None,
+    what: str,
+    load: Callable[[str], Awaitable[dict[str, Any] | None]],
+) -> dict[str, Any]:
+    """OpenAI's cursor page of up to ``limit`` objects ``load`` gives for the ids of the caller's
+    ``index`` after the cursor ``after`` (``None`` from ``load``: deleted or filtered out, and
+    the page reads on, so that it is only short at the end); 400 when ``after`` is none of
+    them (expired, or never listed)."""
+    data: list[dict[str, Any]] = []
+    cursor = after or None  # (``?after=``: from the top)
+    while len(data) <= limit:
+        want = limit + 1 - len(data)  # (the extra one tells ``has_more``)
+        ids = await svc.backend.index_list(index, want, cursor)
+        if ids is None:
+            msg = f"after: no {what} '{after}' in your list (expired?); list again from the start"
+            raise APIError(400, msg, param="after", code="invalid_value")
+        data += [obj for item in ids if (obj := await load(item)) is not None]
+        if len(ids) < want:
+            break
+        cursor = ids[-1]
+    return list_object(data[:limit], more=len(data) > limit)
 
 
 def list_object(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
@@ -169,7 +188,8 @@ async def delete_file(file_id: str, request: Request) -> JSONResponse:
         if (user := (await uploads_in_use(svc.backend)).get(file_id)) is not None:
             msg = f"file {file_id} is the input of job {user}, which has not ended; delete it once the job ends"
             raise APIError(409, msg, code="file_in_use")
-        await delete_upload(svc.backend, svc.store, file_id, await svc.backend.get_meta(f"file:{file_id}"))
+        meta = await svc.backend.get_meta(f"file:{file_id}")
+        await delete_upload(svc.backend, svc.store, file_id, meta, expired=False)
     else:
         rec, _ = await svc.backend.update(job_id, state.remove_file(name))
         if rec is None:

@@ -148,6 +148,9 @@ class RedisBackend:
     async def index_remove(self, index: str, item_id: str) -> None:
         await self.r.zrem(self._k("index", index), item_id)
 
+    async def index_retire(self, index: str, item_id: str) -> None:
+        return None  # (it ages out of the index with the TTL, as index_add trims)
+
     async def delete(self, job_id: str) -> None:
         rec = await self.get(job_id)
         keys = [self._k("job", job_id), self._k("events", job_id)]

@@ -260,7 +260,7 @@ class JobService:
 
     async def delete(self, rec: Record) -> None:
         """Delete a finished job: its result files, record and events."""
-        await delete_job(self.backend, self.store, rec)
+        await delete_job(self.backend, self.store, rec, expired=False)
 
     async def reap(self) -> list[str]:
         return await reap(self.backend, self.runner.dispatch, self.cfg.redispatch_after_s)

@@ -278,6 +278,12 @@ class Backend(Protocol):
 
     async def index_remove(self, index: str, item_id: str) -> None: ...
 
+    async def index_retire(self, index: str, item_id: str) -> None:
+        """``item_id`` was deleted: listings skip it (its record or metadata is gone), but it stays
+        a cursor for a while (Redis: until it ages out of the index; memory: the last
+        ``max_finished`` retired), so a client that deletes what it pages through reads on."""
+        ...
+
     async def delete(self, job_id: str) -> None:
         """Forget a job: its record, events and idempotency key (idempotent)."""
         ...
@@ -310,6 +316,7 @@ class MemoryBackend:
         self.indexes: dict[str, list[str]] = {}
         self.max_finished = max_finished
         self._finished: deque[str] = deque()
+        self._retired: deque[tuple[str, str]] = deque()  # (index, id) deleted, still a cursor
         self._changed = asyncio.Condition()
 
     async def create(self, rec: Record) -> tuple[Record, bool]:
@@ -410,6 +417,11 @@ class MemoryBackend:
     async def index_remove(self, index: str, item_id: str) -> None:
         with contextlib.suppress(ValueError):
             self.indexes.get(index, []).remove(item_id)
+
+    async def index_retire(self, index: str, item_id: str) -> None:
+        self._retired.append((index, item_id))
+        while len(self._retired) > self.max_finished:
+            await self.index_remove(*self._retired.popleft())
 
     async def close(self) -> None:
         return None

@@ -59,21 +59,26 @@ async def reap_forever(
             logger.warning("job reaper failed: %r", exc)
 
 
-async def delete_job(backend: Backend, store: Store, rec: Record) -> None:
+async def delete_job(backend: Backend, store: Store, rec: Record, expired: bool = True) -> None:
     """Delete a job's result files, then its record and events (a failure leaves the record, so
-    the deletion can be tried again)."""
+    the deletion can be tried again). A batch's place in its listing goes when it ``expired``;
+    one a client deletes stays a cursor (``Backend.index_retire``)."""
     await asyncio.to_thread(store.delete_job, rec["id"])
     if rec["kind"].startswith("batch:"):
-        await backend.index_remove(state.batches_index(rec.get("owner")), rec["id"])
+        drop = backend.index_remove if expired else backend.index_retire
+        await drop(state.batches_index(rec.get("owner")), rec["id"])
     await backend.delete(rec["id"])
     await asyncio.to_thread(store.delete_job, rec["id"])  # a file its attempt put meanwhile
 
 
-async def delete_upload(backend: Backend, store: Store, fid: str, meta: dict[str, Any] | None) -> None:
-    """Delete an uploaded (or generated) file and its metadata."""
+async def delete_upload(
+    backend: Backend, store: Store, fid: str, meta: dict[str, Any] | None, expired: bool = True
+) -> None:
+    """Delete an uploaded (or generated) file and its metadata (its listing place as ``delete_job``'s)."""
     await asyncio.to_thread(store.delete, UPLOADS, fid)
     if meta is not None:
-        await backend.index_remove(state.files_index(meta.get("owner")), fid)
+        drop = backend.index_remove if expired else backend.index_retire
+        await drop(state.files_index(meta.get("owner")), fid)
     await backend.delete_meta(f"file:{fid}")
 
 
