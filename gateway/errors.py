@@ -201,12 +201,17 @@ def from_engine_error(exc: BaseException, param: str | None = None) -> APIError 
     return None
 
 
+_PACKAGES = frozenset({"engine", "gateway", "modalities", "pipelines", "workers"})  # mmserve's own
+
+
 def failure_error(exc: BaseException, internal_type: str = "server_error") -> dict[str, Any]:
     """The OpenAI error object (``message``, ``type``, ``param``, ``code``) of a failure reported
     after the work was accepted (a job's, a realtime reply's): an input's error or an engine's
-    refusal reads as its route's answer would; anything else (a bug) is of ``internal_type`` and
-    names the exception's class, for whoever reads the logs."""
-    mapped = from_engine_error(exc) if isinstance(exc, Exception) else None
+    refusal (an mmserve exception the routes map) reads as its route's answer would; anything
+    else (a bug: a ValueError from Python or a library too) is of ``internal_type`` and names
+    the exception's class, for whoever reads the logs."""
+    ours = type(exc).__module__.split(".")[0] in _PACKAGES  # (a bare ValueError is a bug's, not the input's)
+    mapped = from_engine_error(exc) if isinstance(exc, Exception) and ours else None
     if mapped is not None:
         return mapped.to_dict()["error"]
     return {"message": f"{type(exc).__name__}: {exc}", "type": internal_type, "param": None, "code": None}

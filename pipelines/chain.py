@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gateway.errors import is_input_error
+from gateway.errors import APIError, is_input_error
 from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
 from pipelines.frames import AudioFrame, End, Frame, LLMDone, Transcript, TTSAudio, UserAudio
@@ -138,8 +138,10 @@ async def run_stage(
     out = await while_live(store, chain_id, dispatch, stage_pipeline(stage, engines, opts).run_all(frames))
     if out is None:
         return  # (the chain ended meanwhile: nothing to store)
-    if error := next((f.error for f in out if isinstance(f, LLMDone) and f.error), None):
-        raise StageFailed(error)  # the engine refused or failed the reply: retry, then fail the chain
+    if (done := next((f for f in out if isinstance(f, LLMDone) and f.error), None)) is not None:
+        if done.error_type == "invalid_request_error":  # refused for its input (a prompt too long)
+            raise APIError(400, done.error or "", code=done.error_code)  # (not retried)
+        raise StageFailed(done.error or "")  # the engine failed the reply: retry, then fail the chain
     store.finish(chain_id, stage, out, time.perf_counter() - t0, dispatch)
 
 

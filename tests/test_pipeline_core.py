@@ -391,12 +391,12 @@ def test_a_render_on_a_snapshot_leaves_out_the_same_items_of_the_live_conversati
     assert [m["content"] for m in conv.messages(conv._first)] == ["Be brief.", "What now?"]
 
 
-@pytest.mark.parametrize("failure", ["too_long", "worker_lost", "bug"])
+@pytest.mark.parametrize("failure", ["too_long", "worker_lost", "bug", "value_bug", "bad_param"])
 def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) -> None:
     """The reply's ``LLMDone`` carries the error as the routes map it: an engine refusal, or a
-    lost worker's 503 under celery dispatch (its code, as the HTTP routes give it); a bug is a
-    ``server_error`` with no code."""
-    from engine.errors import PromptTooLongError
+    lost worker's 503 under celery dispatch (its code, as the HTTP routes give it), a bad
+    parameter; a bug is a ``server_error`` with no code, a ValueError from Python's own code too."""
+    from engine.errors import InvalidParamError, PromptTooLongError
     from gateway.errors import APIError
     from pipelines.conversation import Conversation
     from pipelines.frames import LLMStarted, ResponseRequest
@@ -407,6 +407,8 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) ->
         "too_long": PromptTooLongError(3, 64, 8),
         "worker_lost": APIError(503, "worker w1 was lost mid-request", code="worker_lost"),
         "bug": KeyError("oops"),
+        "value_bug": ValueError("not enough values to unpack (expected 2, got 1)"),
+        "bad_param": InvalidParamError("temperature must be at most 2", "temperature"),
     }[failure]
 
     class Engine:
@@ -425,6 +427,8 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) ->
         "too_long": ("maximum context length", "invalid_request_error", "context_length_exceeded"),
         "worker_lost": ("was lost mid-request", "service_unavailable", "worker_lost"),
         "bug": ("oops", "server_error", None),
+        "value_bug": ("ValueError: not enough values", "server_error", None),
+        "bad_param": ("temperature must be", "invalid_request_error", "invalid_value"),
     }[failure]
     assert (out[1].error or "").find(expected[0]) >= 0 and (out[1].error_type, out[1].error_code) == expected[1:]
 
@@ -946,6 +950,37 @@ def test_chain_stages_skip_done_and_cancelled_work() -> None:
     store.set_status("c", "cancelled")
     asyncio.run(run_stage(store, "c", "asr", Services()))  # a cancelled chain's stages are no-ops
     assert store.output("c", "asr") is None and store.status("c")["status"] == "cancelled"
+
+
+def test_a_chain_stage_refused_for_its_input_is_not_retried() -> None:
+    """An LLM stage the engine refuses for its prompt (too long) fails the chain at its first
+    attempt, with the route's message (it was tried ``max_attempts`` times); a failure that is
+    no refusal is still retried."""
+    from engine.errors import PromptTooLongError
+    from pipelines.chain import run_local
+    from pipelines.services import Services
+    from pipelines.stage_store import ChainOptions, StageStore
+
+    class Engine:
+        tokenizer = type("Tok", (), {"apply_chat_template": lambda self, m, **_: [1, 2, 3]})()
+        max_model_len = 4096
+
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        async def generate(self, *_: object, **__: object) -> AsyncIterator[object]:
+            raise self.error
+            yield  # an async generator, like AsyncEngine.generate
+
+    for error, attempts in ((PromptTooLongError(5000, 64, 4096), 1), (RuntimeError("the engine broke"), 3)):
+        store = StageStore(None)
+        store.create("c", np.zeros(1600, np.float32), ChainOptions(speak=False, max_attempts=3))
+        store.finish("c", "vad", [UserAudio(np.zeros(1600, np.float32), 16_000, 0, 100, item_id="u")], 0.0)
+        store.finish("c", "asr", [Transcript("Tell me everything.", item_id="u")], 0.0)
+        with pytest.raises(Exception) as failed:
+            asyncio.run(run_local(store, "c", Services(llm=Engine(error))))
+        assert store.attempts("c", "llm") == attempts, (error, store.attempts("c", "llm"))
+        assert str(error) in str(failed.value) and store.status("c")["status"] == "failed"
 
 
 def test_a_running_stage_stops_once_its_chain_ends_or_is_sent_again() -> None:

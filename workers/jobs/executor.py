@@ -102,10 +102,9 @@ class Executor:
                 state.finish(
                     token,
                     "failed",
-                    error={
-                        "message": f"job kind {rec['kind']!r} is not registered on worker {self.worker}",
-                        "type": "server_error",
-                    },
+                    error=state.job_error(
+                        f"job kind {rec['kind']!r} is not registered on worker {self.worker}", "server_error"
+                    ),
                 ),
             )
             return

@@ -156,6 +156,11 @@ def finish(token: str, status: str, *, result: Any = None, error: dict[str, Any]
     return fn
 
 
+def job_error(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """A job's ``error``: an OpenAI error object."""
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
 def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Transition:
     """A lost or failed attempt: back to queued under a fresh token while attempts remain, else
     failed. ``expired_only``: only when the lease ran out (the reaper), whatever the token."""
@@ -174,13 +179,13 @@ def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Tr
                 "token": uuid.uuid4().hex,
                 "lease_until": None,
                 "worker": None,
-                "error": {"message": reason, "type": "retried"},
+                "error": job_error(reason, "retried"),
             }
         msg = f"{reason} (gave up after {rec['attempts']} attempt{'s' if rec['attempts'] != 1 else ''})"
         return {
             **rec,
             "status": "failed",
-            "error": {"message": msg, "type": "worker_lost"},
+            "error": job_error(msg, "worker_lost"),
             "finished_at": time.time(),
             "lease_until": None,
         }
@@ -208,7 +213,7 @@ def fail_queued(message: str) -> Transition:
         return {
             **rec,
             "status": "failed",
-            "error": {"message": message, "type": "queue_error"},
+            "error": job_error(message, "queue_error"),
             "finished_at": time.time(),
         }
 
