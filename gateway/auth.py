@@ -200,7 +200,7 @@ def ws_subprotocol(ws: HTTPConnection, preferred: str | None = None) -> str | No
     that carries no key, else the key's (a browser fails a handshake whose answer names none of
     the protocols it offered: one that sends only ``openai-insecure-api-key.<key>`` could not
     connect); ``None`` when none is offered."""
-    offered = [p.strip() for p in ws.scope.get("subprotocols", [])]
+    offered = [p.strip() for p in ws.scope.get("subprotocols", []) if p.strip()]
     if preferred in offered:
         return preferred
     return next((p for p in offered if not p.startswith(WS_KEY_PROTOCOL)), offered[0] if offered else None)

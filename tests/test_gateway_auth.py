@@ -110,6 +110,24 @@ def test_missing_or_wrong_key_is_401(base_url: str) -> None:
         assert info.value.response.status_code == 401
 
 
+@pytest.mark.parametrize(
+    ("offered", "answer"),
+    [
+        ([], None),
+        (["realtime", "openai-insecure-api-key.k"], "realtime"),
+        (["openai-insecure-api-key.k", "openai-beta.realtime-v1"], "openai-beta.realtime-v1"),
+        (["openai-insecure-api-key.k"], "openai-insecure-api-key.k"),  # (a browser needs one named back)
+        (["", " ", "openai-insecure-api-key.k"], "openai-insecure-api-key.k"),
+    ],
+)
+def test_a_websocket_is_answered_with_one_of_its_offered_subprotocols(offered: list[str], answer: str | None) -> None:
+    from types import SimpleNamespace
+
+    from gateway.auth import ws_subprotocol
+
+    assert ws_subprotocol(SimpleNamespace(scope={"subprotocols": offered}), "realtime") == answer  # type: ignore[arg-type]
+
+
 def test_a_request_without_a_key_is_refused_before_its_body_is_read(base_url: str) -> None:
     """The 401 comes first: before a body's own 400 (a lone surrogate, bad gzip) or 415 (an
     unknown encoding), and without waiting for a body that has not arrived."""
