@@ -6,6 +6,7 @@ with nothing overwritten; ``models list`` names every modality's model. In-proce
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,25 +121,37 @@ def test_keys_add_writes_through_a_symlink(tmp_path: Path, capsys: pytest.Captur
     assert link.is_symlink() and '"b"' in real.read_text() and '"a"' in real.read_text()
 
 
-@pytest.mark.parametrize("case", ["garbage", "empty", "config"])
+@pytest.mark.parametrize("case", ["garbage", "empty", "config", "list"])
 def test_a_piper_voice_that_is_no_voice_is_one_line_before_the_server_starts(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """(It failed inside the server's start-up: a traceback and exit 3.) Nothing is cached for it."""
     # (serve's logging set-up would point the root logger at this test's captured stderr for good)
     monkeypatch.setattr("gateway.logs.configure_logging", lambda *_: None)
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path / "cache"))  # (what is cached: this test's alone)
     from engine.model_loader import cache_root
     from modalities.tts.piper_engine import default_voice_path
 
     real = default_voice_path()
     voice = tmp_path / f"{case}.onnx"
-    voice.write_bytes({"garbage": b"not a model" * 100, "empty": b"", "config": real.read_bytes()}[case])
-    config = Path(f"{real}.json").read_text()
-    Path(f"{voice}.json").write_text('{"audio": {}}' if case == "config" else config)
+    voice.write_bytes({"garbage": b"not a model" * 100, "empty": b""}.get(case, real.read_bytes()))
+    config = {"config": '{"audio": {}}', "list": "[]"}.get(case) or Path(f"{real}.json").read_text()
+    Path(f"{voice}.json").write_text(config)
     assert main(["serve", "--only", "tts", "--tts", str(voice), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mmserve serve: error: {voice}") and "Traceback" not in err and err.count("\n") == 1, err
-    assert not list((cache_root() / "piper").glob(f"{case}-*")), "a cut of a file that is no voice was cached"
+    cached = cache_root() / "piper"
+    assert not cached.exists() or not list(cached.iterdir()), "a cut of a file that is no voice was cached"
+
+
+def test_a_toml_keys_file_without_tomllib_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Python 3.10 has no ``tomllib``: a traceback.)"""
+    keys = tmp_path / "keys.toml"
+    keys.write_text("[tenants.acme]\nkeys = []\n")
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # (an import of it raises ImportError)
+    assert "need Python 3.11" in _fails(["keys", "add", "--keys-file", str(keys), "--tenant", "t"], capsys)
 
 
 def test_models_list_names_every_modalitys_default_and_every_tiny_arch(capsys: pytest.CaptureFixture[str]) -> None:

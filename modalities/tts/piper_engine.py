@@ -90,9 +90,11 @@ def read_voice_config(path: Path) -> dict[str, Any]:
     with open(f"{path}.json", encoding="utf-8") as f:
         config = json.load(f)  # (a JSONDecodeError is a ValueError)
     try:
+        if not isinstance(config, dict):
+            raise TypeError("a JSON object")
         PiperConfig.from_dict(config)
         int(config["audio"]["sample_rate"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}.json is not a Piper voice config (missing or bad {exc})") from None
     return config
 
@@ -125,7 +127,6 @@ class PiperEngine(ReportsUsage):
         self.path = resolve_voice_path(str(model_path) if model_path is not None else None)
         self._config_dict = read_voice_config(self.path)
         self.sample_rate = int(self._config_dict["audio"]["sample_rate"])
-        cut_voice(self.path)  # (once, cached) here: a file that is no voice fails at start-up, in one line
         stem = self.path.name.removesuffix(".onnx")
         self.model_name = name or f"piper-{stem}"
         short = stem.split("-")[1] if stem.count("-") >= 2 else stem  # en_US-joe-medium -> joe
@@ -156,6 +157,11 @@ class PiperEngine(ReportsUsage):
             self.path, self._config_dict, threads or self.threads, OUTPUT_GAIN, self.seed, self._phonemizer
         )
 
+    def prepare(self) -> None:
+        """Cut the voice's graph now (once, cached) rather than in ``start``: a file that is no
+        voice fails the server's start-up in one line (``ValueError``), not inside its lifespan."""
+        cut_voice(self.path)
+
     async def start(self) -> None:
         async with self._start_lock:  # concurrent first requests load the sessions once
             if not self._threads:
@@ -164,6 +170,7 @@ class PiperEngine(ReportsUsage):
     async def _start(self) -> None:
         self._stopping = False
         phonemizer = asyncio.ensure_future(asyncio.to_thread(self._phonemizer.start))  # loads meanwhile
+        await asyncio.to_thread(cut_voice, self.path)  # once, before the sessions that read it
         voices = await asyncio.gather(*(asyncio.to_thread(self._load_voice) for _ in range(self.workers)))
         await phonemizer
         cores = os.cpu_count() or 1

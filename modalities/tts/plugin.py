@@ -91,6 +91,7 @@ def build(args: Any, explicit: bool = False) -> Built:
             seed=getattr(args, "tts_seed", None),
             max_requests=bound,
         )
+        piper.prepare()
     except FileNotFoundError:
         if spec is not None or explicit:
             raise
