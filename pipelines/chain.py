@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gateway.errors import APIError, is_input_error
+from gateway.errors import APIError, failure_error, is_input_error
 from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
 from pipelines.frames import AudioFrame, End, Frame, LLMDone, Transcript, TTSAudio, UserAudio
@@ -170,7 +170,7 @@ async def run_local(
                 break
             except Exception as exc:
                 if attempt == opts.max_attempts or is_input_error(exc):  # (the input's: it would fail again)
-                    store.set_status(chain_id, "failed", f"{spec.name}: {exc}")
+                    store.set_status(chain_id, "failed", f"{spec.name}: {exc}", failure_error(exc))
                     raise
     report(len(stages))
     store.set_status(chain_id, "succeeded")

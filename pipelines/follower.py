@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.errors import APIError
 from pipelines.chain import celery_chain
 from pipelines.stage_store import ChainOptions, Progress, StageStore, no_progress
 
@@ -147,6 +148,9 @@ class ChainFollower:
             self.store.r.eval(_CANCEL, 1, key, self.token)
             raise
         if status != b"succeeded":
+            failure = await asyncio.to_thread(self.store.failure, self.chain_id)
+            if failure is not None and failure["type"] == "invalid_request_error":  # as a local chain reports it
+                raise APIError(400, failure["message"], param=failure["param"], code=failure["code"])
             state = await asyncio.to_thread(self.store.status, self.chain_id)
             raise RuntimeError(f"pipeline failed: {state and state['error']}")
         self._report(await redis.hgetall(key))

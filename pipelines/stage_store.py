@@ -6,6 +6,7 @@ and a chain run again skips the stages already done."""
 from __future__ import annotations
 
 import functools
+import json
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -163,11 +164,21 @@ class StageStore:
             return False
         return dispatch is None or int(current or 0) == dispatch
 
-    def set_status(self, chain_id: str, status: str, error: str | None = None) -> None:
+    def set_status(
+        self, chain_id: str, status: str, error: str | None = None, failure: dict[str, Any] | None = None
+    ) -> None:
+        """``error``: why it failed, in words; ``failure``: the failed stage's error object
+        (``gateway.errors.failure_error``), which a job following the chain reports."""
         mapping: dict[str, Any] = {"status": status}
         if error is not None:
             mapping["error"] = error
+        if failure is not None:
+            mapping["failure"] = json.dumps(failure)
         self.r.hset(self._key(chain_id, "meta"), mapping=mapping)
+
+    def failure(self, chain_id: str) -> dict[str, Any] | None:
+        raw = self.r.hget(self._key(chain_id, "meta"), "failure")
+        return json.loads(raw) if raw else None
 
     @staticmethod
     def stages_done(meta: dict[bytes, bytes], opts: ChainOptions) -> int:

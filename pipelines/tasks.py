@@ -37,7 +37,7 @@ def _services(rt: Any, stage: str) -> Any:
 def run_stage_task(
     self: Any, chain_id: str, stage: str, prefix: str, last: bool = False, dispatch: int | None = None
 ) -> dict[str, Any] | None:
-    from gateway.errors import is_input_error
+    from gateway.errors import failure_error, is_input_error
     from pipelines.chain import result, run_stage
     from pipelines.stage_store import shared_store
     from workers import runtime
@@ -55,7 +55,7 @@ def run_stage_task(
         if store.attempts(chain_id, stage) < opts.max_attempts and not is_input_error(exc):
             raise self.retry(exc=exc, countdown=0.2) from exc
         if store.live(chain_id, dispatch):
-            store.set_status(chain_id, "failed", f"{stage}: {exc}")
+            store.set_status(chain_id, "failed", f"{stage}: {exc}", failure_error(exc))
         raise
     if not last or not store.live(chain_id, dispatch):
         return None

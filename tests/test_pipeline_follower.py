@@ -160,6 +160,24 @@ def test_a_stage_that_loses_its_last_attempt_fails_the_chain(h: Harness) -> None
     assert h.sent == [("spent", 1)] and h.store.status("spent")["status"] == "failed"
 
 
+def test_a_chain_that_failed_on_its_input_fails_the_job_with_the_routes_error(h: Harness) -> None:
+    """(It was a RuntimeError "pipeline failed: ...": the job's error a ``job_error``, where a
+    chain run in the gateway's process reports the route's error object.)"""
+    from engine.errors import PromptTooLongError
+    from gateway.errors import APIError, failure_error
+
+    refused = failure_error(PromptTooLongError(5000, 64, 4096))
+
+    def play(chain_id: str, dispatch: int) -> None:
+        h.store.begin(chain_id, "llm", "llm-1", dispatch)
+        h.store.set_status(chain_id, "failed", f"llm: {refused['message']}", refused)
+
+    opts = h.chain("refused", play, max_attempts=3)
+    with pytest.raises(APIError) as failed:
+        asyncio.run(h.follow("refused", opts))
+    assert failed.value.to_dict()["error"] == refused and refused["code"] == "context_length_exceeded"
+
+
 def test_a_retried_job_takes_over_a_chain_running_on_a_live_worker(h: Harness) -> None:
     """Not sent again (its stage is under way on a live worker); the earlier follower, when it
     wakes, finds itself superseded and does not cancel the chain."""
