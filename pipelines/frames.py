@@ -341,6 +341,7 @@ class ErrorFrame(SystemFrame):
     item_id: str = ""  # the conversation item of the frame it failed on, if any
     event_id: str | None = None  # the client event it refused, if any
     response_id: str | None = None  # the reply its work was for, if any
+    param: str | None = None  # the request field a client error names, if any
 
 
 @dataclass

@@ -201,7 +201,8 @@ class _Concurrent:
             reply = proc.reply_of(frame)
             event_id = getattr(frame, "event_id", None)  # (the client event it came from, if any)
             message = str(exc) if code else f"{type(exc).__name__}: {exc}"  # (the input's: no class name)
-            self._emit(i, ErrorFrame(message, proc.name, code, item, event_id, reply))
+            param = getattr(exc, "param", None) if code else None
+            self._emit(i, ErrorFrame(message, proc.name, code, item, event_id, reply, param))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

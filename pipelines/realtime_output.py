@@ -231,7 +231,7 @@ class ServerEvents:
             return  # work for a reply cancelled or stopped unseen: the client was told it ended
         elif isinstance(frame, ErrorFrame):
             kind = "invalid_request_error" if frame.code else "server_error"
-            error = {"type": kind, "code": frame.code, "message": frame.message, "param": None}
+            error = {"type": kind, "code": frame.code, "message": frame.message, "param": frame.param}
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
             self._no_reply(frame.item_id)

@@ -201,7 +201,7 @@ def test_an_error_naming_a_request_field_is_the_inputs() -> None:
 
     out = asyncio.run(run())
     assert isinstance(out[0], ErrorFrame) and out[0].code == "invalid_value"
-    assert out[0].message == "this text can't be spoken"  # the input's error: no Python class name
+    assert out[0].message == "this text can't be spoken" and out[0].param == "input"  # (no Python class name)
 
 
 def test_sequential_interrupt_reaches_later_stages() -> None:

@@ -1306,6 +1306,9 @@ def test_errors_of_a_reply_already_ended_do_not_reach_the_client() -> None:
         await s._on_frame(LLMStarted("resp_10", item_id="item_11", request=second.number))
         await s._on_frame(ErrorFrame("TTS failed", "TTS", response_id="resp_10"))
         assert [e["error"]["message"] for e in sent if e["type"] == "error"] == ["TTS failed"]
+        await s._on_frame(ErrorFrame("can't be spoken", "TTS", "invalid_value", response_id="resp_10", param="input"))
+        assert sent[-1]["error"]["param"] == "input" and sent[-1]["error"]["type"] == "invalid_request_error"
+        sent.pop()
         await s._handle(json.dumps({"type": "response.cancel"}))
         await s._on_frame(ErrorFrame("TTS failed again", "TTS", response_id="resp_10"))
         assert len([e for e in sent if e["type"] == "error"]) == 1
