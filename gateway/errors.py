@@ -138,9 +138,14 @@ def _path(entry: tuple[Any, Any, Any]) -> str:
     return out
 
 
+def error_object(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object (what the envelope holds; a failed job's ``error``)."""
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": error_object(message, type, param, code)}
 
 
 def model_not_found(model: str | None, available: list[str]) -> APIError:
@@ -214,7 +219,7 @@ def failure_error(exc: BaseException, internal_type: str = "server_error") -> di
     mapped = from_engine_error(exc) if isinstance(exc, Exception) and ours else None
     if mapped is not None:
         return mapped.to_dict()["error"]
-    return {"message": f"{type(exc).__name__}: {exc}", "type": internal_type, "param": None, "code": None}
+    return error_object(f"{type(exc).__name__}: {exc}", internal_type)
 
 
 def is_input_error(exc: BaseException) -> bool:

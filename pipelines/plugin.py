@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket
 
 from gateway.auth import ws_subprotocol
+from gateway.errors import error_object
 
 __all__ = ["router"]
 
@@ -49,7 +50,7 @@ async def realtime(ws: WebSocket, model: str | None = None, intent: str | None =
 
 async def _refuse(ws: WebSocket, message: str, code: str, param: str) -> None:
     """The session is not opened: one ``error`` event, then the socket closes."""
-    err = {"type": "invalid_request_error", "code": code, "message": message, "param": param}
+    err = error_object(message, "invalid_request_error", param, code)
     await ws.send_json({"event_id": "event_000000", "type": "error", "error": err})
     await ws.close(code=1008)
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from engine.foreground import INTERACTIVE
+from gateway.errors import error_object
 from modalities.audio import ASR_RATE
 from modalities.llm.tools import declared
 from pipelines import realtime_ga
@@ -236,9 +237,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         except Exception as exc:  # a bug here must end the session visibly, not hang it
             logger.exception("realtime session %s failed", self.id)
             with contextlib.suppress(Exception):
-                await self.send(
-                    "error", error={"type": "server_error", "code": None, "message": repr(exc), "param": None}
-                )
+                await self.send("error", error=error_object(repr(exc), "server_error"))
                 await self.ws.close(code=1011)
 
     # -- client events ------------------------------------------------------------------------
@@ -256,7 +255,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
             raise  # the client left (the reader ends the session)
         except Exception as exc:  # noqa: BLE001 - a bug in one handler must not end the session
             logger.exception("realtime session %s failed on an event", self.id)
-            err = {"type": "server_error", "code": None, "message": f"{type(exc).__name__}: {exc}", "param": None}
+            err = error_object(f"{type(exc).__name__}: {exc}", "server_error")
             await self.send("error", error={**err, "event_id": event_id})
 
     async def _ev_session_update(self, event: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from fastapi import WebSocket
 
+from gateway.errors import error_object
 from modalities.asr.formats import logprobs_field
 from modalities.audio import resample
 from pipelines import realtime_ga
@@ -108,7 +109,7 @@ class ServerEvents:
     async def send_error(
         self, message: str, code: str = "invalid_value", param: str | None = None, **extra: Any
     ) -> None:
-        err = {"type": "invalid_request_error", "code": code, "message": message, "param": param, **extra}
+        err = {**error_object(message, "invalid_request_error", param, code), **extra}
         await self.send("error", error=err)
 
     # -- hooks (``pipelines.realtime_idle``) --------------------------------------------------
@@ -231,7 +232,7 @@ class ServerEvents:
             return  # work for a reply cancelled or stopped unseen: the client was told it ended
         elif isinstance(frame, ErrorFrame):
             kind = "invalid_request_error" if frame.code else "server_error"
-            error = {"type": kind, "code": frame.code, "message": frame.message, "param": frame.param}
+            error = error_object(frame.message, kind, frame.param, frame.code)
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
             self._no_reply(frame.item_id)
@@ -283,7 +284,7 @@ class ServerEvents:
                 r.writing[1]["arguments"] += frame.delta
                 await self.send("response.function_call_arguments.delta", **r.writing[0], delta=frame.delta)
         elif isinstance(frame, LLMDone) and frame.error is not None:  # the engine refused or failed it
-            r.error = {"type": frame.error_type, "code": frame.error_code, "message": frame.error, "param": None}
+            r.error = error_object(frame.error, frame.error_type, code=frame.error_code)
             await self.send("error", error={**r.error, "event_id": r.event_id})
             await self._finish(r, "failed")
         elif isinstance(frame, LLMDone):

@@ -22,7 +22,7 @@ from fastapi import Header, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.errors import APIError
+from gateway.errors import APIError, error_body
 from workers.jobs import state
 from workers.jobs.api import get_job_or_404, not_found, owner_of, router, service, submit_or_raise
 from workers.jobs.files import file_object, list_page
@@ -212,7 +212,7 @@ async def _one(client: Any, endpoint: str, line: dict[str, Any]) -> tuple[bool, 
         try:
             payload = resp.json()
         except ValueError:
-            payload = {"error": {"message": resp.text, "type": "server_error", "param": None, "code": None}}
+            payload = error_body(resp.text, "server_error")
     out = {
         "id": f"batch_req_{uuid.uuid4().hex[:24]}",
         "custom_id": line["custom_id"],

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.errors import failure_error, is_input_error
+from gateway.errors import error_object, failure_error, is_input_error
 from workers.jobs import state
 from workers.jobs.registry import JobCancelled, JobContext, JobKind, ProgressEvent, get_job_kind
 from workers.jobs.state import Backend, Record
@@ -102,7 +102,7 @@ class Executor:
                 state.finish(
                     token,
                     "failed",
-                    error=state.job_error(
+                    error=error_object(
                         f"job kind {rec['kind']!r} is not registered on worker {self.worker}", "server_error"
                     ),
                 ),

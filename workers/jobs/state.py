@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from gateway.errors import error_object
+
 Record = dict[str, Any]
 Transition = Callable[[Record], "Record | None"]
 
@@ -156,11 +158,6 @@ def finish(token: str, status: str, *, result: Any = None, error: dict[str, Any]
     return fn
 
 
-def job_error(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """A job's ``error``: an OpenAI error object."""
-    return {"message": message, "type": type, "param": param, "code": code}
-
-
 def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Transition:
     """A lost or failed attempt: back to queued under a fresh token while attempts remain, else
     failed. ``expired_only``: only when the lease ran out (the reaper), whatever the token."""
@@ -179,13 +176,13 @@ def requeue_or_fail(token: str | None, reason: str, *, expired_only: bool) -> Tr
                 "token": uuid.uuid4().hex,
                 "lease_until": None,
                 "worker": None,
-                "error": job_error(reason, "retried"),
+                "error": error_object(reason, "retried"),
             }
         msg = f"{reason} (gave up after {rec['attempts']} attempt{'s' if rec['attempts'] != 1 else ''})"
         return {
             **rec,
             "status": "failed",
-            "error": job_error(msg, "worker_lost"),
+            "error": error_object(msg, "worker_lost"),
             "finished_at": time.time(),
             "lease_until": None,
         }
@@ -213,7 +210,7 @@ def fail_queued(message: str) -> Transition:
         return {
             **rec,
             "status": "failed",
-            "error": job_error(message, "queue_error"),
+            "error": error_object(message, "queue_error"),
             "finished_at": time.time(),
         }
 
