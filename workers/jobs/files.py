@@ -36,6 +36,11 @@ _SAFE_FILENAME = re.compile(r"[^A-Za-z0-9._ -]")
 
 async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str, Any]:
     """The OpenAI file object for an upload or a job output (404 when unknown or not the caller's)."""
+    return (await _file_and_type(svc, fid, owner))[0]
+
+
+async def _file_and_type(svc: JobService, fid: str, owner: str | None) -> tuple[dict[str, Any], str | None]:
+    """``file_object`` and the content type the file's job recorded (None for an upload)."""
     try:
         job_id, name = parse_file_id(fid)
     except ValueError as exc:
@@ -44,13 +49,13 @@ async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str,
         meta = await svc.backend.get_meta(f"file:{fid}")
         if meta is None or not visible(meta.get("owner"), owner):
             raise not_found("file", fid)
-        return public_meta(meta, svc.cfg.result_ttl_s)
+        return public_meta(meta, svc.cfg.result_ttl_s), None
     rec = await svc.get(job_id)
     info = next((f for f in rec["files"] if f["name"] == name), None) if rec else None
     if rec is None or info is None or not visible(rec.get("owner"), owner):
         raise not_found("file", fid)
     purpose = "batch_output" if rec["kind"].startswith("batch:") else "job_result"
-    return {
+    obj = {
         "id": fid,
         "object": "file",
         "bytes": info["bytes"],
@@ -60,6 +65,7 @@ async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str,
         "purpose": purpose,
         "status": "processed",
     }
+    return obj, info.get("content_type")
 
 
 def public_meta(meta: dict[str, Any], ttl_s: float) -> dict[str, Any]:
@@ -162,15 +168,13 @@ async def get_file(file_id: str, request: Request) -> JSONResponse:
 async def get_file_content(file_id: str, request: Request) -> Response:
     """The file's bytes (uploads, batch outputs, job results)."""
     svc = service(request.app)
-    obj = await file_object(svc, file_id, owner_of(request))
+    obj, recorded = await _file_and_type(svc, file_id, owner_of(request))
     job_id, name = parse_file_id(file_id)
     try:
-        data, content_type = await asyncio.to_thread(svc.store.get, job_id, check_name(name))
+        data, guessed = await asyncio.to_thread(svc.store.get, job_id, check_name(name))
     except FileNotFoundError as exc:
         raise not_found("file content", file_id) from exc
-    if job_id != UPLOADS and (rec := await svc.get(job_id)) is not None:  # the type the job recorded
-        recorded = next((f.get("content_type") for f in rec["files"] if f["name"] == name), None)
-        content_type = recorded or content_type
+    content_type = recorded or guessed  # (the type the job recorded, not the platform's guess)
     return Response(
         data, media_type=content_type, headers={"Content-Disposition": f'inline; filename="{obj["filename"]}"'}
     )
