@@ -63,7 +63,7 @@ def _models_list(args: argparse.Namespace) -> int:
         print(f"llm  {DEFAULT_LLM} (default): {gguf}\n     -> {cached} [{state}]")
     except FileNotFoundError as exc:
         print(f"llm  {DEFAULT_LLM} (default): unavailable: {exc}")
-    from gateway.plugins import MODALITIES, servable, tiny_archs
+    from gateway.plugins import servable, tiny_archs
 
     print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join([*ARCHS, *tiny_archs()])}")
     try:
