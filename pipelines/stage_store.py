@@ -132,10 +132,11 @@ class StageStore:
         """Count an attempt on worker ``where`` (sent as ``dispatch``); returns its number
         (1-based)."""
         meta = self._key(chain_id, "meta")
-        n = int(self.r.hincrby(meta, f"{stage}.attempts", 1))
         mapping = {"status": f"running:{stage}", f"{stage}.started": time.time(), f"{stage}.where": where}
         self.r.hset(meta, mapping={**mapping, **({} if dispatch is None else {f"{stage}.dispatch": dispatch})})
-        return n
+        # (counted after it shows as running: a follower reading in between must not see a new
+        # attempt of a stage that is not under way, and call its modality unserved)
+        return int(self.r.hincrby(meta, f"{stage}.attempts", 1))
 
     def finish(
         self, chain_id: str, stage: str, frames: list[Frame], seconds: float, dispatch: int | None = None
