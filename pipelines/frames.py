@@ -332,8 +332,8 @@ class Interrupt(SystemFrame):
 
 @dataclass
 class ErrorFrame(SystemFrame):
-    """A processor failed on one frame, or refused it (``code``: a client error, e.g.
-    ``input_audio_buffer_full``); the pipeline goes on."""
+    """A processor failed on one frame, or refused it (``code``: e.g. ``input_audio_buffer_full``);
+    the pipeline goes on. ``error_type`` is OpenAI's (``invalid_request_error``: the input's)."""
 
     message: str
     stage: str = ""
@@ -342,6 +342,7 @@ class ErrorFrame(SystemFrame):
     event_id: str | None = None  # the client event it refused, if any
     response_id: str | None = None  # the reply its work was for, if any
     param: str | None = None  # the request field a client error names, if any
+    error_type: str = "server_error"
 
 
 @dataclass

@@ -29,6 +29,7 @@ import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
+from gateway.errors import failure_error
 from pipelines.frames import End, ErrorFrame, Frame, Interrupt, SystemFrame
 
 logger = logging.getLogger("mmserve.pipelines")
@@ -193,16 +194,11 @@ class _Concurrent:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad frame must not stop the pipeline
-            # An error naming a request field (TTSInputError, InvalidParamError) is the input's.
-            code = "invalid_value" if getattr(exc, "param", None) else None
-            if code is None:
+            err = failure_error(exc)  # (the input's or an engine's refusal reads as its route's answer)
+            if err["type"] != "invalid_request_error":
                 logger.exception("%s failed on %s", proc.name, type(frame).__name__)
-            item = getattr(frame, "item_id", "")
-            reply = proc.reply_of(frame)
-            event_id = getattr(frame, "event_id", None)  # (the client event it came from, if any)
-            message = str(exc) if code else f"{type(exc).__name__}: {exc}"  # (the input's: no class name)
-            param = getattr(exc, "param", None) if code else None
-            self._emit(i, ErrorFrame(message, proc.name, code, item, event_id, reply, param))
+            where = getattr(frame, "item_id", ""), getattr(frame, "event_id", None), proc.reply_of(frame)
+            self._emit(i, ErrorFrame(err["message"], proc.name, err["code"], *where, err["param"], err["type"]))
             if isinstance(frame, End):
                 self._emit(i, frame)
 

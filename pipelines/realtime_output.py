@@ -231,8 +231,7 @@ class ServerEvents:
         elif isinstance(frame, ErrorFrame) and frame.response_id and (r is None or r.id != frame.response_id or r.done):
             return  # work for a reply cancelled or stopped unseen: the client was told it ended
         elif isinstance(frame, ErrorFrame):
-            kind = "invalid_request_error" if frame.code else "server_error"
-            error = error_object(frame.message, kind, frame.param, frame.code)
+            error = error_object(frame.message, frame.error_type, frame.param, frame.code)
             unheard = frame.item_id in self.unheard  # its transcript will not come
             self.unheard.discard(frame.item_id)
             self._no_reply(frame.item_id)

@@ -104,6 +104,7 @@ class VAD(Processor):
                     f"{exc}; this audio was dropped",
                     stage=self.name,
                     code="input_audio_buffer_full",
+                    error_type="invalid_request_error",
                     event_id=frame.event_id,
                 )
                 return
@@ -145,6 +146,7 @@ class VAD(Processor):
                     "the input audio buffer was empty",
                     stage=self.name,
                     code="input_audio_buffer_commit_empty",
+                    error_type="invalid_request_error",
                     item_id=frame.item_id,
                 )
         elif isinstance(frame, ClearFrame):

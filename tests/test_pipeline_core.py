@@ -201,7 +201,35 @@ def test_an_error_naming_a_request_field_is_the_inputs() -> None:
 
     out = asyncio.run(run())
     assert isinstance(out[0], ErrorFrame) and out[0].code == "invalid_value"
+    assert out[0].error_type == "invalid_request_error"
     assert out[0].message == "this text can't be spoken" and out[0].param == "input"  # (no Python class name)
+
+
+def test_an_engines_refusal_reads_as_its_routes_answer() -> None:
+    """A stage refused by its engine (queue full, engine stopped) reports OpenAI's error for it,
+    as the route would answer, not a server error naming a Python class."""
+    from engine.errors import EngineDeadError, QueueFullError
+
+    class Refused(Processor):
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        async def process(self, frame: Frame) -> AsyncIterator[Frame]:
+            raise self.exc
+            yield frame
+
+    async def run(exc: Exception) -> ErrorFrame:
+        out = [f async for f in Pipeline([Refused(exc)]).stream(_source([Transcript("x")]))]
+        assert isinstance(out[0], ErrorFrame)
+        return out[0]
+
+    full = asyncio.run(run(QueueFullError(3)))
+    assert (full.error_type, full.code) == ("rate_limit_error", "rate_limit_exceeded")
+    assert full.message.startswith("the server is busy")
+    dead = asyncio.run(run(EngineDeadError("stopped")))
+    assert (dead.error_type, dead.code) == ("service_unavailable", "engine_dead")
+    bug = asyncio.run(run(KeyError("k")))  # (not mmserve's: a bug, named for the logs)
+    assert (bug.error_type, bug.code, bug.message) == ("server_error", None, "KeyError: 'k'")
 
 
 def test_sequential_interrupt_reaches_later_stages() -> None:

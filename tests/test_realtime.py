@@ -1306,8 +1306,22 @@ def test_errors_of_a_reply_already_ended_do_not_reach_the_client() -> None:
         await s._on_frame(LLMStarted("resp_10", item_id="item_11", request=second.number))
         await s._on_frame(ErrorFrame("TTS failed", "TTS", response_id="resp_10"))
         assert [e["error"]["message"] for e in sent if e["type"] == "error"] == ["TTS failed"]
-        await s._on_frame(ErrorFrame("can't be spoken", "TTS", "invalid_value", response_id="resp_10", param="input"))
+        await s._on_frame(
+            ErrorFrame(
+                "can't be spoken",
+                "TTS",
+                "invalid_value",
+                response_id="resp_10",
+                param="input",
+                error_type="invalid_request_error",
+            )
+        )
         assert sent[-1]["error"]["param"] == "input" and sent[-1]["error"]["type"] == "invalid_request_error"
+        sent.pop()
+        await s._on_frame(
+            ErrorFrame("busy", "TTS", "rate_limit_exceeded", response_id="resp_10", error_type="rate_limit_error")
+        )
+        assert (sent[-1]["error"]["type"], sent[-1]["error"]["code"]) == ("rate_limit_error", "rate_limit_exceeded")
         sent.pop()
         await s._handle(json.dumps({"type": "response.cancel"}))
         await s._on_frame(ErrorFrame("TTS failed again", "TTS", response_id="resp_10"))
