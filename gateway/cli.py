@@ -53,7 +53,6 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _models_list(args: argparse.Namespace) -> int:
     from engine.model_loader import DEFAULT_LLM, cache_root, gguf_cache_dir, smollm2_gguf_path
-    from engine.tiny_archs import ARCHS
 
     print(f"cache: {cache_root()}  (set MMSERVE_CACHE to move it)")
     try:
@@ -65,7 +64,7 @@ def _models_list(args: argparse.Namespace) -> int:
         print(f"llm  {DEFAULT_LLM} (default): unavailable: {exc}")
     from gateway.plugins import servable, tiny_archs
 
-    print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join([*ARCHS, *tiny_archs()])}")
+    print(f"tiny test models (`mmserve models make-tiny ARCH DIR`): {', '.join(tiny_archs())}")
     try:
         from modalities.embed.model import DEFAULT_EMBED, default_embed_path
 
@@ -93,15 +92,11 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _models_make_tiny(args: argparse.Namespace) -> int:
-    from engine.tiny_models import ARCHS, make_tiny
     from gateway.plugins import tiny_archs
 
     start = time.perf_counter()
     argtypes.new_output_dir(args.dir)
-    if args.arch in ARCHS:
-        out = make_tiny(args.arch, args.dir, seed=args.seed)
-    else:
-        out = tiny_archs()[args.arch](args.dir, args.seed)
+    out = tiny_archs()[args.arch](args.dir, args.seed)
     print(f"wrote tiny {args.arch} (seed {args.seed}) to {out} in {time.perf_counter() - start:.1f}s")
     return 0
 
@@ -142,7 +137,6 @@ def _bench(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.tiny_archs import ARCHS
     from gateway import auth, plugins
 
     parser = argparse.ArgumentParser(prog="mmserve", description="multimodal inference server")
@@ -193,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="default models and where they resolve").set_defaults(func=_models_list)
     tiny = msub.add_parser("make-tiny", help="write a tiny random model (tests)")
-    tiny.add_argument("arch", choices=[*ARCHS, *plugins.tiny_archs()])
+    tiny.add_argument("arch", choices=list(plugins.tiny_archs()))
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_models_make_tiny)

@@ -27,6 +27,7 @@ usually have a router and no engines.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -144,8 +145,17 @@ def worker_options_given(args: Any) -> list[str]:
 
 
 def tiny_archs() -> dict[str, Any]:
-    """``make-tiny`` architectures contributed by plugins (the engine's LLM archs come first)."""
-    archs: dict[str, Any] = {}
+    """Every ``make-tiny`` architecture and its maker, ``(dir, seed) -> path``: the engine's LLM
+    archs first, then those plugins contribute."""
+    from engine.tiny_archs import ARCHS
+
+    archs: dict[str, Any] = {arch: functools.partial(_make_tiny_llm, arch) for arch in ARCHS}
     for plugin in load_plugins().values():
         archs.update(getattr(plugin, "TINY_ARCHS", {}))
     return archs
+
+
+def _make_tiny_llm(arch: str, out_dir: str, seed: int) -> Any:
+    from engine.tiny_models import make_tiny  # (torch and transformers: only when one is made)
+
+    return make_tiny(arch, out_dir, seed=seed)
