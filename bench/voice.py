@@ -41,6 +41,8 @@ from bench.report import Playback
 from gateway.argtypes import at_least, counts, output_file
 from pipelines.realtime_audio import FORMATS, RATE
 
+BETA = {"OpenAI-Beta": "realtime=v1"}  # the client speaks the beta event protocol
+
 QUESTIONS = [
     "What is the capital of France?",
     "How many legs does a spider have?",
@@ -163,7 +165,7 @@ async def _session(url: str, clips: list[tuple[bytes, float]], turns: int, args:
     results: list[dict[str, Any]] = []
     if args.transcription:
         url += "?intent=transcription"
-    async with websockets.connect(url, max_size=None) as ws:
+    async with websockets.connect(url, max_size=None, additional_headers=BETA) as ws:
         td: dict[str, Any] = {"type": "server_vad", "silence_duration_ms": args.silence_ms}
         if args.semantic:
             td = {"type": "semantic_vad"}

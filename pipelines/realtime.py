@@ -16,9 +16,10 @@ client sees the same events as without it, only sooner. With semantic VAD (``sem
 user's message ends the turn after ``VADConfig.complete_ms`` of silence, any other pause waits
 up to the eagerness's longest silence.
 
-Dialects: the beta event protocol, or OpenAI's GA one once a ``session.update`` has
-``session.type == "realtime"`` (``pipelines.realtime_ga`` translates at the edge). A client that
-says it speaks beta (``_says_beta``) also gets ``conversation.created``.
+Dialects, by OpenAI's rule: a client that says it speaks beta (``_says_beta``) gets the beta
+event protocol (and ``conversation.created``), any other OpenAI's GA one from its first event
+(``pipelines.realtime_ga`` translates at the edge); a beta client's ``session.update`` with
+``session.type == "realtime"`` switches it to GA.
 
 A transcription session (``?intent=transcription``, ``pipelines.realtime_transcription``) runs
 the pipeline up to the ASR: the user's turns are transcribed, and nothing replies.
@@ -59,6 +60,7 @@ from pipelines.realtime_events import (
     check_language,
     check_voice,
     decode_append,
+    item_id_of,
     parse_event,
     reply_tokens,
     shown_tools,
@@ -117,7 +119,9 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         number = next(_sessions)
         self.id, self.conversation_id = f"sess_{number:06d}", f"conv_{number:06d}"
         speaks = services.tts is not None and not transcription
+        voices = getattr(services.tts, "voices", None) if speaks else None  # (the first is the default)
         self.config = SessionConfig(model, modalities=["text", "audio"] if speaks else ["text"])
+        self.config.voice = voices[0] if voices else None
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
@@ -151,7 +155,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         self.silenced: set[str] = set()  # their replies, started: stopped unseen
         self._event_ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
-        self.ga = False
+        self.ga = False  # the GA dialect (``run`` sets it for the client)
 
     # -- configuration ------------------------------------------------------------------------
     def _apply_config(self) -> None:
@@ -191,6 +195,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         if self.metrics is not None:
             self.metrics.inc("realtime_sessions_total", help="/v1/realtime sessions opened", model=self.config.model)
         beta = _says_beta(self.ws)
+        self.ga = not beta
         if not self.transcription:
             await self.send("session.created", session=self.config.to_dict(self.id))
             if beta:  # (GA has no such event)
@@ -368,9 +373,8 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         )
 
     async def _ev_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
-        item_id = event.get("item_id")
-        item = self.conv.get(item_id) if isinstance(item_id, str) else None
-        if item is None:
+        item_id = item_id_of(event)
+        if (item := self.conv.get(item_id)) is None:
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         # The active reply's items as the client has them: the reply stage writes ahead of the events.
         r = self.reply if self.reply is not None and not self.reply.done else None
@@ -388,10 +392,10 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         await self.send("conversation.item.retrieved", item=item_event(item.id, item.role, content, status))
 
     async def _ev_conversation_item_delete(self, event: dict[str, Any]) -> None:
-        item_id = event.get("item_id")
+        item_id = item_id_of(event)
         if self.active and self.reply is not None and item_id == self.reply.item_id:
             raise EventError("the active response's item cannot be deleted; cancel it first", param="item_id")
-        if not isinstance(item_id, str) or not self.conv.remove(item_id, client=True):
+        if not self.conv.remove(item_id, client=True):
             raise EventError(f"no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
         self.failed.discard(item_id)
         self.unheard.discard(item_id)  # (its transcript, if it comes, is for no item)

@@ -40,6 +40,16 @@ class EventError(ValueError):
         self.code, self.param, self.event_id = code, param, event_id
 
 
+def item_id_of(event: dict[str, Any]) -> str:
+    """The ``item_id`` an item event names (OpenAI's errors when it is missing or no string)."""
+    item_id = event.get("item_id")
+    if item_id is None:
+        raise EventError("Missing required parameter: 'item_id'.", "missing_required_parameter", "item_id")
+    if not isinstance(item_id, str):
+        raise EventError("item_id must be a string", param="item_id")
+    return item_id
+
+
 def unknown_parameter(param: str, where: str = "", error: type[EventError] = EventError) -> EventError:
     """OpenAI's error for a field the object does not have, in one wording for both dialects:
     ``param`` its path, ``where`` where the other dialect has it (``": a GA session has it as

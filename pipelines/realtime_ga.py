@@ -1,17 +1,15 @@
 """OpenAI's Realtime GA dialect, as a translation at the edge of the beta one a session speaks.
 
-A ``/v1/realtime`` session speaks the beta event protocol (``pipelines.realtime``) until a
-``session.update`` carries ``session.type == "realtime"``, which GA clients always send (the
-official ``openai`` SDK's ``client.realtime.connect`` does). From then on, client session
-objects are read in the GA shape (``output_modalities``, ``audio.input.format``,
-``audio.input.turn_detection``, ``audio.output.voice``, ``max_output_tokens``) and every server
-event leaves translated: the output events renamed (``response.output_audio.delta``, ...),
-``conversation.item.added`` then ``conversation.item.done`` for items, an assistant item's
-content as ``output_text`` / ``output_audio`` (a ``response.content_part.*`` part keeps ``text`` /
-``audio``, as in GA), and the session object in the GA shape.
-
-The dialect is chosen by that ``session.update`` alone: a GA client that never sends one gets the
-beta event names (``session.created`` is always sent in the beta shape, before any update).
+A ``/v1/realtime`` client that does not ask for beta (the ``OpenAI-Beta: realtime=v1`` header or
+the ``openai-beta.realtime-v1`` subprotocol) speaks GA from its first event, as with OpenAI (the
+official ``openai`` SDK's ``client.realtime.connect`` does); a beta client switches to GA with a
+``session.update`` whose ``session.type`` is "realtime". In GA, client session objects are read
+in the GA shape (``output_modalities``, ``audio.input.format``, ``audio.input.turn_detection``,
+``audio.output.voice``, ``max_output_tokens``) and every server event leaves translated: the
+output events renamed (``response.output_audio.delta``, ...), ``conversation.item.added`` then
+``conversation.item.done`` for items, an assistant item's content as ``output_text`` /
+``output_audio`` (a ``response.content_part.*`` part keeps ``text`` / ``audio``, as in GA), and
+the session object in the GA shape.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.conversation import Conversation, Item, Spoken
-from pipelines.realtime_events import EventError
+from pipelines.realtime_events import EventError, item_id_of
 
 
 def message_text(item: Any, where: str = "item") -> tuple[str, str]:
@@ -170,11 +170,10 @@ def truncation(event: dict[str, Any], conv: Conversation, replies: dict[str, Rep
     """A ``conversation.item.truncate``'s reply (one of ``replies``, by item id: the latest ones)
     and ``audio_end_ms``, checked: the item is in ``conv``, the audio end within what the reply
     sent (and, once the client truncated it, within that)."""
-    item_id, end_ms = event.get("item_id"), event.get("audio_end_ms")
+    item_id, end_ms = item_id_of(event), event.get("audio_end_ms")
     if event.get("content_index", 0) != 0 or isinstance(event.get("content_index"), bool | float):
         raise EventError("content_index must be 0: an assistant item has one content part", param="content_index")
-    item = conv.get(item_id) if isinstance(item_id, str) else None
-    if item is None:
+    if (item := conv.get(item_id)) is None:
         raise EventError(f"there is no item {item_id!r} in the conversation", code="item_not_found", param="item_id")
     reply = replies.get(item.id)
     if reply is None and (item.role != "assistant" or item.kind != "message"):

@@ -21,6 +21,7 @@ from tests.helpers import serve_app
 
 websockets = pytest.importorskip("websockets")
 RATE = 24_000
+BETA = {"OpenAI-Beta": "realtime=v1"}  # the beta event protocol (without it a client speaks GA)
 
 
 def spoken(*phrases: str, gap_s: float = 0.3, tail_s: float = 3.0) -> bytes:
@@ -189,7 +190,7 @@ def _stand_in(services: Any, sent: list[dict[str, Any]]) -> Any:
 
 def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             created = await c.until("session.created")
             assert created["session"]["modalities"] == ["text", "audio"]
@@ -335,6 +336,34 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
     run(go())
 
 
+def test_a_client_that_does_not_ask_for_beta_speaks_ga_from_its_first_event(server: dict[str, Any]) -> None:
+    """As with OpenAI: ``openai``'s GA client, with no ``session.update``, gets ``session.created``
+    in the GA shape and GA events, and its GA ``response.create`` fields are read; a beta-only
+    session field is refused, naming where GA has it."""
+    openai = pytest.importorskip("openai")
+
+    async def go() -> None:
+        client = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key="unused")
+        async with client.realtime.connect(model="smollm2") as conn:
+            events: list[Any] = []
+            until = sdk_until(conn, events)
+            created = await until("session.created")
+            assert created.session.type == "realtime" and created.session.output_modalities == ["audio"]
+            assert created.session.audio.output.voice == server["tts"].voices[0]  # (the one that speaks, not null)
+            await conn.conversation.item.create(item=user_item("What is the capital of France?"))
+            await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 8})
+            done = await until("response.done")
+            types = [e.type for e in events]
+            assert done.type == "response.done" and done.response.status in ENDED, types
+            assert "conversation.item.added" in types and "response.output_text.delta" in types, types
+            assert not {"conversation.item.created", "response.text.delta"} & set(types)
+            await conn.session.update(session={"voice": "alloy"})  # type: ignore[typeddict-unknown-key]
+            err = await until("session.updated")
+            assert err.type == "error" and "audio.output.voice" in err.error.message
+
+    run(go())
+
+
 def test_a_beta_client_is_told_of_its_conversation(server: dict[str, Any]) -> None:
     """``openai``'s beta client (the ``OpenAI-Beta: realtime=v1`` header) gets
     ``conversation.created`` after ``session.created``, with the id its responses name, and so
@@ -372,7 +401,7 @@ def test_a_whole_recording_in_one_append_is_one_turn(server: dict[str, Any]) -> 
     """Server VAD over a single append holding the question and its trailing silence."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 4)
             await c.send("input_audio_buffer.append", audio=base64.b64encode(server["question"]).decode())
@@ -413,7 +442,7 @@ def test_a_telephone_session_speaks_g711_at_8_khz(server: dict[str, Any]) -> Non
     from modalities.audio import from_pcm16, resample
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await c.until("session.created")
             formats = {"input_audio_format": "g711_ulaw", "output_audio_format": "g711_alaw"}
@@ -446,7 +475,7 @@ def test_a_telephone_session_speaks_g711_at_8_khz(server: dict[str, Any]) -> Non
 
 def test_items_can_be_deleted_from_the_conversation(server: dict[str, Any]) -> None:
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 4)
             text = "Remember the secret word: pineapple. " * 8
@@ -473,7 +502,7 @@ def test_a_response_create_sets_its_own_modalities_limit_temperature_and_voice(s
     hold for that reply only; values the session would refuse are refused here too."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 12)
             await c.send("conversation.item.create", item=user_item("Tell me about the sea."))
@@ -518,7 +547,7 @@ def test_an_out_of_band_response_stays_out_of_the_conversation(server: dict[str,
         return len(conv.prompt_ids(tokenizer))
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 6)
             said = "My favourite colour is green."
@@ -578,7 +607,7 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
     llm, tts = server["llm"], server["tts"]
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await c.until("session.created")
             await c.send("session.update", session={"temperature": 0, "max_response_output_tokens": 400})
@@ -639,7 +668,7 @@ def test_with_interrupt_response_off_the_reply_plays_out_then_the_turn_is_answer
     cancel or truncate it; their turn is answered once it is done."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await c.until("session.created")
             td = {"type": "server_vad", "interrupt_response": False}
@@ -687,7 +716,7 @@ def test_a_reply_calls_a_function_and_the_client_sends_its_output(
         return {"type": "function_call", "call_id": f"call_{k}", "name": "get_weather", "arguments": args}
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 40)
             await c.send("session.update", session={"tools": [weather]})
@@ -893,7 +922,7 @@ def test_bad_events_get_errors_and_the_session_goes_on(server: dict[str, Any]) -
     ]
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await c.until("session.created")
             for raw in bad:
@@ -933,7 +962,7 @@ def test_a_refused_reply_fails_and_the_next_turn_works(server: dict[str, Any]) -
     huge = "\U0001f600" * 16_000  # several tokens per character: far past the 8k context
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await c.until("session.created")
             await c.send("session.update", session={**session, "instructions": "x" * 16_385})
@@ -963,7 +992,7 @@ def test_a_response_cancelled_before_it_started_ends_cancelled(server: dict[str,
     it ends at once, and a response.create right behind the cancel is the session's next reply."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 200)
             await c.send("conversation.item.create", item=user_item("Tell me a long story about a dragon."))
@@ -987,7 +1016,7 @@ def test_a_user_item_too_long_for_the_context_is_refused_not_dropped(server: dic
     says why (OpenAI's status_details.error)."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 8)
             await c.send("conversation.item.create", item=user_item("hello " * 12_000))  # > 8k tokens
@@ -1013,8 +1042,8 @@ def test_a_huge_item_is_judged_by_its_length_and_holds_no_other_session(server: 
 
     async def go() -> None:
         async with (
-            websockets.connect(server["url"], max_size=None) as ws,
-            websockets.connect(server["url"], max_size=None) as other_ws,
+            websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws,
+            websockets.connect(server["url"], max_size=None, additional_headers=BETA) as other_ws,
         ):
             c, other = Client(ws), Client(other_ws)
             await text_session(c, 4)
@@ -1044,7 +1073,7 @@ def test_an_append_of_up_to_15_mib_fits_one_frame(server: dict[str, Any]) -> Non
     """uvicorn's default frame limit (16 MiB) would close the socket at ~12 MiB of base64 audio."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await manual_session(c)
             await c.send("input_audio_buffer.append", audio=base64.b64encode(bytes(14 << 20)).decode())
@@ -1062,7 +1091,7 @@ def test_input_audio_buffer_is_capped_at_15_mib(server: dict[str, Any]) -> None:
     chunk = base64.b64encode(bytes(4 << 20)).decode()  # 4 MiB of pcm16 silence (~87 s)
 
     async def go() -> None:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await manual_session(c)
             for _ in range(4):  # the fourth goes past 15 MiB
@@ -1096,7 +1125,7 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
 
     async def go(ws_url: str) -> None:
         protocols = ["realtime", "openai-insecure-api-key.k-small"]
-        async with websockets.connect(ws_url, max_size=None, subprotocols=protocols) as ws:
+        async with websockets.connect(ws_url, max_size=None, subprotocols=protocols, additional_headers=BETA) as ws:
             c = Client(ws)
             await manual_session(c)
             for _ in range(4):  # 300 s buffered, then the buffer (328 s) refuses the fourth
@@ -1142,7 +1171,7 @@ async def _voice_turn(url: str, pcm: bytes, max_tokens: int = 24) -> Client:
     """One voice turn at real-time pace: a 150 ms pause starts the turn speculatively, 2 s of
     silence commits it (plenty of time for the speculation to finish first). A reply longer than
     24 tokens is cancelled at its first audio."""
-    async with websockets.connect(url, max_size=None) as ws:
+    async with websockets.connect(url, max_size=None, additional_headers=BETA) as ws:
         c = Client(ws)
         await c.until("session.created")
         td = {"type": "server_vad", "silence_duration_ms": 2000, "speculative_silence_ms": 150}
@@ -1163,6 +1192,7 @@ async def _voice_turn(url: str, pcm: bytes, max_tokens: int = 24) -> Client:
 
 EXPECTED_ORDER = [
     "session.created",
+    "conversation.created",
     "session.updated",
     "input_audio_buffer.speech_started",
     "input_audio_buffer.speech_stopped",
@@ -1885,6 +1915,11 @@ def test_an_earlier_replys_audio_can_be_truncated() -> None:
         )
         gone = await truncate("item_x", 0)
         assert gone["error"]["code"] == "item_not_found" and gone["error"]["param"] == "item_id"
+        for kind in ("truncate", "retrieve", "delete"):  # no item_id, or not a string: said so
+            await s._handle(json.dumps({"type": f"conversation.item.{kind}", "content_index": 0, "audio_end_ms": 0}))
+            assert (sent[-1]["error"]["code"], sent[-1]["error"]["param"]) == ("missing_required_parameter", "item_id")
+            await s._handle(json.dumps({"type": f"conversation.item.{kind}", "item_id": 7, "audio_end_ms": 0}))
+            assert sent[-1]["error"]["message"] == "item_id must be a string"
 
     run(go())
 
@@ -2128,7 +2163,7 @@ def test_semantic_vad_waits_through_a_pause_mid_sentence(server: dict[str, Any])
     after it)."""
 
     async def go() -> Client:
-        async with websockets.connect(server["url"], max_size=None) as ws:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             await c.until("session.created")
             session = {"temperature": 0, "max_response_output_tokens": 8, "turn_detection": {"type": "semantic_vad"}}
@@ -2179,9 +2214,11 @@ def test_a_transcription_session_judges_its_pauses_with_the_served_llm(server: d
     after it is shorter: unjudged, the turn would never end)."""
 
     async def go() -> Client:
-        async with websockets.connect(server["url"] + "?intent=transcription", max_size=None) as ws:
+        async with websockets.connect(
+            server["url"] + "?intent=transcription", max_size=None, additional_headers=BETA
+        ) as ws:
             c = Client(ws)
-            await c.until("session.created")
+            await c.until("transcription_session.created")
             await c.send("transcription_session.update", session={"turn_detection": {"type": "semantic_vad"}})
             assert (await c.until("transcription_session.updated"))["session"]["turn_detection"][
                 "type"
@@ -2411,7 +2448,7 @@ def test_idle_timeout_prompts_a_reply_on_a_real_session(server: dict[str, Any]) 
     speaking, the server says so, commits the silence as the user's (empty) turn and replies."""
 
     async def go() -> None:
-        async with websockets.connect(server["url"]) as ws:
+        async with websockets.connect(server["url"], additional_headers=BETA) as ws:
             c = Client(ws)
             await text_session(c, 8)
             await c.send("session.update", session={"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}})

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.helpers import serve_app
-from tests.test_realtime import QUESTION, Client, assert_voice_turn, speech
+from tests.test_realtime import BETA, QUESTION, Client, assert_voice_turn, speech
 from workers.local_cluster import start_worker, wait_for_heartbeats
 
 websockets = pytest.importorskip("websockets")
@@ -60,7 +60,7 @@ def gateway(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def test_a_voice_turn_over_celery(gateway: str) -> None:
     async def go() -> None:
-        async with websockets.connect(gateway, max_size=None) as ws:
+        async with websockets.connect(gateway, max_size=None, additional_headers=BETA) as ws:
             c = Client(ws)
             created = await c.until("session.created")
             assert created["session"]["modalities"] == ["text", "audio"]  # the TTS proxy counts as served

@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 
 from tests.helpers import serve_app
-from tests.test_realtime import QUESTION, RATE, Client, sdk_until, speech
+from tests.test_realtime import BETA, QUESTION, RATE, Client, sdk_until, speech
 
 websockets = pytest.importorskip("websockets")
-
-BETA = {"OpenAI-Beta": "realtime=v1"}
 
 
 @pytest.fixture(scope="module")
