@@ -85,6 +85,11 @@ def only_of(args: Any) -> set[str]:
     return {only_raw} if isinstance(only_raw, str) else set(only_raw or [])
 
 
+def only_flag(args: Any) -> str:
+    """The flag that chose the modalities, for errors: ``mmserve worker``'s, else ``serve``'s."""
+    return "--modality" if getattr(args, "modality", None) else "--only"
+
+
 def enabled(name: str, only: set[str]) -> bool:
     return not only or name in only
 
@@ -95,7 +100,9 @@ def build_all(args: Any) -> Built:
     served = servable()
     missing = sorted(only - set(served))
     if missing:
-        raise ValueError(f"--only {','.join(missing)}: not served by this build (served: {', '.join(served)})")
+        raise ValueError(
+            f"{only_flag(args)} {','.join(missing)}: not served by this build (served: {', '.join(served)})"
+        )
     out = Built()
     for name, plugin in load_plugins().items():
         if not enabled(name, only) or not hasattr(plugin, "build"):

@@ -167,3 +167,26 @@ def test_models_list_names_every_modalitys_default_and_every_tiny_arch(capsys: p
     ):
         assert says in out, out
     assert all(arch in out for arch in ("llama", "tts-ar", "dit", "video")), out
+
+
+def test_a_worker_checks_redis_before_it_loads_a_model_and_names_its_own_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(Before, a worker with a wrong ``--redis-url`` loaded its model, said it was serving, then
+    retried Redis for minutes; its errors named ``serve``'s ``--only``.)"""
+    import redis
+
+    from gateway import plugins
+
+    monkeypatch.setenv("C_FORCE_ROOT", "1")  # (as --allow-root does, without leaving it set)
+    loads: list[object] = []
+    build_all = plugins.build_all
+    monkeypatch.setattr(plugins, "build_all", lambda args: loads.append(args) or build_all(args))
+    err = _fails(["worker", "--modality", "llm", "--redis-url", "redis://:hush@127.0.0.1:1/0"], capsys)
+    assert "cannot reach Redis at 127.0.0.1:1/0 (--redis-url)" in err and "hush" not in err and not loads
+    try:
+        redis.Redis.from_url("redis://127.0.0.1:6379/11", socket_connect_timeout=1).ping()
+    except redis.exceptions.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    err = _fails(["worker", "--modality", "diffusion", "--redis-url", "redis://127.0.0.1:6379/11"], capsys)
+    assert "--modality diffusion: give --image or --video" in err and len(loads) == 1

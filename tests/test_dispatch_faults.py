@@ -106,7 +106,7 @@ def test_worker_lost_before_replying_is_retried_elsewhere(cluster: Cluster) -> N
         if len(prompts) == 2:
             break
     expected = [_complete(cluster.url, p).json()["choices"][0]["text"] for p in prompts]  # routed to the victim
-    retries = cluster_view.retries
+    retries = cluster_view.retries[LLM]
     victim.kill(signal.SIGSTOP)
     try:
         start = time.monotonic()
@@ -114,7 +114,8 @@ def test_worker_lost_before_replying_is_retried_elsewhere(cluster: Cluster) -> N
         assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
         assert [r.json()["choices"][0]["text"] for r in got] == expected
         assert time.monotonic() - start < 20
-        assert cluster_view.retries > retries
+        assert cluster_view.retries[LLM] > retries
+        assert cluster_view.model_stats(LLM)["dispatch_retries_total"] == cluster_view.retries[LLM]
     finally:
         victim.kill(signal.SIGKILL)
 

@@ -1,4 +1,5 @@
-"""The routing policy of ``--dispatch celery`` (pure logic: no Redis, no workers)."""
+"""The routing policy of ``--dispatch celery`` (pure logic: no Redis, no workers; the last test:
+a worker runtime with no engines on the real Redis)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all
 
     full.update(w0=8.0, w1=3.0, w2=5.0)  # three full workers, more than max_attempts
     assert asyncio.run(run())[-1] == (END, "done by w3")
-    assert len(tried) == 4 and cluster.retries == 0  # (a refusal is not a lost worker)
+    assert len(tried) == 4 and not cluster.retries  # (a refusal is not a lost worker)
     full["w3"] = 9.0
     tried.clear()
     with pytest.raises(HeldBoundError) as info:
@@ -157,3 +158,57 @@ def test_a_gateway_that_starts_without_redis_says_so(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING):
         asyncio.run(go())
     assert "Redis at redis://127.0.0.1:1/0 is unreachable" in caplog.text
+
+
+def test_a_call_on_a_draining_worker_is_resubmitted_at_once() -> None:
+    """A call not started on a worker whose heartbeat says it is shutting down goes elsewhere at
+    the first silent poll (it took ``start_timeout_s``, 3 s, before); a started one waits."""
+    import json
+    import time
+
+    from workers.remote import Cluster
+
+    cluster = Cluster("redis://127.0.0.1:1/0")
+    now = time.time()
+    draining = json.dumps({"worker_id": "w", "models": ["m"], "draining": True, "ts": now}).encode()
+    serving = json.dumps({"worker_id": "w", "models": ["m"], "inflight": 8, "capacity": 8, "ts": now}).encode()
+    assert cluster._lost("w", draining, started=False, sent_at=now - 0.5)
+    assert not cluster._lost("w", draining, started=True, sent_at=now - 0.5)
+    assert not cluster._lost("w", serving, started=False, sent_at=now - 0.5)
+
+
+def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
+    """``WorkerRuntime`` on the real Redis (db 11, a prefix of its own): ``drain`` publishes a
+    draining heartbeat now, not a period later; ``stop`` deletes the heartbeat, the worker's own
+    queue (calls in it never started: the gateway resubmits them) and its Celery binding."""
+    import json
+    import time
+    import uuid
+
+    redis = pytest.importorskip("redis")
+    from workers.celery_app import worker_queue
+    from workers.runtime import WorkerRuntime
+    from workers.wire import Keys
+
+    url, prefix = "redis://127.0.0.1:6379/11", f"t-drain-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    rt = WorkerRuntime("w1", "llm", {}, url, prefix=prefix, heartbeat_s=60.0)
+    rt.start()
+    beat, queue = Keys(prefix).worker("w1"), worker_queue("w1", prefix)
+    try:
+        for _ in range(100):  # (the first heartbeat, a task started with the runtime)
+            if client.exists(beat):
+                break
+            time.sleep(0.02)
+        assert json.loads(client.get(beat))["draining"] is False
+        client.rpush(queue, "a call sent before the drain")
+        client.sadd(f"_kombu.binding.{queue}", "its binding")
+        rt.drain()
+        assert json.loads(client.get(beat))["draining"] is True
+    finally:
+        rt.stop()
+    assert client.exists(beat, queue, f"_kombu.binding.{queue}") == 0

@@ -78,7 +78,7 @@ class Cluster:
         self.workers: dict[str, WorkerLoad] = {}
         self.redis_ok = False
         self.local_inflight: Counter[str] = Counter()
-        self.retries = 0  # calls resubmitted after their worker was lost
+        self.retries: Counter[str] = Counter()  # per model: calls resubmitted after their worker was lost
         self._refresher: asyncio.Task[None] | None = None
         self._cleanup: set[asyncio.Task[None]] = set()
         self._users = 0
@@ -159,7 +159,10 @@ class Cluster:
     def model_stats(self, model: str) -> dict[str, float]:
         """Engine stats of ``model`` summed over its live workers (rates averaged), plus the count."""
         workers = self.live(model)
-        total: dict[str, float] = {"num_workers": float(len(workers)), "dispatch_retries_total": float(self.retries)}
+        total: dict[str, float] = {
+            "num_workers": float(len(workers)),
+            "dispatch_retries_total": float(self.retries[model]),
+        }
         for w in workers:
             for k, v in w.stats.get(model, {}).items():
                 total[k] = total.get(k, 0.0) + v
@@ -215,7 +218,7 @@ class Cluster:
                 continue  # (not a lost worker: it does not use up an attempt)
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
-            self.retries += 1
+            self.retries[model] += 1
             lost += 1
         if refusals:
             raise _all_full(model, refusals)
@@ -283,8 +286,7 @@ class Cluster:
         persistence). A call still queued behind busy slots after ``max_queue_wait_s`` is a 503."""
         if beat is None:
             return True
-        waited_s = time.time() - sent_at
-        if started or waited_s < self.start_timeout_s:
+        if started:
             return False
         try:
             data = json.loads(beat)
@@ -292,9 +294,12 @@ class Cluster:
             fresh = float(data.get("ts", 0.0)) > sent_at + 1.0
         except (ValueError, KeyError, TypeError):
             return False
-        if load_now.draining:
+        if load_now.draining:  # (at once: a worker shutting down starts nothing more)
             logger.warning("call on %s never started and the worker is shutting down: resubmitting", worker_id)
             return True
+        waited_s = time.time() - sent_at
+        if waited_s < self.start_timeout_s:
+            return False
         if fresh and load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
             logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
             return True

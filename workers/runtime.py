@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -121,7 +122,10 @@ class WorkerRuntime:
             task.cancel()
         try:
             assert self.redis is not None
-            await self.redis.delete(self.keys.worker(self.worker_id))
+            # This worker's own queue (and its Celery binding) is consumed by no one after it: the
+            # calls left in it never started, and the gateway resubmits those elsewhere.
+            queue = worker_queue(self.worker_id, self.prefix)
+            await self.redis.delete(self.keys.worker(self.worker_id), queue, f"_kombu.binding.{queue}")
         except Exception:  # noqa: BLE001 - Redis may be down; the key expires anyway
             logger.warning("could not withdraw the heartbeat")
         for engine in self.engines.values():
@@ -213,16 +217,27 @@ class WorkerRuntime:
             "ts": time.time(),
         }
 
-    async def _heartbeat_loop(self) -> None:
+    def drain(self) -> None:
+        """Shutdown begins: take no new calls, and say so in a heartbeat now, not a period later
+        (the gateway stops routing here and resubmits the calls sent here that have not started)."""
+        self.draining = True
+        with contextlib.suppress(Exception):  # (Redis down: the next heartbeat or the TTL says it)
+            self.run(self._beat(), timeout=2)
+
+    async def _beat(self) -> None:
         assert self.redis is not None
-        ttl_ms = max(1000, int(self.heartbeat_s * 3000))
         queues = [worker_queue(self.worker_id, self.prefix), modality_queue(self.modality, self.prefix)]
+        data = self.load()
+        depths = await asyncio.gather(*(self.redis.llen(q) for q in queues))
+        data["queue_depth"] = int(sum(depths))
+        await self.redis.set(
+            self.keys.worker(self.worker_id), json.dumps(data), px=max(1000, int(self.heartbeat_s * 3000))
+        )
+
+    async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                data = self.load()
-                depths = await asyncio.gather(*(self.redis.llen(q) for q in queues))
-                data["queue_depth"] = int(sum(depths))
-                await self.redis.set(self.keys.worker(self.worker_id), json.dumps(data), px=ttl_ms)
+                await self._beat()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - Redis down: keep trying

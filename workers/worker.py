@@ -57,6 +57,22 @@ def default_concurrency(args: argparse.Namespace) -> int:
     return max(16, bound + 8) if bound else 16
 
 
+def check_redis(url: str) -> None:
+    """``ConnectionError`` (one line, no password) unless Redis at ``url`` answers (its DB too)."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+    where = "{host}:{port}/{db}".format(
+        **{"host": "?", "port": "?", "db": 0, **client.connection_pool.connection_kwargs}
+    )
+    try:
+        client.ping()
+    except redis.exceptions.RedisError as exc:
+        raise ConnectionError(f"cannot reach Redis at {where} (--redis-url): {exc}") from None
+    finally:
+        client.close()
+
+
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     """``mmserve worker`` options besides the plugins' model options."""
     from gateway.plugins import MODALITIES
@@ -99,6 +115,7 @@ def run_worker(args: argparse.Namespace) -> int:
         os.environ["C_FORCE_ROOT"] = "1"  # Celery's own check; the user accepted it above
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hide_task_results()
+    check_redis(args.redis_url)  # before the models load: a wrong URL is one line, not minutes of retries
     args.only = [args.modality]
     built = plugins.build_all(args)
     if not built.engines:
@@ -122,7 +139,7 @@ def run_worker(args: argparse.Namespace) -> int:
     app = make_celery(args.redis_url)
 
     def drain(**_: object) -> None:  # warm shutdown (SIGTERM): the gateway stops routing here
-        rt.draining = True
+        rt.drain()
 
     signals.worker_shutting_down.connect(drain, weak=False)
     exitcode = 0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.argtypes import at_least
-from gateway.plugins import Built
+from gateway.plugins import Built, only_flag
 from modalities.diffusion import jobs
 from modalities.diffusion.api import router
 
@@ -109,7 +109,7 @@ def build(args: Any, explicit: bool = False) -> Built:
             built.aliases[spec] = engine.model_name
         logger.info("serving %s generation %s as %r", engine.modality, engine.model.path, engine.model_name)
     if explicit and not built.engines:
-        raise ValueError("--only diffusion: give --image or --video (a pipeline directory, or tiny-dit)")
+        raise ValueError(f"{only_flag(args)} diffusion: give --image or --video (a pipeline directory, or tiny-dit)")
     return built
 
 
