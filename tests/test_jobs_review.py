@@ -125,6 +125,10 @@ def test_jobs_read_only_the_callers_files(server: tuple[str, _EventsWatch]) -> N
     for kind in ("audio.transcription", "audio.pipeline"):
         resp = _post(url, "bob", "/v1/jobs", {"kind": kind, "params": {"file_id": fid}})
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found", resp.text
+        assert resp.json()["error"]["param"] == "params.file_id"  # as the other bad params are named
+    batch = {"input_file_id": fid, "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    resp = _post(url, "bob", "/v1/batches", batch)
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "input_file_id", resp.text
     # the owner may (the job then fails here: the stand-in ASR decodes nothing)
     assert (
         _post(url, "alice", "/v1/jobs", {"kind": "audio.transcription", "params": {"file_id": fid}}).status_code == 202

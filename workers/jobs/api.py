@@ -122,8 +122,9 @@ def job_view(rec: state.Record, ttl_s: float) -> dict[str, Any]:
     }
 
 
-def not_found(what: str, ident: str) -> APIError:
-    return APIError(404, f"No {what} found with id '{ident}'.", code="not_found")
+def not_found(what: str, ident: str, param: str | None = None) -> APIError:
+    """The 404 of an unknown (or another tenant's) ``what``; ``param``: the request field naming it."""
+    return APIError(404, f"No {what} found with id '{ident}'.", param=param, code="not_found")
 
 
 def owner_of(conn: HTTPConnection) -> str | None:
@@ -227,7 +228,7 @@ async def create_job(
 
     async def file_size(fid: str) -> int:
         """Jobs read ``params.file_id`` from the store as is: the tenant check of ``/v1/files`` first."""
-        return int((await file_object(svc, fid, owner))["bytes"])
+        return int((await file_object(svc, fid, owner, "params.file_id"))["bytes"])
 
     rec, created = await submit_or_raise(
         svc,

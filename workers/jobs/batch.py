@@ -316,7 +316,7 @@ async def create_batch(
     if body.completion_window != "24h":
         raise APIError(400, "completion_window must be '24h'", param="completion_window", code="invalid_value")
     owner = owner_of(request)
-    meta = await file_object(svc, body.input_file_id, owner)
+    meta = await file_object(svc, body.input_file_id, owner, "input_file_id")
     if meta["purpose"] != "batch":
         raise APIError(
             400, f"file {body.input_file_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id"

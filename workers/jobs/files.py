@@ -34,26 +34,29 @@ FILE_PURPOSES = ("batch", "user_data")
 _SAFE_FILENAME = re.compile(r"[^A-Za-z0-9._ -]")
 
 
-async def file_object(svc: JobService, fid: str, owner: str | None) -> dict[str, Any]:
-    """The OpenAI file object for an upload or a job output (404 when unknown or not the caller's)."""
-    return (await _file_and_type(svc, fid, owner))[0]
+async def file_object(svc: JobService, fid: str, owner: str | None, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI file object for an upload or a job output (404 when unknown or not the caller's,
+    naming ``param``: the request field that gave ``fid``)."""
+    return (await _file_and_type(svc, fid, owner, param))[0]
 
 
-async def _file_and_type(svc: JobService, fid: str, owner: str | None) -> tuple[dict[str, Any], str | None]:
+async def _file_and_type(
+    svc: JobService, fid: str, owner: str | None, param: str | None = None
+) -> tuple[dict[str, Any], str | None]:
     """``file_object`` and the content type the file's job recorded (None for an upload)."""
     try:
         job_id, name = parse_file_id(fid)
     except ValueError as exc:
-        raise not_found("file", fid) from exc
+        raise not_found("file", fid, param) from exc
     if job_id == UPLOADS:
         meta = await svc.backend.get_meta(f"file:{fid}")
         if meta is None or not visible(meta.get("owner"), owner):
-            raise not_found("file", fid)
+            raise not_found("file", fid, param)
         return public_meta(meta, svc.cfg.result_ttl_s), None
     rec = await svc.get(job_id)
     info = next((f for f in rec["files"] if f["name"] == name), None) if rec else None
     if rec is None or info is None or not visible(rec.get("owner"), owner):
-        raise not_found("file", fid)
+        raise not_found("file", fid, param)
     purpose = "batch_output" if rec["kind"].startswith("batch:") else "job_result"
     obj = {
         "id": fid,
