@@ -138,13 +138,24 @@ def engine_modality(engine: Any) -> str:
     explicit = getattr(engine, "modality", None)
     if isinstance(explicit, str):
         return explicit
+    return _module_modality(engine) or "other"
+
+
+def plugin_modality(engine: Any) -> str:
+    """The modality whose plugin serves ``engine`` (``gateway.plugins.MODALITIES``: a worker's
+    ``--modality`` and queue): ``engine_modality`` but by class first, so a diffusion engine
+    (``modality`` ``image`` or ``video``) is ``diffusion``'s."""
+    return _module_modality(engine) or engine_modality(engine)
+
+
+def _module_modality(engine: Any) -> str | None:
     for cls in type(engine).__mro__:  # through subclasses such as the Celery proxies
         parts = cls.__module__.split(".")
         if parts[0] == "modalities" and len(parts) > 1:
             return parts[1]
         if parts[0] == "engine":
             return "llm"
-    return "other"
+    return None
 
 
 def _standard_series(

@@ -215,6 +215,38 @@ def test_errors_are_retried_when_the_kind_asks() -> None:
         }, refused
 
 
+def check_unserved_kinds_are_400(cfg: Any) -> None:
+    """A gateway serving only an ASR model, its jobs under ``cfg``: a batch of every endpoint and
+    a job of an ``embed`` kind are 400s naming the field that chose them, and nothing is queued
+    (the check lives in ``JobService.submit``, whatever the runner)."""
+    from types import SimpleNamespace
+
+    from gateway.app import create_app
+    from workers.jobs.batch import ENDPOINTS
+    from workers.jobs.plugin import router
+    from workers.jobs.runner import JobService
+
+    app = create_app({}, routers=[router])
+    app.state.jobs = JobService(cfg, {"asr-stub": SimpleNamespace(modality="asr")})
+    with serve_app(app) as url:
+        for endpoint, modality in ENDPOINTS.items():
+            line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": {"input": "x"}}
+            files = {"file": ("in.jsonl", json.dumps(line).encode(), "application/jsonl")}
+            up = httpx.post(f"{url}/v1/files", files=files, data={"purpose": "batch"}, timeout=30).json()
+            body = {"input_file_id": up["id"], "endpoint": endpoint, "completion_window": "24h"}
+            err = error(httpx.post(f"{url}/v1/batches", json=body, timeout=30), 400)
+            assert err["param"] == "endpoint" and f"needs a {modality} model" in err["message"], err
+        err = error(httpx.post(f"{url}/v1/jobs", json={"kind": "test.steps"}, timeout=30), 400)
+        assert err["param"] == "kind" and "needs a embed model" in err["message"], err
+        assert httpx.get(f"{url}/v1/batches", timeout=30).json()["data"] == []
+
+
+def test_kinds_whose_modality_is_not_served_are_400(tmp_path: Path) -> None:
+    from workers.jobs.runner import JobsConfig
+
+    check_unserved_kinds_are_400(JobsConfig(store={"type": "local", "root": str(tmp_path)}))
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -187,6 +187,24 @@ def test_embeddings_batch_runs_on_the_embed_worker(cluster: Cluster) -> None:
     assert all(len(o["response"]["body"]["data"][0]["embedding"]) == 384 for o in out)
 
 
+def test_kinds_whose_modality_is_not_served_are_400(tmp_path: Path) -> None:
+    """As under the local runner (a gateway started with ``--only asr``: no embed or llm proxy),
+    and no task waits on a queue for a worker."""
+    import redis
+
+    from tests.test_jobs import check_unserved_kinds_are_400
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        check_unserved_kinds_are_400(jobs_config(prefix, tmp_path))
+        assert r.llen(f"{prefix}.embed") == r.llen(f"{prefix}.llm") == 0
+        assert not list(r.scan_iter(f"{prefix}:jobs:job:*")) and not r.zcard(f"{prefix}:jobs:queued")
+    finally:
+        for key in r.scan_iter(f"{prefix}*"):
+            r.delete(key)
+
+
 def test_lost_message_is_sent_again(cluster: Cluster) -> None:
     """A queued job whose Celery message was lost (e.g. reserved by a worker that died) runs anyway."""
     from workers.jobs.runner import JobService

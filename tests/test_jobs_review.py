@@ -96,9 +96,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, _Eve
         return {"url": await _store_file(request, b"\x89PNG fake", "image.png", "image/png")}
 
     # An ASR model by name only: audio.transcription resolves its model at submit; the jobs here
-    # fail before they decode.
-    asr = types.SimpleNamespace(modality="asr")
-    app = create_app({"whisper-stub": asr}, keys=keys, routers=[jobs_router, extra])
+    # fail before they decode. An embedding one too: batches of /v1/embeddings and the embed test
+    # kinds are accepted only where that modality is served.
+    stubs = {
+        "whisper-stub": types.SimpleNamespace(modality="asr"),
+        "embed-stub": types.SimpleNamespace(modality="embed"),
+    }
+    app = create_app(stubs, keys=keys, routers=[jobs_router, extra])
     root = tmp_path_factory.mktemp("results")
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     watch = _EventsWatch(app.state.jobs.backend)

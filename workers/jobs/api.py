@@ -41,7 +41,7 @@ from gateway.errors import APIError
 from gateway.ratelimit import charge
 from workers.jobs import state
 from workers.jobs.registry import ParamError
-from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService
+from workers.jobs.runner import IdempotencyConflict, JobsConfig, JobService, KindNotServed
 
 
 def unavailable(exc: BaseException) -> APIError:
@@ -155,10 +155,12 @@ async def submit_or_raise(
     id_prefix: str = "job",
     request: Request | None = None,
     file_size: Callable[[str], Awaitable[int]] | None = None,
+    named: tuple[str, str] | None = None,
 ) -> tuple[state.Record, bool]:
     """``JobService.submit`` with its errors as OpenAI error JSON; with ``request``, the kind's
     cost is charged to the request's tenant (429 when over its rate limit). ``file_size``: see
-    ``JobService.submit``."""
+    ``JobService.submit``. ``named``: the request's field and value that chose the kind (default
+    ``("kind", kind)``), which the 400 of a kind whose modality is not served names."""
     if key is not None and not (0 < len(key) <= 255):
         raise APIError(400, "Idempotency-Key must be 1 to 255 characters", param="Idempotency-Key")
     try:
@@ -176,6 +178,14 @@ async def submit_or_raise(
         known = ", ".join(sorted(_kinds())) or "(none)"
         raise APIError(
             400, f"unknown job kind {kind!r}; registered kinds: {known}", param="kind", code="invalid_value"
+        ) from exc
+    except KindNotServed as exc:
+        field, value = named or ("kind", kind)
+        raise APIError(
+            400,
+            f"{field} {value!r} needs a {exc.modality} model and none is served (include {exc.modality} in --only)",
+            param=field,
+            code="invalid_value",
         ) from exc
     except IdempotencyConflict as exc:
         raise APIError(

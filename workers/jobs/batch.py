@@ -337,7 +337,14 @@ async def create_batch(
         "cost": batch_cost(body.endpoint, lines),
     }
     rec, created = await submit_or_raise(
-        svc, f"batch:{body.endpoint}", params, idempotency_key, owner=owner, id_prefix="batch", request=request
+        svc,
+        f"batch:{body.endpoint}",
+        params,
+        idempotency_key,
+        owner=owner,
+        id_prefix="batch",
+        request=request,
+        named=("endpoint", body.endpoint),
     )
     if created:
         await svc.backend.index_add(state.batches_index(owner), rec["id"])

@@ -34,6 +34,9 @@ Contract of ``run(params, ctx)``:
 - Jobs must be idempotent per attempt: a job whose worker died is run again from the start
   (up to the configured max attempts), with ``ctx.attempt`` counting from 1.
 
+A kind is accepted only by a gateway that serves its ``modality`` (an engine of it, local or a
+worker's proxy); elsewhere submitting it is a 400 (``JobService.submit``).
+
 ``validate(params, engines) -> params`` (optional) runs in the gateway before the job is queued:
 raise ``ValueError`` (or ``gateway.errors.APIError``) for a 400 with your message, so bad input
 never costs compute; a ``ParamError`` names the field in the error's ``param``, and an

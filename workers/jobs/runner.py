@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import QueueFullError
+from gateway.metrics import plugin_modality
 from workers.jobs import state
 from workers.jobs.executor import Executor
 from workers.jobs.registry import JobKind, get_job_kind
@@ -122,12 +123,22 @@ class IdempotencyConflict(Exception):
     """An idempotency key reused with a different kind or params."""
 
 
+class KindNotServed(LookupError):
+    """A job kind whose modality this server serves no engine of (``--only`` left it out): its
+    job would wait on its queue for a worker no gateway call goes to (celery) or fail (local)."""
+
+    def __init__(self, modality: str) -> None:
+        super().__init__(modality)
+        self.modality = modality
+
+
 class JobService:
     """Submit, query, cancel and stream jobs; owns the backend, the store and the runner."""
 
     def __init__(self, cfg: JobsConfig, engines: dict[str, Any], aliases: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.engines, self.aliases = engines, aliases or {}
+        self.modalities = {plugin_modality(e) for e in engines.values()}  # what submit accepts
         self.store = make_store(cfg.store)
         self.backend: Backend
         if cfg.dispatch == "celery":
@@ -174,8 +185,10 @@ class JobService:
         file_size: Callable[[str], Awaitable[int]] | None = None,
     ) -> tuple[Record, bool]:
         """Queue a job for ``owner`` (the tenant; idempotency keys are per owner). Raises ``KeyError``
-        (unknown kind), ``ValueError`` (bad params), ``IdempotencyConflict``, ``QueueFullError`` (too many
-        jobs waiting), ``ConnectionError``. ``charge(unit, amount)`` (``gateway.ratelimit.charge``
+        (unknown kind), ``KindNotServed`` (the kind's modality has no engine here; a service with
+        no engines at all, which only queues jobs, leaves that to the workers), ``ValueError``
+        (bad params), ``IdempotencyConflict``, ``QueueFullError`` (too many jobs waiting),
+        ``ConnectionError``. ``charge(unit, amount)`` (``gateway.ratelimit.charge``
         bound to the request) takes the kind's ``cost`` once the params are valid; it is refunded
         when the job is not queued (errors, idempotent replays). ``file_size(file_id)`` checks the
         valid params' ``file_id`` (raising for a file the caller may not read) and returns its size,
@@ -184,6 +197,8 @@ class JobService:
         kind = get_job_kind(kind_name)
         if kind is None:
             raise KeyError(kind_name)
+        if self.modalities and kind.modality not in self.modalities:
+            raise KindNotServed(kind.modality)
         if kind.validate is not None:
             takes_aliases = "aliases" in inspect.signature(kind.validate).parameters  # model-name resolvers
             try:
