@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # imported lazily at run time: the plugin stays light
     from pipelines.stage_store import ChainOptions
+    from workers.jobs.runner import JobsConfig
 
 KIND = "audio.pipeline"
 
@@ -88,6 +89,16 @@ def cost(params: dict[str, Any], engines: dict[str, Any], file_bytes: int = 0) -
     from modalities.asr.jobs import cost as audio_cost
 
     return audio_cost(params, engines, file_bytes)
+
+
+def forget(job_id: str, cfg: JobsConfig) -> None:
+    """A deleted job's chain goes with it: under celery its stage store in Redis (the input audio,
+    the stages' outputs, its meta; the workers' ``--prefix`` is the gateway's). A local chain
+    lived in the job's memory only."""
+    from pipelines.stage_store import shared_store
+
+    if cfg.dispatch == "celery":
+        shared_store(cfg.redis_url, cfg.queue_prefix).delete(job_id)
 
 
 async def run(params: dict[str, Any], ctx: Any) -> dict[str, Any]:

@@ -66,7 +66,9 @@ def _register_job_kind() -> None:
     from pipelines import jobs
     from workers.jobs import register_job_kind
 
-    register_job_kind(jobs.KIND, "asr", jobs.run, validate=jobs.validate, concurrency=4, cost=jobs.cost)
+    register_job_kind(
+        jobs.KIND, "asr", jobs.run, validate=jobs.validate, concurrency=4, cost=jobs.cost, forget=jobs.forget
+    )
 
 
 _register_job_kind()

@@ -231,6 +231,7 @@ class StageStore:
         }
 
     def delete(self, chain_id: str) -> None:
+        """Every key of the chain (idempotent)."""
         keys = [self._key(chain_id, w) for w in ("meta", "input")]
         keys += [self._key(chain_id, f"out:{s.name}") for s in STAGES]
         self.r.delete(*keys)

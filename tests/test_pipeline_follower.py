@@ -299,3 +299,36 @@ def test_a_stale_attempt_runs_nothing_and_keeps_nothing() -> None:
     store.set_status("c", "failed", "llm: boom")
     asyncio.run(run_stage(store, "c", "tts", Services(), dispatch=2))
     assert store.attempts("c", "tts") == 0
+
+
+def test_deleting_a_job_deletes_its_chain(h: Harness, tmp_path: Any) -> None:
+    """``DELETE /v1/jobs/{id}`` of a cancelled ``audio.pipeline`` job (celery dispatch, no worker:
+    its chain is written here as its worker would) leaves none of the chain's keys in Redis."""
+    import httpx
+
+    import pipelines.plugin  # noqa: F401 - registers audio.pipeline
+    from gateway.app import create_app
+    from tests.helpers import serve_app
+    from workers.jobs.plugin import router
+    from workers.jobs.runner import JobsConfig, JobService
+
+    cfg = JobsConfig(
+        dispatch="celery",
+        redis_url=REDIS_URL,
+        key_prefix=f"{h.prefix}:jobs",
+        queue_prefix=h.prefix,
+        store={"type": "local", "root": str(tmp_path)},
+    )
+    app = create_app({}, routers=[router])
+    app.state.jobs = JobService(cfg, {})
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        files = {"file": ("q.wav", bytes(3200), "audio/wav")}
+        fid = http.post("/v1/files", files=files, data={"purpose": "user_data"}).json()["id"]
+        job = http.post("/v1/jobs", json={"kind": "audio.pipeline", "params": {"file_id": fid}}).json()
+        h.chain(job["id"])
+        h.store.finish(job["id"], "vad", [], 0.1)
+        assert len(list(h.sync.scan_iter(f"{h.prefix}:chain:{job['id']}:*"))) == 3  # input, meta, out:vad
+        assert http.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "cancelled"
+        assert http.delete(f"/v1/jobs/{job['id']}").status_code == 200
+        assert http.get(f"/v1/jobs/{job['id']}").status_code == 404
+    assert list(h.sync.scan_iter(f"{h.prefix}:chain:*")) == []

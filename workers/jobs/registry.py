@@ -50,6 +50,11 @@ tenant is charged ``amount`` of the rate-limit ``unit`` (``gateway.ratelimit``) 
 queued (429 when over budget; refunded when queueing fails; an idempotent replay is free).
 Kinds whose params name a ``file_id`` (checked in the gateway: the caller's upload or job output)
 get its size too when their hook takes it: ``cost(params, engines, file_bytes=n)``.
+
+``forget(job_id, cfg) -> None`` (optional) deletes what a job of the kind keeps besides its record
+and result files (an ``audio.pipeline`` job's stage chain in Redis); ``DELETE /v1/jobs/{id}``
+calls it in the gateway (``cfg``: its ``JobsConfig``) before it deletes the rest, so a failure
+leaves the job to be deleted again.
 """
 
 from __future__ import annotations
@@ -58,11 +63,15 @@ import inspect
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from workers.jobs.runner import JobsConfig
 
 RunFn = Callable[[dict[str, Any], "JobContext"], "dict[str, Any] | None | Awaitable[dict[str, Any] | None]"]
 ValidateFn = Callable[..., dict[str, Any]]  # (params, engines[, aliases=]) -> params
 CostFn = Callable[..., tuple[str, float]]  # (params, engines[, file_bytes=]) -> (unit, amount)
+ForgetFn = Callable[[str, "JobsConfig"], None]  # (job id, the gateway's job settings)
 
 
 class ParamError(ValueError):
@@ -122,6 +131,7 @@ class JobKind:
     concurrency: int = 1
     retry_on_error: bool = False
     cost: CostFn | None = None
+    forget: ForgetFn | None = None
 
     @property
     def is_async(self) -> bool:
@@ -141,6 +151,7 @@ def register_job_kind(
     concurrency: int = 1,
     retry_on_error: bool = False,
     cost: CostFn | None = None,
+    forget: ForgetFn | None = None,
 ) -> JobKind:
     """Register (or replace: re-imports and tests) the job kind ``kind`` served by ``modality``.
 
@@ -148,12 +159,13 @@ def register_job_kind(
     ``concurrency`` bounds how many jobs of this kind one process runs at once (the rest wait
     queued). ``retry_on_error``: an exception from ``run`` is retried like a worker death
     (default off: bugs and bad params fail fast). ``cost``: what a submission is charged against
-    the tenant's rate limit (see the module docstring)."""
+    the tenant's rate limit, ``forget``: what deleting a job deletes besides its record and files
+    (see the module docstring)."""
     if not kind or not modality:
         raise ValueError("kind and modality must be non-empty")
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    spec = JobKind(kind, modality, run, validate, concurrency, retry_on_error, cost)
+    spec = JobKind(kind, modality, run, validate, concurrency, retry_on_error, cost, forget)
     with _LOCK:
         _KINDS[kind] = spec
     return spec

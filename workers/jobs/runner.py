@@ -274,7 +274,11 @@ class JobService:
         return rec
 
     async def delete(self, rec: Record) -> None:
-        """Delete a finished job: its result files, record and events."""
+        """Delete a finished job: what its kind keeps of it elsewhere (``JobKind.forget``), its
+        result files, record and events."""
+        kind = get_job_kind(rec["kind"])
+        if kind is not None and kind.forget is not None:
+            await asyncio.to_thread(kind.forget, rec["id"], self.cfg)
         await delete_job(self.backend, self.store, rec, expired=False)
 
     async def reap(self) -> list[str]:
