@@ -235,9 +235,9 @@ def check_unserved_kinds_are_400(cfg: Any) -> None:
             up = httpx.post(f"{url}/v1/files", files=files, data={"purpose": "batch"}, timeout=30).json()
             body = {"input_file_id": up["id"], "endpoint": endpoint, "completion_window": "24h"}
             err = error(httpx.post(f"{url}/v1/batches", json=body, timeout=30), 400)
-            assert err["param"] == "endpoint" and f"needs a {modality} model" in err["message"], err
+            assert err["param"] == "endpoint" and f"needs a model of modality {modality!r}" in err["message"], err
         err = error(httpx.post(f"{url}/v1/jobs", json={"kind": "test.steps"}, timeout=30), 400)
-        assert err["param"] == "kind" and "needs a embed model" in err["message"], err
+        assert err["param"] == "kind" and "needs a model of modality 'embed'" in err["message"], err
         assert httpx.get(f"{url}/v1/batches", timeout=30).json()["data"] == []
 
 

@@ -183,7 +183,7 @@ async def submit_or_raise(
         field, value = named or ("kind", kind)
         raise APIError(
             400,
-            f"{field} {value!r} needs a {exc.modality} model and none is served (include {exc.modality} in --only)",
+            f"{field} {value!r} needs a model of modality {exc.modality!r}, and none is served (include {exc.modality} in --only)",
             param=field,
             code="invalid_value",
         ) from exc
