@@ -1776,7 +1776,7 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
     asked: list[TTSRequest] = []
 
     class Voice:  # a TTS engine that records what it is asked
-        voices = ["joe"]
+        voices = ["joe", "amy"]
 
         async def stream(self, req: TTSRequest) -> Any:
             asked.append(req)
@@ -1792,10 +1792,10 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         assert [st.options for st in s.pipeline.stages if isinstance(st, TTS)][0] is s.tts_options  # live
         assert (await update(s, {"speed": 5}))["error"]["param"] == "session.speed" and s.tts_options.speed == 1.25
         tts = next(st for st in s.pipeline.stages if isinstance(st, TTS))  # the session's stage speaks so
-        for reply, voice in (("r1", None), ("r2", "joe")):  # and a reply may have a voice of its own
+        for reply, voice in (("r1", None), ("r2", "amy")):  # and a reply may have a voice of its own
             [f async for f in tts.process(LLMStarted(reply, voice=voice))]
             [f async for f in tts.process(Sentence(reply, "Hi.", 0))]
-            assert (asked[-1].speed, asked[-1].voice) == (1.25, voice)
+            assert (asked[-1].speed, asked[-1].voice) == (1.25, voice or "joe")  # (the session's: the first)
         ga = {"type": "realtime", "audio": {"output": {"speed": 0.5}}}
         assert (await update(s, ga))["session"]["audio"]["output"]["speed"] == 0.5 and s.tts_options.speed == 0.5
         ga["audio"]["output"]["speed"] = 0.1
