@@ -215,11 +215,16 @@ def failure_error(exc: BaseException, internal_type: str = "server_error") -> di
     refusal (an mmserve exception the routes map) reads as its route's answer would; anything
     else (a bug: a ValueError from Python or a library too) is of ``internal_type`` and names
     the exception's class, for whoever reads the logs."""
-    ours = type(exc).__module__.split(".")[0] in _PACKAGES  # (a bare ValueError is a bug's, not the input's)
-    mapped = from_engine_error(exc) if isinstance(exc, Exception) and ours else None
-    if mapped is not None:
+    if (mapped := known_error(exc)) is not None:
         return mapped.to_dict()["error"]
     return error_object(f"{type(exc).__name__}: {exc}", internal_type)
+
+
+def known_error(exc: BaseException) -> APIError | None:
+    """The routes' answer to ``exc`` (``from_engine_error``) when it is one of mmserve's own
+    exceptions; ``None`` for anything else, a bug's (a bare ``ValueError`` too)."""
+    ours = type(exc).__module__.split(".")[0] in _PACKAGES
+    return from_engine_error(exc) if isinstance(exc, Exception) and ours else None
 
 
 def is_input_error(exc: BaseException) -> bool:

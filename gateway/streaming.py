@@ -23,9 +23,9 @@ from typing import Any, Generic, TypeVar
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from gateway.errors import ClientDisconnected, error_body, from_engine_error
+from gateway.errors import ClientDisconnected, error_body, from_engine_error, known_error
 from gateway.ratelimit import charge
 
 T = TypeVar("T")
@@ -63,11 +63,28 @@ async def charged(request: Request, unit: str, amount: float, work: Callable[[],
 class ClosingStreamingResponse(StreamingResponse):
     """A ``StreamingResponse`` that closes its body iterator however the response ends. Starlette
     leaves a body generator cancelled at a ``send`` (the client gone) suspended until the garbage
-    collector finalises it, and with it the engine work it holds (queued audio, an admission slot)."""
+    collector finalises it, and with it the engine work it holds (queued audio, an admission slot).
+
+    A body that fails after its status line with an error the routes answer (``known_error``: a
+    worker lost, an engine stopped) is logged in one line and the response left unfinished, so
+    the server closes the connection and the client sees a body cut short, as it would after any
+    failure (a raw byte stream has no way to say why); a bug still raises, traceback and all."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
+        except Exception as exc:
+            if not started or known_error(exc) is None:
+                raise
+            logger.warning("%s %s: the stream ended early: %s", scope.get("method"), scope.get("path"), exc)
+            scope.setdefault("state", {}).setdefault("log_fields", {})["outcome"] = "error"
         finally:
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:

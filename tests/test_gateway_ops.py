@@ -290,3 +290,40 @@ def test_a_streamed_response_closes_its_body_when_the_client_is_gone() -> None:
         asyncio.run(go())
     finally:
         gc.enable()
+
+
+def test_a_raw_stream_cut_by_a_known_failure_is_one_log_line_and_a_cut_body(
+    caplog: pytest.LogCaptureFixture, access_log: io.StringIO
+) -> None:
+    """A raw byte stream (``/v1/audio/speech`` audio) whose worker is lost after its status line:
+    the client's body is cut short (the connection closes without the last chunk), the log says
+    so in one warning, not twice as an unhandled error with a traceback, and the access line has
+    ``outcome`` "error". A bug mid-stream still raises (uvicorn logs its traceback)."""
+    from gateway.app import create_app
+    from gateway.errors import APIError
+    from gateway.streaming import ClosingStreamingResponse
+    from tests.helpers import serve_app
+
+    router = APIRouter()
+
+    @router.get("/cut/{why}")
+    async def cut(why: str) -> ClosingStreamingResponse:
+        async def body() -> Any:
+            yield b"RIFF" + bytes(4096)
+            if why == "lost":
+                raise APIError(503, "worker w1 was lost mid-request; the reply is incomplete", code="worker_lost")
+            raise KeyError("a bug")
+
+        return ClosingStreamingResponse(body(), media_type="audio/wav")
+
+    with serve_app(create_app({}, routers=[router])) as url, caplog.at_level(logging.WARNING):
+        for why in ("lost", "bug"):
+            with pytest.raises(httpx.RemoteProtocolError), httpx.stream("GET", f"{url}/cut/{why}", timeout=30) as r:
+                assert r.status_code == 200
+                r.read()
+    lost = [r for r in caplog.records if "/cut/lost" in r.getMessage()]
+    assert [(r.levelname, r.exc_info) for r in lost] == [("WARNING", None)], caplog.text
+    assert "the stream ended early: worker w1 was lost" in lost[0].getMessage()
+    assert "/cut/bug: the stream ended early" not in caplog.text  # (a bug raises on, to uvicorn's log)
+    lines = [json.loads(line) for line in access_log.getvalue().splitlines()]
+    assert [line.get("outcome") for line in lines if line.get("route") == "/cut/{why}"][:1] == ["error"]
