@@ -66,9 +66,10 @@ class ClosingStreamingResponse(StreamingResponse):
     collector finalises it, and with it the engine work it holds (queued audio, an admission slot).
 
     A body that fails after its status line with an error the routes answer (``known_error``: a
-    worker lost, an engine stopped) is logged in one line and the response left unfinished, so
-    the server closes the connection and the client sees a body cut short, as it would after any
-    failure (a raw byte stream has no way to say why); a bug still raises, traceback and all."""
+    worker lost, an engine stopped) is logged in one warning and the response left unfinished:
+    uvicorn closes the connection (saying in one line that the response was not completed) and
+    the client sees a body cut short, as after any failure (a raw byte stream has no way to say
+    why); a bug still raises, traceback and all."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False

@@ -29,7 +29,7 @@ import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
-from gateway.errors import failure_error
+from gateway.errors import failure_error, known_error
 from pipelines.frames import End, ErrorFrame, Frame, Interrupt, SystemFrame
 
 logger = logging.getLogger("mmserve.pipelines")
@@ -194,11 +194,25 @@ class _Concurrent:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad frame must not stop the pipeline
-            err = failure_error(exc)  # (the input's or an engine's refusal reads as its route's answer)
-            if err["type"] != "invalid_request_error":
+            known = known_error(exc)  # the input's, or an engine's refusal: as its route answers it
+            if known is None:
                 logger.exception("%s failed on %s", proc.name, type(frame).__name__)
-            where = getattr(frame, "item_id", ""), getattr(frame, "event_id", None), proc.reply_of(frame)
-            self._emit(i, ErrorFrame(err["message"], proc.name, err["code"], *where, err["param"], err["type"]))
+            elif known.status_code >= 500 or known.status_code == 429:  # (a refusal under load: no traceback)
+                logger.warning("%s refused %s: %s", proc.name, type(frame).__name__, exc)
+            err = failure_error(exc)
+            self._emit(
+                i,
+                ErrorFrame(
+                    err["message"],
+                    stage=proc.name,
+                    code=err["code"],
+                    item_id=getattr(frame, "item_id", ""),
+                    event_id=getattr(frame, "event_id", None),  # (the client event it came from, if any)
+                    response_id=proc.reply_of(frame),
+                    param=err["param"],
+                    error_type=err["type"],
+                ),
+            )
             if isinstance(frame, End):
                 self._emit(i, frame)
 

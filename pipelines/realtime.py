@@ -105,7 +105,7 @@ INBOX_FRAMES = 256  # client events queued for the pipeline; beyond this the Web
 def _says_beta(ws: WebSocket) -> bool:
     """Whether the client asks for the beta protocol: the ``OpenAI-Beta: realtime=v1`` header
     (the SDK's beta client), or the subprotocol ``openai-beta.realtime-v1`` (a browser's)."""
-    header = ws.headers.get("openai-beta", "").strip().lower() == "realtime=v1"
+    header = "realtime=v1" in (part.strip() for part in ws.headers.get("openai-beta", "").lower().split(","))
     return header or "openai-beta.realtime-v1" in ws.scope.get("subprotocols", [])
 
 
@@ -120,8 +120,9 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         self.id, self.conversation_id = f"sess_{number:06d}", f"conv_{number:06d}"
         speaks = services.tts is not None and not transcription
         voices = getattr(services.tts, "voices", None) if speaks else None  # (the first is the default)
+        self.default_voice = voices[0] if voices else None  # shown for "no voice chosen" (null)
         self.config = SessionConfig(model, modalities=["text", "audio"] if speaks else ["text"])
-        self.config.voice = voices[0] if voices else None
+        self.config.voice = self.default_voice
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
@@ -276,6 +277,7 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
             check_voice(self.services.tts, patch)
             staged = dataclasses.replace(self.config)
             staged.update(patch)  # the patch's shape first, then what the models can do
+            staged.voice = staged.voice or self.default_voice
             if "input_audio_transcription" in patch:
                 check_language(self.services.asr, staged.input_audio_transcription)
             if (staged.turn_detection or {}).get("idle_timeout_ms") and self.services.asr is None:

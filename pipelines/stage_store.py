@@ -136,7 +136,9 @@ class StageStore:
         self.r.hset(meta, mapping={**mapping, **({} if dispatch is None else {f"{stage}.dispatch": dispatch})})
         # (counted after it shows as running: a follower reading in between must not see a new
         # attempt of a stage that is not under way, and call its modality unserved)
-        return int(self.r.hincrby(meta, f"{stage}.attempts", 1))
+        attempt = int(self.r.hincrby(meta, f"{stage}.attempts", 1))
+        self._expiring(meta)
+        return attempt
 
     def finish(
         self, chain_id: str, stage: str, frames: list[Frame], seconds: float, dispatch: int | None = None
@@ -149,13 +151,16 @@ class StageStore:
         with self.r.pipeline() as p:
             p.set(self._key(chain_id, f"out:{stage}"), pickle.dumps(frames), ex=self.ttl)
             p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
+            p.expire(meta, self.ttl, nx=True)
             p.execute()
         return True
 
     def redispatch(self, chain_id: str) -> int:
         """Make the chain's tasks sent so far stale (``live`` says no to them); returns the number
         the tasks sent next must carry. (One atomic command: no state in between.)"""
-        return int(self.r.hincrby(self._key(chain_id, "meta"), "dispatch", 1))
+        dispatch = int(self.r.hincrby(self._key(chain_id, "meta"), "dispatch", 1))
+        self._expiring(self._key(chain_id, "meta"))
+        return dispatch
 
     def live(self, chain_id: str, dispatch: int | None) -> bool:
         """Whether a task of the chain sent as ``dispatch`` (None: any) should run: the chain has
@@ -176,6 +181,12 @@ class StageStore:
         if failure is not None:
             mapping["failure"] = json.dumps(failure)
         self.r.hset(self._key(chain_id, "meta"), mapping=mapping)
+        self._expiring(self._key(chain_id, "meta"))
+
+    def _expiring(self, meta: str) -> None:
+        """A ``meta`` written after the chain was deleted (a stage or follower under way when its
+        job was deleted) is made anew: it expires too, not never."""
+        self.r.expire(meta, self.ttl, nx=True)
 
     def failure(self, chain_id: str) -> dict[str, Any] | None:
         raw = self.r.hget(self._key(chain_id, "meta"), "failure")
@@ -268,7 +279,7 @@ class MemoryKV:
     def get(self, key: str) -> bytes | None:
         return self.data.get(key)
 
-    def expire(self, key: str, seconds: int) -> None:
+    def expire(self, key: str, seconds: int, nx: bool = False) -> None:
         return None
 
     def hset(self, key: str, mapping: dict[str, Any]) -> None:

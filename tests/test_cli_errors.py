@@ -182,11 +182,14 @@ def test_a_worker_checks_redis_before_it_loads_a_model_and_names_its_own_flag(
     loads: list[object] = []
     build_all = plugins.build_all
     monkeypatch.setattr(plugins, "build_all", lambda args: loads.append(args) or build_all(args))
-    err = _fails(["worker", "--modality", "llm", "--redis-url", "redis://:hush@127.0.0.1:1/0"], capsys)
+    argv = ["worker", "--modality", "llm", "--redis-url", "redis://:hush@127.0.0.1:1/0", "--redis-wait-s", "0"]
+    err = _fails(argv, capsys)
     assert "cannot reach Redis at 127.0.0.1:1/0 (--redis-url)" in err and "hush" not in err and not loads
     try:
         redis.Redis.from_url("redis://127.0.0.1:6379/11", socket_connect_timeout=1).ping()
     except redis.exceptions.RedisError:
         pytest.skip("no Redis at 127.0.0.1:6379")
+    err = _fails(["worker", "--modality", "llm", "--redis-url", "redis://127.0.0.1:6379/99"], capsys)
+    assert "Redis at 127.0.0.1:6379/99 refused the worker" in err and not loads  # (at once, not after 30 s)
     err = _fails(["worker", "--modality", "diffusion", "--redis-url", "redis://127.0.0.1:6379/11"], capsys)
     assert "--modality diffusion: give --image or --video" in err and len(loads) == 1

@@ -118,6 +118,7 @@ def test_worker_lost_before_replying_is_retried_elsewhere(cluster: Cluster) -> N
         assert cluster_view.model_stats(LLM)["dispatch_retries_total"] == cluster_view.retries[LLM]
     finally:
         victim.kill(signal.SIGKILL)
+        victim.proc.wait(10)  # (reaped: the next test counts the live workers by ``poll()``)
 
 
 def test_worker_killed_mid_stream_ends_with_an_error_event(cluster: Cluster) -> None:

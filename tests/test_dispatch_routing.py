@@ -162,19 +162,44 @@ def test_a_gateway_that_starts_without_redis_says_so(caplog: pytest.LogCaptureFi
 
 def test_a_call_on_a_draining_worker_is_resubmitted_at_once() -> None:
     """A call not started on a worker whose heartbeat says it is shutting down goes elsewhere at
-    the first silent poll (it took ``start_timeout_s``, 3 s, before); a started one waits."""
+    the first silent poll (it took ``start_timeout_s``, 3 s, before), without counting as a lost
+    worker; a started one waits."""
+    import asyncio
     import json
     import time
 
-    from workers.remote import Cluster
+    from workers.remote import DRAINING, LOST, Cluster
+    from workers.wire import END
 
     cluster = Cluster("redis://127.0.0.1:1/0")
     now = time.time()
     draining = json.dumps({"worker_id": "w", "models": ["m"], "draining": True, "ts": now}).encode()
     serving = json.dumps({"worker_id": "w", "models": ["m"], "inflight": 8, "capacity": 8, "ts": now}).encode()
-    assert cluster._lost("w", draining, started=False, sent_at=now - 0.5)
-    assert not cluster._lost("w", draining, started=True, sent_at=now - 0.5)
-    assert not cluster._lost("w", serving, started=False, sent_at=now - 0.5)
+    assert cluster._lost("w", draining, started=False, sent_at=now - 0.5) == DRAINING
+    assert cluster._lost("w", draining, started=True, sent_at=now - 0.5) is None
+    assert cluster._lost("w", serving, started=False, sent_at=now - 0.5) is None
+    assert cluster._lost("w", None, started=True, sent_at=now - 0.5) == LOST  # (no heartbeat: gone)
+
+    # A call the draining worker never started goes to another: not a lost worker (no retry
+    # counted, no attempt used, the worker stays in the view to finish its own calls).
+    cluster = Cluster("redis://127.0.0.1:1/0", max_attempts=1)
+    cluster.redis, cluster.redis_ok = object(), True  # type: ignore[assignment]
+    cluster.workers = {w: WorkerLoad(w, models=["m"], capacity=4) for w in ("w0", "w1")}
+
+    async def call_on(worker_id: str, call: object) -> Any:
+        if worker_id == "w0":
+            yield None, DRAINING
+            return
+        yield END, f"done by {worker_id}"
+
+    cluster._call_on = call_on  # type: ignore[method-assign]
+    cluster.workers["w1"].inflight = 3  # (w0 is chosen first: the least loaded)
+
+    async def run() -> list[tuple[bytes, Any]]:
+        return [x async for x in cluster.call("m", "run")]
+
+    assert asyncio.run(run()) == [(END, "done by w1")]
+    assert not cluster.retries and set(cluster.workers) == {"w0", "w1"}
 
 
 def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
@@ -200,9 +225,9 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     rt.start()
     beat, queue = Keys(prefix).worker("w1"), worker_queue("w1", prefix)
     try:
-        for _ in range(100):  # (the first heartbeat, a task started with the runtime)
-            if client.exists(beat):
-                break
+        deadline = time.monotonic() + 10
+        while not client.exists(beat):  # (the first heartbeat, a task started with the runtime)
+            assert time.monotonic() < deadline, "no heartbeat"
             time.sleep(0.02)
         assert json.loads(client.get(beat))["draining"] is False
         client.rpush(queue, "a call sent before the drain")

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -161,6 +161,16 @@ def sdk_until(conn: Any, events: list[Any]) -> Any:
     return until
 
 
+@contextlib.asynccontextmanager
+async def ga_connection(server: dict[str, Any]) -> AsyncIterator[tuple[Any, list[Any], Any]]:
+    """``openai``'s GA realtime client on ``server``: ``(conn, events, until)`` (``sdk_until``)."""
+    openai = pytest.importorskip("openai")
+    client = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key="unused")
+    async with client.realtime.connect(model="smollm2") as conn:
+        events: list[Any] = []
+        yield conn, events, sdk_until(conn, events)
+
+
 def _get(ev: dict[str, Any], path: str) -> Any:
     for key in path.split("__"):
         ev = ev.get(key) if isinstance(ev, dict) else None  # type: ignore[assignment]
@@ -266,14 +276,9 @@ def test_the_official_openai_client_speaks_the_ga_protocol(server: dict[str, Any
     """``openai``'s ``client.realtime.connect`` (the GA protocol): a GA ``session.update``
     switches the session's dialect; a spoken turn then comes back with GA event names and
     shapes, a text-only response as ``output_text``, and a bad GA field gets an error event."""
-    openai = pytest.importorskip("openai")
 
     async def go() -> None:
-        client = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key="unused")
-        async with client.realtime.connect(model="smollm2") as conn:
-            events: list[Any] = []
-            until = sdk_until(conn, events)
-
+        async with ga_connection(server) as (conn, events, until):
             td = {"type": "server_vad", "silence_duration_ms": 500}
             session = {"type": "realtime", "output_modalities": ["audio"], "max_output_tokens": 24}
             include = ["item.input_audio_transcription.logprobs"]
@@ -340,13 +345,9 @@ def test_a_client_that_does_not_ask_for_beta_speaks_ga_from_its_first_event(serv
     """As with OpenAI: ``openai``'s GA client, with no ``session.update``, gets ``session.created``
     in the GA shape and GA events, and its GA ``response.create`` fields are read; a beta-only
     session field is refused, naming where GA has it."""
-    openai = pytest.importorskip("openai")
 
     async def go() -> None:
-        client = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key="unused")
-        async with client.realtime.connect(model="smollm2") as conn:
-            events: list[Any] = []
-            until = sdk_until(conn, events)
+        async with ga_connection(server) as (conn, events, until):
             created = await until("session.created")
             assert created.session.type == "realtime" and created.session.output_modalities == ["audio"]
             assert created.session.audio.output.voice == server["tts"].voices[0]  # (the one that speaks, not null)
@@ -1723,8 +1724,10 @@ def test_a_full_manual_buffer_is_refused_as_it_fills() -> None:
             await s._handle(json.dumps({"type": "input_audio_buffer.append", "audio": minute}))
             assert (sent[-1]["type"] == "error") == (k == 5)
         assert sent[-1]["error"]["code"] == "input_audio_buffer_full" and s.appended_ms == 300_000
-        late = ErrorFrame("full", stage="VAD", code="input_audio_buffer_full", event_id="evt_3")  # the VAD's
-        await s._on_frame(late)
+        late = ErrorFrame(
+            "full", "VAD", "input_audio_buffer_full", event_id="evt_3", error_type="invalid_request_error"
+        )
+        await s._on_frame(late)  # (the VAD's, as it refuses audio)
         assert sent[-1]["error"]["code"] == "input_audio_buffer_full" and sent[-1]["error"]["event_id"] == "evt_3"
 
     run(go())
@@ -1792,6 +1795,8 @@ def test_speed_and_other_fields_are_checked_in_both_shapes() -> None:
         assert [st.options for st in s.pipeline.stages if isinstance(st, TTS)][0] is s.tts_options  # live
         assert (await update(s, {"speed": 5}))["error"]["param"] == "session.speed" and s.tts_options.speed == 1.25
         tts = next(st for st in s.pipeline.stages if isinstance(st, TTS))  # the session's stage speaks so
+        assert (await update(s, {"voice": "amy"}))["session"]["voice"] == "amy"
+        assert (await update(s, {"voice": None}))["session"]["voice"] == "joe"  # (no voice chosen: the default)
         for reply, voice in (("r1", None), ("r2", "amy")):  # and a reply may have a voice of its own
             [f async for f in tts.process(LLMStarted(reply, voice=voice))]
             [f async for f in tts.process(Sentence(reply, "Hi.", 0))]

@@ -43,6 +43,7 @@ from workers.tasks import ENGINE_CALL
 from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error
 
 logger = logging.getLogger("mmserve.dispatch")
+LOST, DRAINING = "lost", "draining"  # why a call goes to another worker (``Cluster._lost``)
 
 
 def broker_down(exc: BaseException) -> APIError:
@@ -205,10 +206,11 @@ class Cluster:
                 raise APIError(503, f"no live worker serves {model!r}", code="no_workers", headers={"Retry-After": "1"})
             tried.add(worker.worker_id)
             call = Call(uuid.uuid4().hex, model, method, args, kwargs or {})
+            value: Any = None
             try:
                 async with contextlib.aclosing(self._call_on(worker.worker_id, call)) as replies:
                     async for kind, value in replies:
-                        if kind is None:  # the worker died before anything was streamed: try another
+                        if kind is None:  # the worker died (or is shutting down) before anything was streamed
                             break
                         yield kind, value
                         if kind == END:
@@ -216,6 +218,8 @@ class Cluster:
             except HeldBoundError as exc:  # refused before any work (the view's loads are a heartbeat old)
                 refusals.append(exc)
                 continue  # (not a lost worker: it does not use up an attempt)
+            if value == DRAINING:
+                continue  # (nor is one shutting down: another takes the call, and this one's own run finish)
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
             self.retries[model] += 1
@@ -251,7 +255,7 @@ class Cluster:
                             503, f"worker {worker_id} was lost mid-request; the reply is incomplete", code="worker_lost"
                         )
                     if lost:
-                        yield None, None  # retry elsewhere; ``finally`` aborts this call in case it surfaces
+                        yield None, lost  # retry elsewhere; ``finally`` aborts this call in case it surfaces
                         return
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
@@ -279,30 +283,32 @@ class Cluster:
             self.local_inflight[worker_id] -= 1
             self._spawn(self._finish(worker_id, call.call_id, aborted=not done))
 
-    def _lost(self, worker_id: str, beat: bytes | None, started: bool, sent_at: float) -> bool:
-        """Whether a call that has been silent for a poll period is lost: its worker's heartbeat
-        expired, or the call never started although a heartbeat taken a while after sending it
-        shows free slots and an empty queue (the message vanished, e.g. Redis restarted without
-        persistence). A call still queued behind busy slots after ``max_queue_wait_s`` is a 503."""
+    def _lost(self, worker_id: str, beat: bytes | None, started: bool, sent_at: float) -> str | None:
+        """Why a call that has been silent for a poll period is to go elsewhere (None: it waits on):
+        its worker's heartbeat expired (``LOST``); the call never started and the worker is shutting
+        down (``DRAINING``: at once, it starts nothing more); or it never started although a
+        heartbeat taken a while after sending it shows free slots and an empty queue (``LOST``: the
+        message vanished, e.g. Redis restarted without persistence). A call still queued behind
+        busy slots after ``max_queue_wait_s`` is a 503."""
         if beat is None:
-            return True
+            return LOST
         if started:
-            return False
+            return None
         try:
             data = json.loads(beat)
             load_now = WorkerLoad.from_heartbeat(data)
             fresh = float(data.get("ts", 0.0)) > sent_at + 1.0
         except (ValueError, KeyError, TypeError):
-            return False
-        if load_now.draining:  # (at once: a worker shutting down starts nothing more)
-            logger.warning("call on %s never started and the worker is shutting down: resubmitting", worker_id)
-            return True
+            return None
+        if load_now.draining:
+            logger.info("call on %s never started and the worker is shutting down: resubmitting", worker_id)
+            return DRAINING
         waited_s = time.time() - sent_at
         if waited_s < self.start_timeout_s:
-            return False
+            return None
         if fresh and load_now.queue_depth == 0 and load_now.inflight < load_now.capacity:
             logger.warning("call on %s never started although the worker is idle: resubmitting", worker_id)
-            return True
+            return LOST
         if waited_s > self.max_queue_wait_s:
             raise APIError(
                 503,
@@ -310,7 +316,7 @@ class Cluster:
                 code="queue_timeout",
                 headers={"Retry-After": "1"},
             )
-        return False
+        return None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -68,6 +68,7 @@ class WorkerRuntime:
         self._background: list[asyncio.Task[None]] = []
         self.redis: aioredis.Redis | None = None
         self.draining = False  # set when shutdown begins: finish running calls, take no new ones
+        self._beat_lock = asyncio.Lock()
 
     # -- lifecycle (called from the main thread) --------------------------------------------------
 
@@ -227,12 +228,13 @@ class WorkerRuntime:
     async def _beat(self) -> None:
         assert self.redis is not None
         queues = [worker_queue(self.worker_id, self.prefix), modality_queue(self.modality, self.prefix)]
-        data = self.load()
-        depths = await asyncio.gather(*(self.redis.llen(q) for q in queues))
-        data["queue_depth"] = int(sum(depths))
-        await self.redis.set(
-            self.keys.worker(self.worker_id), json.dumps(data), px=max(1000, int(self.heartbeat_s * 3000))
-        )
+        async with self._beat_lock:  # (one at a time: a drain's beat is never overwritten by an older one)
+            depths = await asyncio.gather(*(self.redis.llen(q) for q in queues))
+            data = self.load()
+            data["queue_depth"] = int(sum(depths))
+            await self.redis.set(
+                self.keys.worker(self.worker_id), json.dumps(data), px=max(1000, int(self.heartbeat_s * 3000))
+            )
 
     async def _heartbeat_loop(self) -> None:
         while True:

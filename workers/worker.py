@@ -57,18 +57,28 @@ def default_concurrency(args: argparse.Namespace) -> int:
     return max(16, bound + 8) if bound else 16
 
 
-def check_redis(url: str) -> None:
-    """``ConnectionError`` (one line, no password) unless Redis at ``url`` answers (its DB too)."""
+def check_redis(url: str, wait_s: float) -> None:
+    """``ConnectionError`` (one line, no password) unless Redis at ``url`` answers (its DB too):
+    an unreachable one is tried again for ``wait_s`` (a Redis still starting beside the worker),
+    a refusal (a DB index out of range, a wrong password) ends it at once."""
     import redis
 
     client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
-    where = "{host}:{port}/{db}".format(
-        **{"host": "?", "port": "?", "db": 0, **client.connection_pool.connection_kwargs}
-    )
+    kwargs = client.connection_pool.connection_kwargs
+    where = f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+    deadline = time.monotonic() + wait_s
     try:
-        client.ping()
-    except redis.exceptions.RedisError as exc:
-        raise ConnectionError(f"cannot reach Redis at {where} (--redis-url): {exc}") from None
+        while True:
+            try:
+                client.ping()
+                return
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"cannot reach Redis at {where} (--redis-url): {exc}") from None
+                logger.warning("Redis at %s is unreachable (%s); trying again", where, exc)
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            except redis.exceptions.RedisError as exc:
+                raise ConnectionError(f"Redis at {where} refused the worker (--redis-url): {exc}") from None
     finally:
         client.close()
 
@@ -87,6 +97,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--redis-url", type=redis_url, default=os.environ.get("MMSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    )
+    parser.add_argument(
+        "--redis-wait-s",
+        type=at_least(float, 0),
+        default=30.0,
+        help="at start-up, how long to wait for an unreachable Redis before exiting (before loading models)",
     )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="queue and key prefix (one per cluster)")
     parser.add_argument("--worker-id", default=None, help="default: <modality>-<host>-<pid>-<random>")
@@ -115,7 +131,7 @@ def run_worker(args: argparse.Namespace) -> int:
         os.environ["C_FORCE_ROOT"] = "1"  # Celery's own check; the user accepted it above
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hide_task_results()
-    check_redis(args.redis_url)  # before the models load: a wrong URL is one line, not minutes of retries
+    check_redis(args.redis_url, args.redis_wait_s)  # before the models load: a wrong URL is one line
     args.only = [args.modality]
     built = plugins.build_all(args)
     if not built.engines:
