@@ -232,9 +232,12 @@ class LLMStarted(ReplyFrame):
 
 @dataclass
 class TextDelta(ReplyFrame):
-    """Newly decoded reply text."""
+    """Newly decoded reply text, with the reply's token counts so far (a cancelled reply's usage)."""
 
     text: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass

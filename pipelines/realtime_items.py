@@ -146,6 +146,17 @@ class Reply:
         return self.audio and self.heard_ms is None and self.played_ms() < self.audio_ms
 
 
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """A response's ``usage`` (text tokens only: the audio is spoken from the text)."""
+    return {
+        "total_tokens": prompt_tokens + completion_tokens,
+        "input_tokens": prompt_tokens,
+        "output_tokens": completion_tokens,
+        "input_token_details": {"cached_tokens": cached_tokens, "text_tokens": prompt_tokens, "audio_tokens": 0},
+        "output_token_details": {"text_tokens": completion_tokens, "audio_tokens": 0},
+    }
+
+
 def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
     details: dict[str, Any] | None = {"type": status, "reason": reason} if reason else None
     if status == "failed":  # (OpenAI's: no reason, the error's type and code)

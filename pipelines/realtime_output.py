@@ -53,6 +53,7 @@ from pipelines.realtime_items import (
     function_item_event,
     item_event,
     response_event,
+    usage_object,
 )
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
@@ -259,6 +260,8 @@ class ServerEvents:
         elif isinstance(frame, TextDelta):
             await self._open(r)
             r.text += frame.text
+            if frame.prompt_tokens:  # (so far: what a reply cancelled before its LLMDone reports)
+                r.usage = usage_object(frame.prompt_tokens, frame.completion_tokens, frame.cached_tokens)
             kind = "response.audio_transcript.delta" if r.audio else "response.text.delta"
             await self.send(kind, **self._where(r), delta=frame.text)
         elif isinstance(frame, TTSAudio):
@@ -288,14 +291,7 @@ class ServerEvents:
             await self._finish(r, "failed")
         elif isinstance(frame, LLMDone):
             r.text, r.cut = frame.text, frame.cut
-            cached = frame.cached_tokens
-            r.usage = {
-                "total_tokens": frame.prompt_tokens + frame.completion_tokens,
-                "input_tokens": frame.prompt_tokens,
-                "output_tokens": frame.completion_tokens,
-                "input_token_details": {"cached_tokens": cached, "text_tokens": frame.prompt_tokens, "audio_tokens": 0},
-                "output_token_details": {"text_tokens": frame.completion_tokens, "audio_tokens": 0},
-            }
+            r.usage = usage_object(frame.prompt_tokens, frame.completion_tokens, frame.cached_tokens)
         elif isinstance(frame, TTSDone) and r.cut:
             await self._finish(r, "incomplete", "max_output_tokens")
         elif isinstance(frame, TTSDone):

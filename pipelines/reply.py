@@ -214,7 +214,7 @@ class LLM(Processor):
                 if delta:
                     if not item.truncated:
                         item.text += delta
-                    yield TextDelta(response_id, delta)
+                    yield TextDelta(response_id, delta, len(ids), len(out.outputs[0].token_ids), out.num_cached_tokens)
                 if calls is not None:
                     for frame in self._call_frames(response_id, item, calls, made, req.out_of_band):
                         yield frame

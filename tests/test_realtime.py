@@ -625,6 +625,8 @@ def test_barge_in_aborts_the_engine_and_truncates(server: dict[str, Any]) -> Non
             generated = llm.stats()["generation_tokens_total"]
             assert cancelled["response"]["status"] == "cancelled"
             assert cancelled["response"]["status_details"]["reason"] == "turn_detected"
+            usage = cancelled["response"]["usage"]  # (what it took until cut: the prompt, the tokens sent)
+            assert usage["input_tokens"] > 10 and 0 < usage["output_tokens"] < 400, usage
             assert truncated["item_id"] == item_id
             sent_ms = sum(len(base64.b64decode(e["delta"])) for e in c.events if e["type"] == "response.audio.delta")
             assert truncated["audio_end_ms"] <= sent_ms / 2 / RATE * 1000 + 1
