@@ -219,7 +219,7 @@ class Cluster:
                 refusals.append(exc)
                 continue  # (not a lost worker: it does not use up an attempt)
             if value == DRAINING:
-                continue  # (nor is one shutting down: another takes the call, and this one's own run finish)
+                continue  # (nor is one shutting down: another worker takes the call, it finishes its own)
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
             self.retries[model] += 1
