@@ -121,8 +121,9 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         speaks = services.tts is not None and not transcription
         voices = getattr(services.tts, "voices", None) if speaks else None  # (the first is the default)
         self.default_voice = voices[0] if voices else None  # shown for "no voice chosen" (null)
-        self.config = SessionConfig(model, modalities=["text", "audio"] if speaks else ["text"])
-        self.config.voice = self.default_voice
+        self.config = SessionConfig(
+            model, modalities=["text", "audio"] if speaks else ["text"], voice=self.default_voice
+        )
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
         self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests

@@ -158,8 +158,9 @@ class StageStore:
     def redispatch(self, chain_id: str) -> int:
         """Make the chain's tasks sent so far stale (``live`` says no to them); returns the number
         the tasks sent next must carry. (One atomic command: no state in between.)"""
-        dispatch = int(self.r.hincrby(self._key(chain_id, "meta"), "dispatch", 1))
-        self._expiring(self._key(chain_id, "meta"))
+        meta = self._key(chain_id, "meta")
+        dispatch = int(self.r.hincrby(meta, "dispatch", 1))
+        self._expiring(meta)
         return dispatch
 
     def live(self, chain_id: str, dispatch: int | None) -> bool:
@@ -180,8 +181,9 @@ class StageStore:
             mapping["error"] = error
         if failure is not None:
             mapping["failure"] = json.dumps(failure)
-        self.r.hset(self._key(chain_id, "meta"), mapping=mapping)
-        self._expiring(self._key(chain_id, "meta"))
+        meta = self._key(chain_id, "meta")
+        self.r.hset(meta, mapping=mapping)
+        self._expiring(meta)
 
     def _expiring(self, meta: str) -> None:
         """A ``meta`` written after the chain was deleted (a stage or follower under way when its

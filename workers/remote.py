@@ -206,11 +206,12 @@ class Cluster:
                 raise APIError(503, f"no live worker serves {model!r}", code="no_workers", headers={"Retry-After": "1"})
             tried.add(worker.worker_id)
             call = Call(uuid.uuid4().hex, model, method, args, kwargs or {})
-            value: Any = None
+            gone: str | None = None  # why the call left this worker before it streamed (``_lost``)
             try:
                 async with contextlib.aclosing(self._call_on(worker.worker_id, call)) as replies:
                     async for kind, value in replies:
                         if kind is None:  # the worker died (or is shutting down) before anything was streamed
+                            gone = value
                             break
                         yield kind, value
                         if kind == END:
@@ -218,7 +219,7 @@ class Cluster:
             except HeldBoundError as exc:  # refused before any work (the view's loads are a heartbeat old)
                 refusals.append(exc)
                 continue  # (not a lost worker: it does not use up an attempt)
-            if value == DRAINING:
+            if gone == DRAINING:
                 continue  # (nor is one shutting down: another worker takes the call, it finishes its own)
             logger.warning("worker %s lost before replying to a %s call; retrying elsewhere", worker.worker_id, model)
             self.workers.pop(worker.worker_id, None)
