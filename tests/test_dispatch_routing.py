@@ -205,12 +205,15 @@ def test_a_call_on_a_draining_worker_is_resubmitted_at_once() -> None:
 def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     """``WorkerRuntime`` on the real Redis (db 11, a prefix of its own): ``drain`` publishes a
     draining heartbeat now, not a period later; ``stop`` deletes the heartbeat, the worker's own
-    queue (calls in it never started: the gateway resubmits them) and its Celery binding."""
+    queue (calls in it never started: the gateway resubmits them) and its Celery binding, and
+    the runtime stops being ``current()`` (a later local job in this process took the Celery path
+    on its dead loop's Redis client)."""
     import json
     import time
     import uuid
 
     redis = pytest.importorskip("redis")
+    from workers import runtime
     from workers.celery_app import worker_queue
     from workers.runtime import WorkerRuntime
     from workers.wire import Keys
@@ -223,6 +226,7 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
         pytest.skip("no Redis at 127.0.0.1:6379")
     rt = WorkerRuntime("w1", "llm", {}, url, prefix=prefix, heartbeat_s=60.0)
     rt.start()
+    assert runtime.current() is rt
     beat, queue = Keys(prefix).worker("w1"), worker_queue("w1", prefix)
     try:
         deadline = time.monotonic() + 10
@@ -237,3 +241,4 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     finally:
         rt.stop()
     assert client.exists(beat, queue, f"_kombu.binding.{queue}") == 0
+    assert runtime.current() is None

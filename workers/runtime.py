@@ -80,12 +80,16 @@ class WorkerRuntime:
         _CURRENT = self
 
     def stop(self) -> None:
-        """Withdraw the heartbeat (the gateway stops routing here at once) and stop the engines."""
+        """Withdraw the heartbeat (the gateway stops routing here at once), stop the engines and
+        stop being ``current()``: a stopped runtime's clients live on its dead loop."""
+        global _CURRENT
         try:
             self.run(self._astop(), timeout=60)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            if _CURRENT is self:
+                _CURRENT = None
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the engine loop and wait for its result (from any other thread)."""
