@@ -144,20 +144,21 @@ def test_a_call_a_full_worker_refuses_goes_to_another_and_is_a_429_only_when_all
 
 def test_a_gateway_that_starts_without_redis_says_so(caplog: pytest.LogCaptureFixture) -> None:
     """(Before, the first failed reading was silent: a gateway with a wrong ``--redis-url`` started
-    with no word in its log, then answered every call with a 503.)"""
+    with no word in its log, then answered every call with a 503.) The log names where, never
+    the URL's password."""
     import asyncio
     import logging
 
     from workers.remote import Cluster
 
     async def go() -> None:
-        cluster = Cluster("redis://127.0.0.1:1/0", socket_timeout_s=0.5)  # (nothing listens on port 1)
+        cluster = Cluster("redis://:hush@127.0.0.1:1/0", socket_timeout_s=0.5)  # (nothing listens on port 1)
         await cluster.start()
         await cluster.shutdown()
 
     with caplog.at_level(logging.WARNING):
         asyncio.run(go())
-    assert "Redis at redis://127.0.0.1:1/0 is unreachable" in caplog.text
+    assert "Redis at 127.0.0.1:1/0 is unreachable" in caplog.text and "hush" not in caplog.text
 
 
 def test_a_call_on_a_draining_worker_is_resubmitted_at_once() -> None:

@@ -40,7 +40,7 @@ from gateway.errors import APIError
 from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
 from workers.routing import WorkerLoad, choose_worker
 from workers.tasks import ENGINE_CALL
-from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error
+from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error, redis_where
 
 logger = logging.getLogger("mmserve.dispatch")
 LOST, DRAINING = "lost", "draining"  # why a call goes to another worker (``Cluster._lost``)
@@ -100,7 +100,9 @@ class Cluster:
             )
             await self.refresh()
             if not self.redis_ok:  # (later failures are logged as they happen)
-                logger.warning("Redis at %s is unreachable: calls get 503 until it answers", self.redis_url)
+                logger.warning(
+                    "Redis at %s is unreachable: calls get 503 until it answers", redis_where(self.redis_url)
+                )
             self._refresher = asyncio.create_task(self._refresh_loop())
 
     async def shutdown(self) -> None:

@@ -25,6 +25,18 @@ from typing import Any
 from engine.outputs import RequestOutput
 
 START, ITEM, END, ERROR = b"start", b"item", b"end", b"error"
+
+
+def redis_where(url: str) -> str:
+    """Where ``url``'s Redis is, for log lines and errors: ``host:port/db`` (or the socket's
+    path), never its user or password."""
+    from redis.connection import parse_url
+
+    kw = parse_url(url)
+    place = kw.get("path") or f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
+    return f"{place}/{kw.get('db', 0)}"
+
+
 STREAM_TTL_S = 600
 
 

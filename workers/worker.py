@@ -63,9 +63,10 @@ def check_redis(url: str, wait_s: float) -> None:
     a refusal (a DB index out of range, a wrong password) ends it at once."""
     import redis
 
+    from workers.wire import redis_where
+
     client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
-    kwargs = client.connection_pool.connection_kwargs
-    where = f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+    where = redis_where(url)
     deadline = time.monotonic() + wait_s
     try:
         while True:
