@@ -52,6 +52,7 @@ def cluster(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> It
             ["serve", "--only", "llm", *llm, "--dispatch", "celery", "--redis-url", url, "--prefix", PREFIX]
         )
         app = build_app(args)
+        app.state.cluster.sweep_s, app.state.cluster.sweep_grace_s = 0.5, 5.0  # (test_a_dead_workers_queue_is_swept)
         with serve_app(app) as base:
             _wait_ready(base)
             yield Cluster(server, workers, base, app)
@@ -119,6 +120,26 @@ def test_worker_lost_before_replying_is_retried_elsewhere(cluster: Cluster) -> N
     finally:
         victim.kill(signal.SIGKILL)
         victim.proc.wait(10)  # (reaped: the next test counts the live workers by ``poll()``)
+
+
+def test_a_dead_workers_queue_is_swept(cluster: Cluster) -> None:
+    """The worker killed above left its own queue (the calls resubmitted elsewhere) and that
+    queue's Celery binding; the gateway removes them once its heartbeat is gone for the grace
+    period. The survivor's stay, and it still serves."""
+    import redis
+
+    from workers.celery_app import worker_queue
+
+    victim, survivor = cluster.workers
+    client = redis.Redis.from_url(cluster.redis.url())
+    dead, live = worker_queue(victim.worker_id, PREFIX), worker_queue(survivor.worker_id, PREFIX)
+    deadline = time.monotonic() + 20
+    while client.exists(dead, f"_kombu.binding.{dead}"):
+        assert time.monotonic() < deadline, "the dead worker's queue was not swept"
+        time.sleep(0.2)
+    assert cluster.app.state.cluster.workers_swept == 1  # (it found them: the check above is not vacuous)
+    assert client.exists(f"_kombu.binding.{live}") == 1
+    assert _complete(cluster.url, "hello").status_code == 200
 
 
 def test_worker_killed_mid_stream_ends_with_an_error_event(cluster: Cluster) -> None:

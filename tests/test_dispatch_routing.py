@@ -243,3 +243,57 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
         rt.stop()
     assert client.exists(beat, queue, f"_kombu.binding.{queue}") == 0
     assert runtime.current() is None
+
+
+def test_the_sweeper_removes_only_what_dead_workers_left_and_only_after_the_grace() -> None:
+    """``DeadQueues`` on the real Redis (db 11, a prefix of its own), with keys as kombu lays them
+    out: a dead worker's queue, binding and unacked calls go once it has been dead for the grace
+    period; a live worker's (heartbeat present) and other queues' unacked calls stay."""
+    import asyncio
+    import json
+    import uuid
+
+    redis = pytest.importorskip("redis")
+    import redis.asyncio as aioredis
+
+    from workers.celery_app import worker_queue
+    from workers.sweeper import UNACKED, UNACKED_INDEX, DeadQueues
+    from workers.wire import Keys
+
+    url, prefix = "redis://127.0.0.1:6379/11", f"t-sweep-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    dead, live = worker_queue("dead", prefix), worker_queue("live", prefix)
+    tags = {f"{prefix}-t{i}": q for i, q in enumerate((dead, dead, live))}
+    client.set(Keys(prefix).worker("live"), "{}")
+    for q in (dead, live):
+        client.rpush(q, "a call")
+        client.sadd(f"_kombu.binding.{q}", f"{q}\x06\x16\x06\x16{q}")
+    for tag, q in tags.items():
+        client.hset(UNACKED, tag, json.dumps([{"body": "..."}, q, q]))
+        client.zadd(UNACKED_INDEX, {tag: 1.0})
+
+    async def sweeps() -> list[list[str]]:
+        r = aioredis.Redis.from_url(url)
+        try:
+            sweeper = DeadQueues(r, prefix, grace_s=0.3)
+            first = await sweeper.sweep()  # (dead since now: not yet)
+            await asyncio.sleep(0.4)
+            return [first, await sweeper.sweep(), await sweeper.sweep()]
+        finally:
+            await r.aclose()
+
+    try:
+        assert asyncio.run(sweeps()) == [[], ["dead"], []]
+        assert client.exists(dead, f"_kombu.binding.{dead}") == 0
+        assert client.exists(live, f"_kombu.binding.{live}") == 2
+        left = {t.decode() for t in client.hkeys(UNACKED)} & set(tags)
+        assert left == {f"{prefix}-t2"}
+        assert {t.decode() for t in client.zrange(UNACKED_INDEX, 0, -1)} & set(tags) == left
+    finally:
+        client.delete(Keys(prefix).worker("live"), live, f"_kombu.binding.{live}", dead, f"_kombu.binding.{dead}")
+        client.hdel(UNACKED, *tags)
+        client.zrem(UNACKED_INDEX, *tags)

@@ -10,6 +10,8 @@ reads the reply from the call's Redis Stream. Faults:
 - Redis unreachable: every call fails at once with a 503 (short socket timeouts), and the view
   recovers by itself when Redis is back;
 - the caller leaves early (client disconnect): the call is aborted on the worker;
+- a worker died without stopping: what it left in Redis (its queue, binding, taken calls) is
+  removed ``sweep_grace_s`` after its heartbeat expired (``workers.sweeper``);
 - the worker refuses it at its bound of requests held (``HeldBoundError``, before any work): it
   goes to another live worker not yet tried; only when none is left is the refusal (the soonest
   ``Retry-After``) the caller's 429.
@@ -39,6 +41,7 @@ from engine.admission import HeldBoundError
 from gateway.errors import APIError
 from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
 from workers.routing import WorkerLoad, choose_worker
+from workers.sweeper import DeadQueues
 from workers.tasks import ENGINE_CALL
 from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error, redis_where
 
@@ -69,17 +72,21 @@ class Cluster:
         max_attempts: int = 3,
         start_timeout_s: float = 3.0,
         max_queue_wait_s: float = 60.0,
+        sweep_s: float = 30.0,
+        sweep_grace_s: float = 300.0,
     ) -> None:
         self.redis_url, self.prefix, self.keys = redis_url, prefix, Keys(prefix)
         self.refresh_s, self.poll_s, self.max_attempts = refresh_s, poll_s, max_attempts
         self.socket_timeout_s = socket_timeout_s
         self.start_timeout_s, self.max_queue_wait_s = start_timeout_s, max_queue_wait_s
+        self.sweep_s, self.sweep_grace_s = sweep_s, sweep_grace_s
         self.celery = make_celery(redis_url, socket_timeout_s=socket_timeout_s)
         self.redis: aioredis.Redis | None = None
         self.workers: dict[str, WorkerLoad] = {}
         self.redis_ok = False
         self.local_inflight: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()  # per model: calls resubmitted after their worker was lost
+        self.workers_swept = 0  # dead workers whose leftovers were removed (``workers.sweeper``)
         self._refresher: asyncio.Task[None] | None = None
         self._cleanup: set[asyncio.Task[None]] = set()
         self._users = 0
@@ -146,9 +153,18 @@ class Cluster:
         self.redis_ok, self.workers = True, workers
 
     async def _refresh_loop(self) -> None:
+        assert self.redis is not None
+        dead = DeadQueues(self.redis, self.prefix, self.sweep_grace_s)
+        next_sweep = time.monotonic()
         while True:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
+            if self.redis_ok and time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + self.sweep_s
+                try:
+                    self.workers_swept += len(await dead.sweep())
+                except (redis.exceptions.RedisError, OSError) as exc:  # the next refresh tells
+                    logger.debug("could not sweep dead workers' queues: %r", exc)
 
     # -- queries --------------------------------------------------------------------------------
 
