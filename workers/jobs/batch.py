@@ -111,17 +111,19 @@ def _cost(params: dict[str, Any], engines: dict[str, Any]) -> tuple[str, float]:
     return UNITS[params["endpoint"]], float(params.get("cost", 0))
 
 
-_APPS: dict[int, Any] = {}
+_APP: list[Any] = []  # [engines, aliases, app]: the last one built
 
 
 def _inner_app(engines: dict[str, Any], aliases: dict[str, str]) -> Any:
-    """An app over ``engines`` with every plugin's routes (no auth), reused per engines dict."""
-    if id(engines) not in _APPS:
+    """An app over ``engines`` with every plugin's routes (no auth), reused while the engines
+    dict (a process has one) and aliases are the same objects. (Keyed by ``id(engines)``, a
+    later dict given a dead one's id got an app over the dead one's engines.)"""
+    if not _APP or _APP[0] is not engines or _APP[1] is not aliases:
         from gateway.app import create_app
         from gateway.plugins import routers
 
-        _APPS[id(engines)] = create_app(engines, routers=routers(), aliases=aliases)
-    return _APPS[id(engines)]
+        _APP[:] = [engines, aliases, create_app(engines, routers=routers(), aliases=aliases)]
+    return _APP[2]
 
 
 async def run_batch(params: dict[str, Any], ctx: JobContext) -> dict[str, Any]:
