@@ -9,7 +9,8 @@ in the GA shape (``output_modalities``, ``audio.input.format``, ``audio.input.tu
 output events renamed (``response.output_audio.delta``, ...), ``conversation.item.added`` then
 ``conversation.item.done`` for items, an assistant item's content as ``output_text`` /
 ``output_audio`` (a ``response.content_part.*`` part keeps ``text`` / ``audio``, as in GA), and
-the session object in the GA shape.
+the session object in the GA shape. A beta-only client event (``BETA_EVENTS``) is refused, as
+OpenAI's GA server refuses it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ RENAMED = {
     "conversation.item.created": "conversation.item.added",
 }
 PART_TYPES = {"text": "output_text", "audio": "output_audio"}
+
+
+# Client events of the beta protocol only, with GA's way to do the same: OpenAI's GA server
+# refuses them ("Invalid value"), and so does a GA session here.
+BETA_EVENTS = {"transcription_session.update": "session.update with session.type 'transcription'"}
+
+
+def beta_event(kind: str) -> EventError:
+    """The error for beta-only client event ``kind`` (one of ``BETA_EVENTS``) in a GA session."""
+    return EventError(
+        f"Invalid value: '{kind}': a GA session has no such event; send {BETA_EVENTS[kind]}", param="type"
+    )
 
 
 def is_ga(session: Any) -> bool:
