@@ -53,6 +53,7 @@ from pipelines.realtime_items import (
     function_item_event,
     item_event,
     response_event,
+    response_settings,
     usage_object,
 )
 from pipelines.services import Services
@@ -351,7 +352,8 @@ class ServerEvents:
             self.conv.remove(frame.item_id)
             await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
             return
-        if self.requested is not None and frame.request == self.requested.number:
+        asked = self.requested if self.requested is not None and frame.request == self.requested.number else None
+        if asked is not None:
             self.requested = None
         elif not frame.request:  # a turn's own reply
             self.expected = None
@@ -365,6 +367,7 @@ class ServerEvents:
             metadata=frame.metadata,
             audio_format=frame.audio_format or self.config.output_audio_format,
             event_id=frame.event_id,
+            **response_settings(self.config, asked),
         )
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
@@ -449,6 +452,8 @@ class ServerEvents:
             out_of_band=asked.out_of_band,
             conversation_id=None if asked.out_of_band else self.conversation_id,
             metadata=asked.metadata,
+            audio_format=asked.audio_format or self.config.output_audio_format,
+            **response_settings(self.config, asked),
         )
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.done = True
