@@ -56,6 +56,7 @@ from pipelines.realtime_items import (
     response_settings,
     usage_object,
 )
+from pipelines.realtime_limits import rate_limits
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
 from pipelines.vad import VADConfig
@@ -439,7 +440,13 @@ class ServerEvents:
         if status != "completed":  # calls the client was never told of leave the conversation too
             self._forget(r.id, keep={c["id"] for c in r.calls})
         output = [r.message] if r.message is not None else []
-        await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
+        await self._done(r, status, [*output, *r.calls], reason)
+
+    async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
+        """``response.done``, then ``rate_limits.updated`` (as OpenAI's, after every response)."""
+        await self.send("response.done", response=response_event(r, status, output, reason))
+        if limits := rate_limits(self.services.llm, r.usage.get("total_tokens", 0)):
+            await self.send("rate_limits.updated", rate_limits=limits)
         self._reply_ended(r, status)
 
     async def _cancelled_unstarted(self, asked: ResponseRequest, reason: str = "turn_detected") -> None:
@@ -457,8 +464,7 @@ class ServerEvents:
         )
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.done = True
-        await self.send("response.done", response=response_event(r, "cancelled", [], reason))
-        self._reply_ended(r, "cancelled")
+        await self._done(r, "cancelled", [], reason)
 
     def _forget(self, response_id: str, keep: Collection[str] = ()) -> None:
         """Remove the items (function calls) reply ``response_id`` made, but for those in ``keep``."""
