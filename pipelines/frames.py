@@ -182,6 +182,7 @@ class ResponseRequest(Frame):
     metadata: dict[str, Any] | None = None  # the client's, echoed with the reply
     temperature: float | None = None  # for this reply only (None: the session's)
     max_tokens: int | None = None  # for this reply only (None: the session's)
+    max_output_tokens: int | str | None = None  # ... as the client gave it ("inf" too): the response shows it
     voice: str | None = None  # for this reply only (None: the session's)
     # Its speech's rate and the transport's name for its encoding, for this reply only (None: the session's)
     sample_rate: int | None = None

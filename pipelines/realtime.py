@@ -253,6 +253,8 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         try:
             event = parse_event(raw, CLIENT_EVENTS)
             event_id = event.get("event_id")
+            if self.ga and event["type"] in realtime_ga.BETA_EVENTS:
+                raise realtime_ga.beta_event(event["type"])
             if self.transcription and event["type"] in transcribing.REFUSED:
                 raise EventError(f"a transcription session takes no {event['type']}", "unsupported", "type")
             await getattr(self, "_ev_" + event["type"].replace(".", "_"))(event)

@@ -9,7 +9,8 @@ in the GA shape (``output_modalities``, ``audio.input.format``, ``audio.input.tu
 output events renamed (``response.output_audio.delta``, ...), ``conversation.item.added`` then
 ``conversation.item.done`` for items, an assistant item's content as ``output_text`` /
 ``output_audio`` (a ``response.content_part.*`` part keeps ``text`` / ``audio``, as in GA), and
-the session object in the GA shape.
+the session and response objects in the GA shape. A beta-only client event (``BETA_EVENTS``) is
+refused, as OpenAI's GA server refuses it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ RENAMED = {
     "conversation.item.created": "conversation.item.added",
 }
 PART_TYPES = {"text": "output_text", "audio": "output_audio"}
+
+
+# Client events of the beta protocol only, with GA's way to do the same: OpenAI's GA server
+# refuses them ("Invalid value"), and so does a GA session here.
+BETA_EVENTS = {"transcription_session.update": "session.update with session.type 'transcription'"}
+
+
+def beta_event(kind: str) -> EventError:
+    """The error for beta-only client event ``kind`` (one of ``BETA_EVENTS``) in a GA session."""
+    return EventError(
+        f"Invalid value: '{kind}': a GA session has no such event; send {BETA_EVENTS[kind]}", param="type"
+    )
 
 
 def is_ga(session: Any) -> bool:
@@ -191,6 +204,20 @@ def session_object(beta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# A beta response object's fields that GA has in another shape, or not at all (``temperature``).
+_BETA_RESPONSE = frozenset(("modalities", "voice", "output_audio_format", "temperature"))
+
+
+def response_object(beta: dict[str, Any]) -> dict[str, Any]:
+    """The GA response object of a beta one (``realtime_items.response_event``): its output in
+    the GA shape, ``output_modalities`` and ``audio.output`` (its format and voice)."""
+    out = {k: v for k, v in beta.items() if k not in _BETA_RESPONSE}
+    out["output"] = [_item(i) for i in beta["output"]]
+    out["output_modalities"] = ["audio"] if "audio" in beta["modalities"] else ["text"]
+    out["audio"] = {"output": {"format": dict(FORMATS[beta["output_audio_format"]].ga), "voice": beta["voice"]}}
+    return out
+
+
 def _item(item: dict[str, Any]) -> dict[str, Any]:
     if item.get("role") != "assistant":
         return item
@@ -211,7 +238,7 @@ def translate(event: dict[str, Any], in_conversation: bool = True) -> list[dict[
     if "item" in out:
         out["item"] = _item(out["item"])
     if "response" in out:
-        out["response"] = {**out["response"], "output": [_item(i) for i in out["response"]["output"]]}
+        out["response"] = response_object(out["response"])
     done = in_conversation and (
         out["type"] == "response.output_item.done"
         or (out["type"] == "conversation.item.added" and out["item"].get("status") == "completed")

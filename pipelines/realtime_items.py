@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.conversation import Conversation, Item, Spoken
-from pipelines.realtime_events import EventError, item_id_of
+from pipelines.frames import ResponseRequest
+from pipelines.realtime_events import EventError, SessionConfig, item_id_of
 
 
 def message_text(item: Any, where: str = "item") -> tuple[str, str]:
@@ -122,6 +123,10 @@ class Reply:
     conversation_id: str | None = None  # the session's conversation (None: out of band)
     metadata: dict[str, Any] | None = None  # response.metadata, echoed
     audio_format: str = "pcm16"  # its audio's wire format (``pipelines.realtime_audio.FORMATS``)
+    # Its settings as its response object shows them (``response_settings``).
+    voice: str | None = None
+    temperature: float = SessionConfig.temperature
+    max_output_tokens: int | str = SessionConfig.max_response_output_tokens
     calls: list[dict[str, Any]] = field(default_factory=list)  # its function_call items, after its message
     # Its message item: announced (with tools on, only at its first text or audio, so that a
     # reply that only calls a function has no message) and done (before a call's item is added).
@@ -146,6 +151,20 @@ class Reply:
         return self.audio and self.heard_ms is None and self.played_ms() < self.audio_ms
 
 
+def response_settings(config: SessionConfig, asked: ResponseRequest | None) -> dict[str, Any]:
+    """A reply's ``Reply`` fields ``voice``, ``temperature`` and ``max_output_tokens``: those its
+    ``response.create`` (``asked``; None: a turn's own reply) set, else the session's."""
+    if asked is None:
+        asked = ResponseRequest()
+    return {
+        "voice": config.voice if asked.voice is None else asked.voice,
+        "temperature": config.temperature if asked.temperature is None else asked.temperature,
+        "max_output_tokens": (
+            config.max_response_output_tokens if asked.max_output_tokens is None else asked.max_output_tokens
+        ),
+    }
+
+
 def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     """A response's ``usage`` (text tokens only: the audio is spoken from the text)."""
     return {
@@ -158,6 +177,7 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int)
 
 
 def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> dict[str, Any]:
+    """Reply ``r``'s ``realtime.response`` object (beta shape), ``status`` for ``reason``."""
     details: dict[str, Any] | None = {"type": status, "reason": reason} if reason else None
     if status == "failed":  # (OpenAI's: no reason, the error's type and code)
         details = {"type": status, "error": None if r.error is None else {k: r.error[k] for k in ("type", "code")}}
@@ -168,6 +188,12 @@ def response_event(r: Reply, status: str, output: list[dict[str, Any]], reason: 
         "status": status,
         "status_details": details,
         "output": output,
+        # The settings it ran with, in the beta shape (``realtime_ga.response_object`` makes GA's).
+        "modalities": ["text", "audio"] if r.audio else ["text"],
+        "voice": r.voice,
+        "output_audio_format": r.audio_format,
+        "temperature": r.temperature,
+        "max_output_tokens": r.max_output_tokens,
         "usage": r.usage or None,
         "metadata": r.metadata,
     }

@@ -53,8 +53,10 @@ from pipelines.realtime_items import (
     function_item_event,
     item_event,
     response_event,
+    response_settings,
     usage_object,
 )
+from pipelines.realtime_limits import rate_limits
 from pipelines.services import Services
 from pipelines.speech import TTSOptions, spoken
 from pipelines.vad import VADConfig
@@ -351,7 +353,8 @@ class ServerEvents:
             self.conv.remove(frame.item_id)
             await self.inbox.put(Interrupt("client_cancelled", frame.response_id))
             return
-        if self.requested is not None and frame.request == self.requested.number:
+        asked = self.requested if self.requested is not None and frame.request == self.requested.number else None
+        if asked is not None:
             self.requested = None
         elif not frame.request:  # a turn's own reply
             self.expected = None
@@ -365,6 +368,7 @@ class ServerEvents:
             metadata=frame.metadata,
             audio_format=frame.audio_format or self.config.output_audio_format,
             event_id=frame.event_id,
+            **response_settings(self.config, asked),
         )
         if (reply_item := self.conv.get(r.item_id)) is not None:
             reply_item.audio = audio
@@ -436,7 +440,13 @@ class ServerEvents:
         if status != "completed":  # calls the client was never told of leave the conversation too
             self._forget(r.id, keep={c["id"] for c in r.calls})
         output = [r.message] if r.message is not None else []
-        await self.send("response.done", response=response_event(r, status, [*output, *r.calls], reason))
+        await self._done(r, status, [*output, *r.calls], reason)
+
+    async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
+        """``response.done``, then ``rate_limits.updated`` (as OpenAI's, after every response)."""
+        await self.send("response.done", response=response_event(r, status, output, reason))
+        if limits := rate_limits(self.services.llm, r.usage.get("total_tokens", 0)):
+            await self.send("rate_limits.updated", rate_limits=limits)
         self._reply_ended(r, status)
 
     async def _cancelled_unstarted(self, asked: ResponseRequest, reason: str = "turn_detected") -> None:
@@ -449,11 +459,12 @@ class ServerEvents:
             out_of_band=asked.out_of_band,
             conversation_id=None if asked.out_of_band else self.conversation_id,
             metadata=asked.metadata,
+            audio_format=asked.audio_format or self.config.output_audio_format,
+            **response_settings(self.config, asked),
         )
         await self.send("response.created", response=response_event(r, "in_progress", []))
         r.done = True
-        await self.send("response.done", response=response_event(r, "cancelled", [], reason))
-        self._reply_ended(r, "cancelled")
+        await self._done(r, "cancelled", [], reason)
 
     def _forget(self, response_id: str, keep: Collection[str] = ()) -> None:
         """Remove the items (function calls) reply ``response_id`` made, but for those in ``keep``."""

@@ -52,7 +52,7 @@ def response_request(
         temperature = check_temperature(temperature, "response.temperature")
     limit_key = "max_output_tokens" if ga else "max_response_output_tokens"
     limit = response.get(limit_key)
-    max_tokens = None if limit is None else reply_tokens(check_max_tokens(limit, f"response.{limit_key}"))
+    limit = None if limit is None else check_max_tokens(limit, f"response.{limit_key}")
     tools, grammar = _tools(response, config, services)
     # GA's response.audio has one side, its own output's format and voice (checked as a session's)
     output = ga_audio(response.get("audio"), "response.audio", RESPONSE_AUDIO)["output"] if ga else None
@@ -65,7 +65,8 @@ def response_request(
         conversation == "none",
         metadata,
         temperature,
-        max_tokens,
+        None if limit is None else reply_tokens(limit),
+        limit,
         voice,
         None if audio_format is None else FORMATS[audio_format].rate,
         audio_format,

@@ -208,8 +208,23 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             await c.until("session.updated")
             feeder = asyncio.create_task(c.stream(server["question"]))
             done = await c.until("response.done")
+            limits = await c.until("rate_limits.updated")  # (right after it, as OpenAI's)
             await feeder
             assert_voice_turn(c, done)
+            # The response shows the settings it ran with: the session's.
+            keys = ("modalities", "voice", "output_audio_format", "temperature", "max_output_tokens")
+            settings = [["text", "audio"], created["session"]["voice"], "pcm16", 0, 24]
+            assert [done["response"][k] for k in keys] == settings
+            assert c.index("rate_limits.updated") == c.index("response.done") + 1
+            window = server["llm"].max_model_len
+            assert limits["rate_limits"][1] == {
+                "name": "tokens",
+                "limit": window,
+                "remaining": window - done["response"]["usage"]["total_tokens"],
+                "reset_seconds": 0.0,
+            }
+            queue = limits["rate_limits"][0]
+            assert queue["name"] == "requests" and 0 < queue["remaining"] <= queue["limit"] == server["llm"].max_waiting
             assert (
                 c.index("response.created")
                 < c.index("response.audio_transcript.delta")
@@ -254,6 +269,7 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             await c.send("conversation.item.create", item=item)
             await c.send("response.create")
             done2 = await c.until("response.done")
+            assert [done2["response"][k] for k in keys] == settings
             usage = done2["response"]["usage"]
             assert usage["input_token_details"]["cached_tokens"] >= done["response"]["usage"]["input_tokens"] - 16
             assert usage["input_tokens"] > usage["input_token_details"]["cached_tokens"] > 0
@@ -356,6 +372,16 @@ def test_a_client_that_does_not_ask_for_beta_speaks_ga_from_its_first_event(serv
             done = await until("response.done")
             types = [e.type for e in events]
             assert done.type == "response.done" and done.response.status in ENDED, types
+            # Its own settings, the session's where it set none, in the GA shape; then the limits.
+            started = next(e for e in events if e.type == "response.created").response
+            for response in (started, done.response):
+                assert (response.output_modalities, response.max_output_tokens) == (["text"], 8)
+                assert response.audio.output.voice == created.session.audio.output.voice
+                assert response.audio.output.format.type == "audio/pcm" and response.audio.output.format.rate == RATE
+            limits = await until("rate_limits.updated")
+            assert [limit.name for limit in limits.rate_limits] == ["requests", "tokens"]
+            assert limits.rate_limits[1].limit == server["llm"].max_model_len
+            assert "temperature" not in done.response.model_dump()  # (GA's response has none)
             assert "conversation.item.added" in types and "response.output_text.delta" in types, types
             assert not {"conversation.item.created", "response.text.delta"} & set(types)
             await conn.session.update(session={"voice": "alloy"})  # type: ignore[typeddict-unknown-key]
@@ -1473,6 +1499,90 @@ def test_a_barge_in_cancels_a_response_asked_for_before_it() -> None:
         assert s.active and sent[-1]["type"] == "response.done"  # (no second one)
 
     run(go())
+
+
+class _Bounds:
+    """A stand-in LLM that shows only the bounds ``pipelines.realtime_limits`` reports."""
+
+    tokenizer = None
+    max_waiting, max_model_len = 64, 2048
+
+    def stats(self) -> dict[str, float]:
+        return {"num_waiting": 3}
+
+
+@pytest.mark.parametrize("ga", [False, True])
+def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> None:
+    """Stand-in: ``response.created`` and ``response.done`` show the settings the reply ran with
+    (its ``response.create``'s, else the session's; a reply cancelled before it started too), in
+    each dialect's shape; each ``response.done`` is followed by ``rate_limits.updated`` (the
+    engine's queue and context window); the response, rate-limit and error events parse as the
+    ``openai`` SDK's server events of the dialect. A GA session refuses the beta-only
+    ``transcription_session.update``."""
+    from pydantic import TypeAdapter
+
+    from pipelines.frames import LLMDone, LLMStarted, TTSDone
+    from pipelines.services import Services
+
+    if ga:
+        from openai.types.realtime import RealtimeServerEvent
+    else:
+        from openai.types.beta.realtime import RealtimeServerEvent
+    sent: list[dict[str, Any]] = []
+    alaw, ulaw = ({"type": "audio/pcma"}, {"type": "audio/pcmu"}) if ga else ("g711_alaw", "g711_ulaw")
+    if ga:
+        session = {"type": "realtime", "audio": {"output": {"format": alaw}}, "max_output_tokens": 100}
+        own = {"max_output_tokens": "inf", "audio": {"output": {"format": ulaw, "voice": "amy"}}}
+    else:
+        session = {"output_audio_format": alaw, "max_response_output_tokens": 100}
+        own = {"max_response_output_tokens": "inf", "output_audio_format": ulaw, "voice": "amy"}
+
+    def shown(response: dict[str, Any]) -> tuple[Any, ...]:
+        if ga:
+            assert "temperature" not in response  # (GA's response has none)
+            out = response["audio"]["output"]
+            return response["output_modalities"], out["voice"], out["format"], response["max_output_tokens"]
+        keys = ("modalities", "voice", "output_audio_format", "temperature", "max_output_tokens")
+        return tuple(response[k] for k in keys)
+
+    async def go() -> None:
+        s = _stand_in(Services(llm=_Bounds()), sent)
+        s.ga = ga
+        await s._handle(json.dumps({"type": "session.update", "session": {**session, "temperature": 0.6}}))
+        await s._handle(json.dumps({"type": "response.create", "response": {**own, "temperature": 1.0}}))
+        asked = s.inbox.get_nowait()
+        await s._on_frame(LLMStarted("resp_1", item_id="item_1", request=asked.number, audio_format=asked.audio_format))
+        await s._on_frame(LLMDone("resp_1", "Paris.", prompt_tokens=10, completion_tokens=2))
+        await s._on_frame(TTSDone("resp_1"))
+        await s._on_frame(LLMStarted("resp_2", item_id="item_2"))  # a turn's own reply: the session's
+        await s._on_frame(TTSDone("resp_2"))
+        await s._handle(json.dumps({"type": "response.create"}))
+        await s._handle(json.dumps({"type": "response.cancel"}))  # (before it started)
+        await s._handle(json.dumps({"type": "transcription_session.update", "session": {}}))
+
+    run(go())
+    events = TypeAdapter(RealtimeServerEvent)
+    for event in sent:  # (the session objects name mmserve's models, which the beta SDK's Literal lacks)
+        if event["type"].startswith(("response.", "rate_limits.", "error")):
+            events.validate_python(event)
+    created = [shown(e["response"]) for e in sent if e["type"] == "response.created"]
+    done = [k for k, e in enumerate(sent) if e["type"] == "response.done"]
+    assert created == [shown(sent[k]["response"]) for k in done]
+    theirs = (["text"], "amy", ulaw, *([] if ga else [1.0]), "inf")  # (no TTS here: text replies)
+    sessions = (["text"], None, alaw, *([] if ga else [0.6]), 100)
+    assert created == [theirs, sessions, sessions]
+    limits = [sent[k + 1] for k in done]
+    assert all(e["type"] == "rate_limits.updated" for e in limits), [e["type"] for e in sent]
+    requests, tokens = limits[0]["rate_limits"]
+    assert requests == {"name": "requests", "limit": 64, "remaining": 61, "reset_seconds": 0.0}
+    assert tokens == {"name": "tokens", "limit": 2048, "remaining": 2048 - 12, "reset_seconds": 0.0}
+    assert limits[2]["rate_limits"][1]["remaining"] == 2048  # (it used none)
+    refused = sent[-1]["error"]
+    if ga:
+        assert refused["type"] == "invalid_request_error" and refused["code"] == "invalid_value"
+        assert refused["param"] == "type" and "'transcription_session.update'" in refused["message"]
+    else:  # (a beta transcription session's event, in a conversation session)
+        assert refused["code"] == "unsupported"
 
 
 def test_a_sessions_transcription_language_and_prompt_reach_its_asr() -> None:

@@ -106,6 +106,11 @@ def test_the_official_client_runs_a_ga_transcription_session_in_g711(asr_server:
 
             created = await until("session.created")
             assert created.type == "session.created" and created.session.type == "transcription"
+            beta = {"type": "transcription_session.update", "session": {"turn_detection": None}}
+            await conn.send_raw(json.dumps(beta))  # (beta's event: a GA session has none)
+            refused = await until("error")
+            assert refused.error.type == "invalid_request_error" and refused.error.param == "type"
+            assert refused.error.code == "invalid_value" and "transcription_session.update" in refused.error.message
             await conn.session.update(session={"type": "realtime", "instructions": "hi"})
             assert (await until("error")).error.param == "session.type"
             audio_in: dict[str, Any] = {"format": {"type": "audio/pcmu"}, "transcription": {"language": "xx"}}
@@ -191,12 +196,16 @@ def test_noise_reduction_ends_a_turn_spoken_in_noise(asr_server: dict[str, Any])
         async with websockets.connect(url, additional_headers=BETA, max_size=None) as ws:
             c = Client(ws)
             await c.until("transcription_session.created")
+            await c.send("transcription_session.update", session={"input_audio_noise_reduction": near})
+            assert (await c.until("transcription_session.updated"))["session"]["input_audio_noise_reduction"] == near
             await c.send(
                 "session.update", session={"type": "transcription", "audio": {"input": {"noise_reduction": near}}}
             )
             assert (await c.until("session.updated"))["session"]["audio"]["input"]["noise_reduction"] == near
-            await c.send("transcription_session.update", session={"input_audio_noise_reduction": near})
-            assert (await c.until("transcription_session.updated"))["session"]["input_audio_noise_reduction"] == near
+            # GA from here on: the beta event is refused, as OpenAI's GA server refuses it
+            await c.send("transcription_session.update", session={"input_audio_noise_reduction": None})
+            refused = (await c.until("error"))["error"]
+            assert refused["code"] == "invalid_value" and "'transcription_session.update'" in refused["message"]
             await c.stream(noisy)
             await c.until("conversation.item.input_audio_transcription.completed", timeout=30)
             return c
