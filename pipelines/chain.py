@@ -177,10 +177,14 @@ async def run_local(
     return result(store, chain_id)
 
 
-def celery_chain(app: Any, chain_id: str, opts: ChainOptions, prefix: str = "mmserve", dispatch: int = 0) -> Any:
+def celery_chain(
+    app: Any, chain_id: str, opts: ChainOptions, prefix: str = "mmserve", dispatch: int = 0, keep_result: bool = True
+) -> Any:
     """The Celery chain of stage tasks on ``app``, each routed to ``<prefix>.<modality>`` and
     carrying ``dispatch`` (``StageStore.redispatch``); ``.apply_async()`` returns at once. The
-    last task returns ``result(...)`` (without audio)."""
+    last task returns ``result(...)`` (without audio), kept in the result backend if
+    ``keep_result`` (the chain's ``AsyncResult.get()``); the others keep none (they return
+    None, and the stage store has their outputs)."""
     from celery import chain
 
     from pipelines.tasks import TASK_NAME
@@ -194,6 +198,7 @@ def celery_chain(app: Any, chain_id: str, opts: ChainOptions, prefix: str = "mms
             kwargs={"last": i == len(stages) - 1, "dispatch": dispatch},
             immutable=True,
             queue=modality_queue(s.modality, prefix),
+            ignore_result=not (keep_result and i == len(stages) - 1),
         )
         for i, s in enumerate(stages)
     ]

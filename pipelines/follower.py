@@ -217,7 +217,8 @@ class ChainFollower:
         """Send the chain's stages as a new dispatch (the tasks of earlier ones become no-ops;
         done stages are skipped)."""
         dispatch = await asyncio.to_thread(self.store.redispatch, self.chain_id)
-        chain = celery_chain(celery_app(self.rt.redis_url), self.chain_id, self.opts, self.rt.prefix, dispatch)
+        app = celery_app(self.rt.redis_url)  # (the job has the chain's result: Celery keeps none)
+        chain = celery_chain(app, self.chain_id, self.opts, self.rt.prefix, dispatch, keep_result=False)
         await asyncio.to_thread(chain.apply_async)
 
     async def _send_again(self, meta: dict[bytes, bytes], stage: str, worker: str) -> None:

@@ -214,6 +214,14 @@ def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes
     assert out["audio"].size / out["sample_rate"] > 0.3
     final = async_result.get(timeout=30)  # the last task's return value: the result without audio
     assert final["reply"] == out["reply"] and "audio" not in final
+    import redis
+
+    earlier, r = [], async_result.parent
+    while r is not None:
+        earlier.append(r.id)
+        r = r.parent
+    assert len(earlier) == 3  # (vad, asr, llm) keep no result in Redis: they return None
+    assert redis.Redis.from_url(REDIS_URL).exists(*(f"celery-task-meta-{i}" for i in earlier)) == 0
 
 
 def test_a_cancelled_chains_running_stage_stops_on_its_worker(cluster: dict[str, str]) -> None:

@@ -37,9 +37,15 @@ class Harness:
         self.sent: list[tuple[str, int]] = []
         self.plays: dict[str, Play] = {}
         monkeypatch.setattr(follower, "CHECK_S", 0.1)
-        monkeypatch.setattr(follower, "celery_chain", lambda app, chain_id, opts, prefix, d: self._chain(chain_id, d))
+        monkeypatch.setattr(
+            follower,
+            "celery_chain",
+            lambda app, chain_id, opts, prefix, d, keep_result: self._chain(chain_id, d, keep_result),
+        )
 
-    def _chain(self, chain_id: str, dispatch: int) -> Any:
+    def _chain(self, chain_id: str, dispatch: int, keep_result: bool) -> Any:
+        assert not keep_result  # (the job has the chain's result: Celery keeps none)
+
         def apply_async() -> None:
             self.sent.append((chain_id, dispatch))
             if play := self.plays.get(chain_id):

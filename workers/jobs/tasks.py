@@ -96,7 +96,7 @@ def _free_slot(kind: str) -> None:
         _RUNNING[kind] -= 1
 
 
-@shared_task(name=TASK_NAME, bind=True)
+@shared_task(name=TASK_NAME, bind=True, ignore_result=True)  # (the job store has its outcome)
 def run_job(self: Any, job_id: str, token: str, cfg: dict[str, Any]) -> None:
     """Run the attempt ``token`` of ``job_id``; a stale or cancelled attempt returns at once.
 
