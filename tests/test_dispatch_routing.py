@@ -203,6 +203,21 @@ def test_a_call_on_a_draining_worker_is_resubmitted_at_once() -> None:
     assert not cluster.retries and set(cluster.workers) == {"w0", "w1"}
 
 
+def _redis_db11(name: str) -> tuple[str, str, Any]:
+    """The real Redis's db 11, a fresh key prefix starting with ``name`` and a client (the test
+    is skipped without Redis)."""
+    import uuid
+
+    redis = pytest.importorskip("redis")
+    url = "redis://127.0.0.1:6379/11"
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.exceptions.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    return url, f"{name}-{uuid.uuid4().hex[:8]}", client
+
+
 def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     """``WorkerRuntime`` on the real Redis (db 11, a prefix of its own): ``drain`` publishes a
     draining heartbeat now, not a period later; ``stop`` deletes the heartbeat, the worker's own
@@ -211,20 +226,13 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     on its dead loop's Redis client)."""
     import json
     import time
-    import uuid
 
-    redis = pytest.importorskip("redis")
     from workers import runtime
     from workers.celery_app import worker_queue
     from workers.runtime import WorkerRuntime
     from workers.wire import Keys
 
-    url, prefix = "redis://127.0.0.1:6379/11", f"t-drain-{uuid.uuid4().hex[:8]}"
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except redis.exceptions.RedisError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
+    url, prefix, client = _redis_db11("t-drain")
     rt = WorkerRuntime("w1", "llm", {}, url, prefix=prefix, heartbeat_s=60.0)
     rt.start()
     assert runtime.current() is rt
@@ -251,21 +259,14 @@ def test_the_sweeper_removes_only_what_dead_workers_left_and_only_after_the_grac
     period; a live worker's (heartbeat present) and other queues' unacked calls stay."""
     import asyncio
     import json
-    import uuid
 
-    redis = pytest.importorskip("redis")
     import redis.asyncio as aioredis
 
     from workers.celery_app import worker_queue
     from workers.sweeper import UNACKED, UNACKED_INDEX, DeadQueues
     from workers.wire import Keys
 
-    url, prefix = "redis://127.0.0.1:6379/11", f"t-sweep-{uuid.uuid4().hex[:8]}"
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except redis.exceptions.RedisError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
+    url, prefix, client = _redis_db11("t-sweep")
     dead, live = worker_queue("dead", prefix), worker_queue("live", prefix)
     tags = {f"{prefix}-t{i}": q for i, q in enumerate((dead, dead, live))}
     client.set(Keys(prefix).worker("live"), "{}")
