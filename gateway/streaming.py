@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
@@ -69,23 +69,33 @@ class ClosingStreamingResponse(StreamingResponse):
     worker lost, an engine stopped) is logged in one warning and the response left unfinished:
     uvicorn closes the connection (saying in one line that the response was not completed) and
     the client sees a body cut short, as after any failure (a raw byte stream has no way to say
-    why); a bug still raises, traceback and all."""
+    why); a bug still raises, traceback and all.
+
+    A body the client left before its end has ``outcome`` "disconnected" in the access line
+    (unless the route names another): its status line went out before the client left."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
+        started = ended = False
+        fields = scope.setdefault("state", {}).setdefault("log_fields", {})
 
         async def sending(message: Message) -> None:
-            nonlocal started
+            nonlocal started, ended
             started = True
+            ended = message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
 
         try:
             await super().__call__(scope, receive, sending)
+            if not ended:  # (ASGI 2.3: Starlette stopped the body when the client left)
+                fields.setdefault("outcome", "disconnected")
+        except ClientDisconnect:  # (ASGI 2.4: a send failed)
+            fields.setdefault("outcome", "disconnected")
+            raise
         except Exception as exc:
             if not started or known_error(exc) is None:
                 raise
             logger.warning("%s %s: the stream ended early: %s", scope.get("method"), scope.get("path"), exc)
-            scope.setdefault("state", {}).setdefault("log_fields", {})["outcome"] = "error"
+            fields["outcome"] = "error"
         finally:
             close = getattr(self.body_iterator, "aclose", None)
             if close is not None:

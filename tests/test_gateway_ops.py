@@ -327,3 +327,34 @@ def test_a_raw_stream_cut_by_a_known_failure_is_one_log_line_and_a_cut_body(
     assert "/cut/bug: the stream ended early" not in caplog.text  # (a bug raises on, to uvicorn's log)
     lines = [json.loads(line) for line in access_log.getvalue().splitlines()]
     assert [line.get("outcome") for line in lines if line.get("route") == "/cut/{why}"][:1] == ["error"]
+
+
+def test_a_raw_stream_the_client_left_is_logged_as_disconnected(access_log: io.StringIO) -> None:
+    """A raw stream (``/v1/audio/speech`` audio, a transcription's events) that the client
+    closes mid-way has ``outcome`` "disconnected" in its access line, as a chat stream has: its
+    status (200) went out first, and without it the line reads as a stream served whole. A stream
+    read to its end has no such outcome."""
+    from gateway.app import create_app
+    from gateway.streaming import ClosingStreamingResponse
+    from tests.helpers import serve_app
+
+    router = APIRouter()
+
+    @router.get("/audio/{chunks}")
+    async def audio(chunks: int) -> ClosingStreamingResponse:
+        async def body() -> Any:
+            for _ in range(chunks):
+                yield bytes(4096)
+                await asyncio.sleep(0.05)
+
+        return ClosingStreamingResponse(body(), media_type="audio/wav")
+
+    with serve_app(create_app({}, routers=[router])) as url:
+        with httpx.stream("GET", f"{url}/audio/1000", timeout=30) as r:
+            next(r.iter_raw())
+            left = r.headers["x-request-id"]
+        with httpx.stream("GET", f"{url}/audio/2", timeout=30) as r:
+            r.read()
+            whole = r.headers["x-request-id"]
+        assert _log_line(access_log, left).get("outcome") == "disconnected"
+        assert _log_line(access_log, whole).get("outcome") is None
