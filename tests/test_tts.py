@@ -539,6 +539,22 @@ def test_client_disconnect_cancels_queued_pieces(base_url: str, engine: GatedPip
         engine.gate.set()
 
 
+def test_a_client_gone_before_the_first_audio_frees_its_request(base_url: str, engine: GatedPiper) -> None:
+    """A client that leaves while its first piece waits (here at the gate) has its request ended
+    at once, not when that piece's audio is made for nobody."""
+    engine.gate.clear()
+    try:
+        body = {"input": "Later, a piece held at the gate.", "response_format": "pcm"}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base_url}/v1/audio/speech", json=body, timeout=httpx.Timeout(30, read=0.5))
+        deadline = time.monotonic() + 10
+        while engine.stats()["tts_requests_active"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.stats()["tts_requests_active"] == 0  # (its piece still waits at the gate)
+    finally:
+        engine.gate.set()
+
+
 def test_past_its_bound_a_speech_request_is_a_429_and_a_job_or_live_turn_waits(
     base_url: str, engine: GatedPiper
 ) -> None:

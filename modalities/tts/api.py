@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 
 from gateway.errors import APIError, from_engine_error
 from gateway.ratelimit import charge
-from gateway.streaming import SSE_HEADERS, ClosingStreamingResponse, error_event, sse
+from gateway.streaming import SSE_HEADERS, ClosingStreamingResponse, error_event, sse, unless_disconnected
 from modalities.audio import MEDIA_TYPES, StreamEncoder
 from modalities.tts.base import check_request
 from modalities.tts.protocol import PCM_RATE, SpeechRequest
@@ -78,7 +78,7 @@ async def create_speech(body: SpeechRequest, request: Request) -> Any:
     ch = await charge(request, "audio_seconds", estimate_seconds(req.text, req.speed))
     gen = engine.stream(req)
     try:
-        first = await _first_chunk(gen)
+        first = await unless_disconnected(request, _first_chunk(gen))  # (a client gone before it: 499)
     except BaseException:
         await gen.aclose()
         await ch.refund()
