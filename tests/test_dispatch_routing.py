@@ -218,6 +218,15 @@ def _redis_db11(name: str) -> tuple[str, str, Any]:
     return url, f"{name}-{uuid.uuid4().hex[:8]}", client
 
 
+def _fill(client: Any, keys: list[str]) -> None:
+    """A member in each of a queue's binding sets (``_kombu.*``), a call in each of its lists."""
+    for key in keys:
+        if key.startswith("_kombu"):
+            client.sadd(key, "a binding")
+        else:
+            client.rpush(key, "a call")
+
+
 def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     """``WorkerRuntime`` on the real Redis (db 11, a prefix of its own): ``drain`` publishes a
     draining heartbeat now, not a period later; ``stop`` deletes the heartbeat, the worker's own
@@ -228,7 +237,7 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     import time
 
     from workers import runtime
-    from workers.celery_app import worker_queue
+    from workers.celery_app import queue_keys, worker_queue
     from workers.runtime import WorkerRuntime
     from workers.wire import Keys
 
@@ -243,36 +252,35 @@ def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
             assert time.monotonic() < deadline, "no heartbeat"
             time.sleep(0.02)
         assert json.loads(client.get(beat))["draining"] is False
-        client.rpush(queue, "a call sent before the drain")
-        client.sadd(f"_kombu.binding.{queue}", "its binding")
+        _fill(client, queue_keys(queue))  # (its lists and binding sets, as kombu makes them)
         rt.drain()
         assert json.loads(client.get(beat))["draining"] is True
     finally:
         rt.stop()
-    assert client.exists(beat, queue, f"_kombu.binding.{queue}") == 0
+    assert client.exists(beat, *queue_keys(queue)) == 0
     assert runtime.current() is None
 
 
 def test_the_sweeper_removes_only_what_dead_workers_left_and_only_after_the_grace() -> None:
     """``DeadQueues`` on the real Redis (db 11, a prefix of its own), with keys as kombu lays them
-    out: a dead worker's queue, binding and unacked calls go once it has been dead for the grace
-    period; a live worker's (heartbeat present) and other queues' unacked calls stay."""
+    out: a dead worker's queue lists, bindings and unacked calls go once it has been dead for the
+    grace period; a live worker's (heartbeat present), one whose heartbeat came back within the
+    grace, and other queues' unacked calls stay."""
     import asyncio
     import json
 
     import redis.asyncio as aioredis
 
-    from workers.celery_app import worker_queue
+    from workers.celery_app import queue_keys, worker_queue
     from workers.sweeper import UNACKED, UNACKED_INDEX, DeadQueues
     from workers.wire import Keys
 
     url, prefix, client = _redis_db11("t-sweep")
-    dead, live = worker_queue("dead", prefix), worker_queue("live", prefix)
-    tags = {f"{prefix}-t{i}": q for i, q in enumerate((dead, dead, live))}
+    dead, live, back = (worker_queue(w, prefix) for w in ("dead", "live", "back"))
+    tags = {f"{prefix}-t{i}": q for i, q in enumerate((dead, dead, live, back))}
     client.set(Keys(prefix).worker("live"), "{}")
-    for q in (dead, live):
-        client.rpush(q, "a call")
-        client.sadd(f"_kombu.binding.{q}", f"{q}\x06\x16\x06\x16{q}")
+    every = [k for q in (dead, live, back) for k in queue_keys(q)]
+    _fill(client, every)
     for tag, q in tags.items():
         client.hset(UNACKED, tag, json.dumps([{"body": "..."}, q, q]))
         client.zadd(UNACKED_INDEX, {tag: 1.0})
@@ -282,6 +290,7 @@ def test_the_sweeper_removes_only_what_dead_workers_left_and_only_after_the_grac
         try:
             sweeper = DeadQueues(r, prefix, grace_s=0.3)
             first = await sweeper.sweep()  # (dead since now: not yet)
+            await r.set(Keys(prefix).worker("back"), "{}")  # (restarted under its id)
             await asyncio.sleep(0.4)
             return [first, await sweeper.sweep(), await sweeper.sweep()]
         finally:
@@ -289,12 +298,12 @@ def test_the_sweeper_removes_only_what_dead_workers_left_and_only_after_the_grac
 
     try:
         assert asyncio.run(sweeps()) == [[], ["dead"], []]
-        assert client.exists(dead, f"_kombu.binding.{dead}") == 0
-        assert client.exists(live, f"_kombu.binding.{live}") == 2
+        assert client.exists(*queue_keys(dead)) == 0
+        assert client.exists(*queue_keys(live), *queue_keys(back)) == 2 * len(queue_keys(live))
         left = {t.decode() for t in client.hkeys(UNACKED)} & set(tags)
-        assert left == {f"{prefix}-t2"}
+        assert left == {f"{prefix}-t2", f"{prefix}-t3"}
         assert {t.decode() for t in client.zrange(UNACKED_INDEX, 0, -1)} & set(tags) == left
     finally:
-        client.delete(Keys(prefix).worker("live"), live, f"_kombu.binding.{live}", dead, f"_kombu.binding.{dead}")
+        client.delete(Keys(prefix).worker("live"), Keys(prefix).worker("back"), *every)
         client.hdel(UNACKED, *tags)
         client.zrem(UNACKED_INDEX, *tags)

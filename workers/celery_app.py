@@ -9,7 +9,8 @@ after it ran, so a lost worker does not silently eat it) and prefetch 1 (a worke
 more tasks than it has free slots). Note that with the Redis transport an unacked task of a
 SIGKILLed worker is redelivered only after the visibility timeout; the gateway does not rely on
 that (it watches worker heartbeats and resubmits or fails the request itself, see
-``workers/remote.py``).
+``workers/remote.py``), and removes the engine calls a dead worker had taken from its own queue
+before then (``workers/sweeper.py``).
 
 Queue naming (``prefix`` defaults to ``mmserve``; tests use their own to stay isolated):
 
@@ -48,6 +49,15 @@ def modality_queue(modality: str, prefix: str = DEFAULT_PREFIX) -> str:
 def worker_queue(worker_id: str, prefix: str = DEFAULT_PREFIX) -> str:
     """The queue only worker ``worker_id`` consumes."""
     return f"{prefix}.worker.{worker_id}"
+
+
+def queue_keys(queue: str) -> list[str]:
+    """Every Redis key kombu keeps for ``queue`` (declared by Celery on the exchange of its own
+    name): its lists, one per priority step, and its two binding sets."""
+    from kombu.transport.redis import Channel
+
+    lists = [queue, *(f"{queue}{Channel.sep}{p}" for p in Channel.priority_steps if p)]
+    return [*lists, Channel.keyprefix_queue % queue, Channel.keyprefix_binding_permanent % queue]
 
 
 def task_modules() -> list[str]:

@@ -86,15 +86,16 @@ class Cluster:
         self.redis_ok = False
         self.local_inflight: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()  # per model: calls resubmitted after their worker was lost
-        self.workers_swept = 0  # dead workers whose leftovers were removed (``workers.sweeper``)
         self._refresher: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
         self._cleanup: set[asyncio.Task[None]] = set()
         self._users = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start the view refresher (idempotent: every proxy calls it)."""
+        """Connect and start the view refresher and the dead workers' sweeper (idempotent: every
+        proxy calls it)."""
         self._users += 1
         if self._refresher is None:
             self.redis = aioredis.Redis.from_url(
@@ -111,6 +112,8 @@ class Cluster:
                     "Redis at %s is unreachable: calls get 503 until it answers", redis_where(self.redis_url)
                 )
             self._refresher = asyncio.create_task(self._refresh_loop())
+            dead = DeadQueues(self.redis, self.prefix, self.sweep_grace_s)
+            self._sweeper = asyncio.create_task(dead.run(self.sweep_s))
 
     async def shutdown(self) -> None:
         self._users -= 1
@@ -118,6 +121,9 @@ class Cluster:
             return
         self._refresher.cancel()
         self._refresher = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._cleanup:
             await asyncio.wait(self._cleanup, timeout=2)
         if self.redis is not None:
@@ -153,18 +159,9 @@ class Cluster:
         self.redis_ok, self.workers = True, workers
 
     async def _refresh_loop(self) -> None:
-        assert self.redis is not None
-        dead = DeadQueues(self.redis, self.prefix, self.sweep_grace_s)
-        next_sweep = time.monotonic()
         while True:
             await asyncio.sleep(self.refresh_s)
             await self.refresh()
-            if self.redis_ok and time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + self.sweep_s
-                try:
-                    self.workers_swept += len(await dead.sweep())
-                except (redis.exceptions.RedisError, OSError) as exc:  # the next refresh tells
-                    logger.debug("could not sweep dead workers' queues: %r", exc)
 
     # -- queries --------------------------------------------------------------------------------
 

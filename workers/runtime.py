@@ -29,7 +29,7 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from workers.celery_app import modality_queue, worker_queue
+from workers.celery_app import modality_queue, queue_keys, worker_queue
 from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error, slim
 
 logger = logging.getLogger("mmserve.worker")
@@ -127,10 +127,10 @@ class WorkerRuntime:
             task.cancel()
         try:
             assert self.redis is not None
-            # This worker's own queue (and its Celery binding) is consumed by no one after it: the
+            # This worker's own queue (and its Celery bindings) is consumed by no one after it: the
             # calls left in it never started, and the gateway resubmits those elsewhere.
             queue = worker_queue(self.worker_id, self.prefix)
-            await self.redis.delete(self.keys.worker(self.worker_id), queue, f"_kombu.binding.{queue}")
+            await self.redis.delete(self.keys.worker(self.worker_id), *queue_keys(queue))
         except Exception:  # noqa: BLE001 - Redis may be down; the key expires anyway
             logger.warning("could not withdraw the heartbeat")
         for engine in self.engines.values():

@@ -1,24 +1,29 @@
 """What a worker that died without stopping (SIGKILL, out of memory, a lost machine) left in Redis.
 
-A worker that stops deletes its own queue and that queue's Celery binding
+A worker that stops deletes its own queue and that queue's Celery bindings
 (``WorkerRuntime._astop``); one that dies leaves them, with the calls still in the queue (the
 gateway resubmitted those elsewhere once the heartbeat expired) and, in Celery's ``unacked``
 hash, the calls it had taken: after the visibility timeout Celery would put those back on the
-dead queue, where nobody consumes them. With workers that come and go, each death left a few keys
-for good. ``DeadQueues.sweep`` removes them once a worker's heartbeat has been gone for
-``grace_s``: long past the point where every call on it went elsewhere, and long enough that a
-Redis restart (heartbeats gone for a period) touches nothing.
+dead queue, where nobody consumes them. With workers that come and go, each death left keys for
+good. ``DeadQueues`` removes them once a worker's heartbeat has been gone for ``grace_s``: long
+past the point where every call on it went elsewhere, and long enough that a Redis restart
+(heartbeats gone for a period) touches nothing. Not covered: a worker restarted under the same
+``--worker-id`` within the grace keeps its former life's unacked calls (they come back on its
+queue after the visibility timeout, and run again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from workers.celery_app import worker_queue
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from workers.celery_app import queue_keys, worker_queue
 from workers.wire import Keys
 
 logger = logging.getLogger("mmserve.dispatch")
@@ -27,50 +32,75 @@ BINDING = "_kombu.binding."  # kombu's Redis transport: a queue's binding set
 UNACKED, UNACKED_INDEX = "unacked", "unacked_index"  # kombu's taken-not-acknowledged messages
 
 
+def _glob(text: str) -> str:
+    """``text`` as a literal in a Redis match pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 @dataclass
 class DeadQueues:
-    """Sweeps the own queues of ``prefix``'s workers whose heartbeat is gone for ``grace_s``
-    (``redis``: an asyncio client). Call ``sweep`` now and then; it is idempotent, and several
-    gateways may sweep at once."""
+    """Sweeps the own queues of ``prefix``'s workers whose heartbeat is gone for ``grace_s``.
+    ``sweep`` is idempotent, and several gateways may sweep at once."""
 
-    redis: Any
+    redis: aioredis.Redis
     prefix: str
     grace_s: float = 300.0
     _dead_since: dict[str, float] = field(default_factory=dict)  # worker id -> first seen dead
 
+    async def run(self, every_s: float) -> None:
+        """``sweep`` every ``every_s`` until cancelled; a failed sweep is logged, the next one runs."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep()
+            except (redis.exceptions.RedisError, OSError) as exc:  # Redis down: the view says so
+                logger.debug("could not sweep dead workers' queues: %r", exc)
+            except Exception:  # noqa: BLE001 - a bug here must not stop the sweeps
+                logger.exception("sweeping dead workers' queues failed")
+
     async def sweep(self) -> list[str]:
-        """Remove the queue, binding and unacked calls of each worker dead for ``grace_s``;
+        """Remove the queue, bindings and unacked calls of each worker dead for ``grace_s``;
         returns their worker ids."""
         head = BINDING + worker_queue("", self.prefix)
-        bound = [k.decode()[len(head) :] async for k in self.redis.scan_iter(match=head + "*", count=500)]
-        if not bound:
-            self._dead_since.clear()
-            return []
+        pattern = _glob(head) + "*"
+        bound = [k.decode()[len(head) :] async for k in self.redis.scan_iter(match=pattern, count=500)]
         keys = Keys(self.prefix)
         alive = [await self.redis.exists(keys.worker(w)) for w in bound]
         now = time.monotonic()
         self._dead_since = {w: self._dead_since.get(w, now) for w, up in zip(bound, alive, strict=True) if not up}
-        due = [w for w, since in self._dead_since.items() if now - since >= self.grace_s]
-        for worker_id in due:
-            await self._remove(worker_id)
-            del self._dead_since[worker_id]
-        return due
-
-    async def _remove(self, worker_id: str) -> None:
-        queue = worker_queue(worker_id, self.prefix)
-        tags = []
-        async for tag, raw in self.redis.hscan_iter(UNACKED, count=500):
+        due = {worker_queue(w, self.prefix): w for w, since in self._dead_since.items() if now - since >= self.grace_s}
+        if not due:
+            return []
+        taken: dict[str, list[bytes]] = {q: [] for q in due}
+        async for tag, raw in self.redis.hscan_iter(UNACKED, count=500):  # (once for all the dead)
             try:
-                routing_key = json.loads(raw)[2]
+                routing_key = json.loads(raw)[2]  # [message, exchange, routing key]
             except (ValueError, IndexError, TypeError):
                 continue
-            if routing_key == queue:
-                tags.append(tag)
+            if routing_key in taken:
+                taken[routing_key].append(tag)
+        swept = [w for q, w in due.items() if await self._remove(w, q, taken[q])]
+        for w in due.values():
+            self._dead_since.pop(w, None)
+        return swept
+
+    async def _remove(self, worker_id: str, queue: str, tags: list[bytes]) -> bool:
+        """Delete ``queue``'s keys and its ``tags`` in one transaction, unless the worker's
+        heartbeat came back meanwhile (a worker restarted under its id keeps its queue)."""
+        beat = Keys(self.prefix).worker(worker_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            if tags:
-                pipe.hdel(UNACKED, *tags).zrem(UNACKED_INDEX, *tags)
-            pipe.delete(queue, BINDING + queue)
-            await pipe.execute()
+            try:
+                await pipe.watch(beat)
+                if await pipe.exists(beat):
+                    return False
+                pipe.multi()
+                if tags:
+                    pipe.hdel(UNACKED, *tags).zrem(UNACKED_INDEX, *tags)
+                pipe.delete(*queue_keys(queue))
+                await pipe.execute()
+            except redis.exceptions.WatchError:
+                return False
         logger.warning(
             "worker %s died without stopping: removed its queue and %d calls it had taken", worker_id, len(tags)
         )
+        return True

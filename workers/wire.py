@@ -25,6 +25,7 @@ from typing import Any
 from engine.outputs import RequestOutput
 
 START, ITEM, END, ERROR = b"start", b"item", b"end", b"error"
+STREAM_TTL_S = 600
 
 
 def redis_where(url: str) -> str:
@@ -35,9 +36,6 @@ def redis_where(url: str) -> str:
     kw = parse_url(url)
     place = kw.get("path") or f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}"
     return f"{place}/{kw.get('db', 0)}"
-
-
-STREAM_TTL_S = 600
 
 
 @dataclass(frozen=True)
