@@ -224,6 +224,21 @@ def test_celery_chain_runs_each_stage_on_its_modality_worker(question_wav: bytes
     assert redis.Redis.from_url(REDIS_URL).exists(*(f"celery-task-meta-{i}" for i in earlier)) == 0
 
 
+def test_a_chain_whose_stage_fails_for_good_fails_its_async_result(
+    question_wav: bytes, cluster: dict[str, str]
+) -> None:
+    """The chain's ``AsyncResult.get()`` raises the stage's failure at once (its earlier stages
+    keep no result, and without the failure stored for the last task it waited for ever)."""
+    from modalities.audio import decode_audio
+    from pipelines.stage_store import ChainOptions
+
+    opts = ChainOptions(max_tokens=8, fail_once=["asr"], max_attempts=1)
+    store, chain_id, async_result = _send_chain(cluster, decode_audio(question_wav).samples, opts)
+    with pytest.raises(Exception, match="injected failure of stage 'asr'"):
+        async_result.get(timeout=60)
+    assert store.status(chain_id)["status"] == "failed"
+
+
 def test_a_cancelled_chains_running_stage_stops_on_its_worker(cluster: dict[str, str]) -> None:
     """A chain cancelled while its LLM stage decodes (its job was cancelled) stops that decode on
     the LLM worker within a moment, stores no reply, and runs no later stage."""
