@@ -35,14 +35,17 @@ PART_TYPES = {"text": "output_text", "audio": "output_audio"}
 
 # Client events of the beta protocol only, with GA's way to do the same: OpenAI's GA server
 # refuses them ("Invalid value"), and so does a GA session here.
-BETA_EVENTS = {"transcription_session.update": "session.update with session.type 'transcription'"}
+BETA_EVENTS = {
+    "transcription_session.update": (
+        "a GA transcription session (/v1/realtime?intent=transcription) takes a session.update "
+        "with session.type 'transcription'"
+    )
+}
 
 
 def beta_event(kind: str) -> EventError:
     """The error for beta-only client event ``kind`` (one of ``BETA_EVENTS``) in a GA session."""
-    return EventError(
-        f"Invalid value: '{kind}': a GA session has no such event; send {BETA_EVENTS[kind]}", param="type"
-    )
+    return EventError(f"Invalid value: '{kind}': a GA session has no such event; {BETA_EVENTS[kind]}", param="type")
 
 
 def is_ga(session: Any) -> bool:

@@ -102,9 +102,12 @@ class ServerEvents:
     # -- sending ------------------------------------------------------------------------------
     async def send(self, type_: str, in_conversation: bool = True, **fields: Any) -> None:
         """One server event (``in_conversation`` False: its item is an out-of-band reply's)."""
-        events = [{"type": type_, **fields}]
+        await self.send_together([{"type": type_, **fields}], in_conversation)
+
+    async def send_together(self, events: list[dict[str, Any]], in_conversation: bool = True) -> None:
+        """Server ``events`` one after the other, none of another task's between them."""
         if self.ga:
-            events = realtime_ga.translate(events[0], in_conversation)
+            events = [out for event in events for out in realtime_ga.translate(event, in_conversation)]
         async with self._send_lock:
             for event in events:
                 await self.ws.send_text(json.dumps({"event_id": f"event_{next(self._event_ids):06d}", **event}))
@@ -443,10 +446,11 @@ class ServerEvents:
         await self._done(r, status, [*output, *r.calls], reason)
 
     async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
-        """``response.done``, then ``rate_limits.updated`` (as OpenAI's, after every response)."""
-        await self.send("response.done", response=response_event(r, status, output, reason))
+        """``response.done``, then ``rate_limits.updated`` (where OpenAI's server sends it too)."""
+        events = [{"type": "response.done", "response": response_event(r, status, output, reason)}]
         if limits := rate_limits(self.services.llm, r.usage.get("total_tokens", 0)):
-            await self.send("rate_limits.updated", rate_limits=limits)
+            events.append({"type": "rate_limits.updated", "rate_limits": limits})
+        await self.send_together(events)
         self._reply_ended(r, status)
 
     async def _cancelled_unstarted(self, asked: ResponseRequest, reason: str = "turn_detected") -> None:

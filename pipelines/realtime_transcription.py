@@ -124,7 +124,7 @@ class TranscriptionEvents:
         if kind != "transcription" or not self.transcription:
             raise EventError(
                 "a transcription session is opened with /v1/realtime?intent=transcription and updated with "
-                "session.type 'transcription' (or a beta transcription_session.update)",
+                "session.type 'transcription'",
                 param="session.type",
             )
         await self._update_transcription(session, "session.updated", ga=True)

@@ -208,7 +208,7 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             await c.until("session.updated")
             feeder = asyncio.create_task(c.stream(server["question"]))
             done = await c.until("response.done")
-            limits = await c.until("rate_limits.updated")  # (right after it, as OpenAI's)
+            limits = await c.until("rate_limits.updated")  # (right after it: sent together)
             await feeder
             assert_voice_turn(c, done)
             # The response shows the settings it ran with: the session's.
