@@ -182,9 +182,10 @@ def celery_chain(
 ) -> Any:
     """The Celery chain of stage tasks on ``app``, each routed to ``<prefix>.<modality>`` and
     carrying ``dispatch`` (``StageStore.redispatch``); ``.apply_async()`` returns at once. The
-    last task returns ``result(...)`` (without audio), kept in the result backend if
-    ``keep_result`` (the chain's ``AsyncResult.get()``); the others keep none (they return
-    None, and the stage store has their outputs)."""
+    last task returns ``result(...)`` (without audio). ``keep_result``: the tasks' results and
+    failures are kept in the result backend (an hour) for the chain's ``AsyncResult.get()``;
+    without, none is (a job has the chain's outcome; a stage that keeps none does not even keep
+    its failure, and Celery then stores none for the last task either)."""
     from celery import chain
 
     from pipelines.tasks import TASK_NAME
@@ -198,7 +199,7 @@ def celery_chain(
             kwargs={"last": i == len(stages) - 1, "dispatch": dispatch},
             immutable=True,
             queue=modality_queue(s.modality, prefix),
-            ignore_result=not (keep_result and i == len(stages) - 1),
+            ignore_result=not keep_result,
         )
         for i, s in enumerate(stages)
     ]

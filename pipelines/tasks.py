@@ -33,9 +33,7 @@ def _services(rt: Any, stage: str) -> Any:
     return make
 
 
-# A failure is stored even by a stage that keeps no result (``celery_chain``): Celery then stores
-# it for the chain's last task too, whose ``AsyncResult.get()`` raises instead of waiting.
-@shared_task(name=TASK_NAME, bind=True, max_retries=None, acks_late=True, store_errors_even_if_ignored=True)
+@shared_task(name=TASK_NAME, bind=True, max_retries=None, acks_late=True)
 def run_stage_task(
     self: Any, chain_id: str, stage: str, prefix: str, last: bool = False, dispatch: int | None = None
 ) -> dict[str, Any] | None:
