@@ -230,7 +230,7 @@ def _fill(client: Any, keys: list[str]) -> None:
 def test_a_draining_worker_says_so_at_once_and_leaves_no_queue_behind() -> None:
     """``WorkerRuntime`` on the real Redis (db 11, a prefix of its own): ``drain`` publishes a
     draining heartbeat now, not a period later; ``stop`` deletes the heartbeat, the worker's own
-    queue (calls in it never started: the gateway resubmits them) and its Celery binding, and
+    queue (calls in it never started: the gateway resubmits them) and its Celery bindings, and
     the runtime stops being ``current()`` (a later local job in this process took the Celery path
     on its dead loop's Redis client)."""
     import json

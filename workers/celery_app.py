@@ -51,13 +51,21 @@ def worker_queue(worker_id: str, prefix: str = DEFAULT_PREFIX) -> str:
     return f"{prefix}.worker.{worker_id}"
 
 
+def binding_key(queue: str) -> str:
+    """The Redis set of kombu's bindings of ``queue`` (declared by Celery on the exchange of its
+    own name): it exists while the queue is declared."""
+    from kombu.transport.redis import Channel
+
+    return Channel.keyprefix_queue % queue
+
+
 def queue_keys(queue: str) -> list[str]:
-    """Every Redis key kombu keeps for ``queue`` (declared by Celery on the exchange of its own
-    name): its lists, one per priority step, and its two binding sets."""
+    """Every Redis key kombu keeps for ``queue``: its lists, one per priority step, and its two
+    binding sets."""
     from kombu.transport.redis import Channel
 
     lists = [queue, *(f"{queue}{Channel.sep}{p}" for p in Channel.priority_steps if p)]
-    return [*lists, Channel.keyprefix_queue % queue, Channel.keyprefix_binding_permanent % queue]
+    return [*lists, binding_key(queue), Channel.keyprefix_binding_permanent % queue]
 
 
 def task_modules() -> list[str]:

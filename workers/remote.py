@@ -10,7 +10,7 @@ reads the reply from the call's Redis Stream. Faults:
 - Redis unreachable: every call fails at once with a 503 (short socket timeouts), and the view
   recovers by itself when Redis is back;
 - the caller leaves early (client disconnect): the call is aborted on the worker;
-- a worker died without stopping: what it left in Redis (its queue, binding, taken calls) is
+- a worker died without stopping: what it left in Redis (its queue, bindings, taken calls) is
   removed ``sweep_grace_s`` after its heartbeat expired (``workers.sweeper``);
 - the worker refuses it at its bound of requests held (``HeldBoundError``, before any work): it
   goes to another live worker not yet tried; only when none is left is the refusal (the soonest

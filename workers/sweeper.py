@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from workers.celery_app import queue_keys, worker_queue
+from workers.celery_app import binding_key, queue_keys, worker_queue
 from workers.wire import Keys
 
 logger = logging.getLogger("mmserve.dispatch")
 
-BINDING = "_kombu.binding."  # kombu's Redis transport: a queue's binding set
 UNACKED, UNACKED_INDEX = "unacked", "unacked_index"  # kombu's taken-not-acknowledged messages
 
 
@@ -61,11 +60,13 @@ class DeadQueues:
     async def sweep(self) -> list[str]:
         """Remove the queue, bindings and unacked calls of each worker dead for ``grace_s``;
         returns their worker ids."""
-        head = BINDING + worker_queue("", self.prefix)
+        head = binding_key(worker_queue("", self.prefix))  # (a declared worker queue's binding set)
         pattern = _glob(head) + "*"
         bound = [k.decode()[len(head) :] async for k in self.redis.scan_iter(match=pattern, count=500)]
-        keys = Keys(self.prefix)
-        alive = [await self.redis.exists(keys.worker(w)) for w in bound]
+        async with self.redis.pipeline(transaction=False) as pipe:  # (one round trip for them all)
+            for w in bound:
+                pipe.exists(Keys(self.prefix).worker(w))
+            alive = await pipe.execute()
         now = time.monotonic()
         self._dead_since = {w: self._dead_since.get(w, now) for w, up in zip(bound, alive, strict=True) if not up}
         due = {worker_queue(w, self.prefix): w for w, since in self._dead_since.items() if now - since >= self.grace_s}
