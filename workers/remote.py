@@ -34,8 +34,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from engine.admission import HeldBoundError
 from gateway.errors import APIError
@@ -43,7 +41,7 @@ from workers.celery_app import DEFAULT_PREFIX, make_celery, worker_queue
 from workers.routing import WorkerLoad, choose_worker
 from workers.sweeper import DeadQueues
 from workers.tasks import ENGINE_CALL
-from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error, redis_where
+from workers.wire import END, ERROR, ITEM, START, Call, Keys, load, load_error, redis_where, restart_retry
 
 logger = logging.getLogger("mmserve.dispatch")
 LOST, DRAINING = "lost", "draining"  # why a call goes to another worker (``Cluster._lost``)
@@ -102,9 +100,7 @@ class Cluster:
                 self.redis_url,
                 socket_timeout=self.poll_s + self.socket_timeout_s,
                 socket_connect_timeout=self.socket_timeout_s,
-                # one immediate retry on a fresh connection: pooled ones are stale after a Redis restart
-                retry=Retry(NoBackoff(), 1),
-                retry_on_error=[redis.exceptions.ConnectionError],
+                **restart_retry(aio=True),
             )
             await self.refresh()
             if not self.redis_ok:  # (later failures are logged as they happen)

@@ -25,12 +25,9 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-import redis.exceptions
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from workers.celery_app import modality_queue, queue_keys, worker_queue
-from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error, slim
+from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error, restart_retry, slim
 
 logger = logging.getLogger("mmserve.worker")
 T = TypeVar("T")
@@ -111,8 +108,7 @@ class WorkerRuntime:
             self.redis_url,
             socket_timeout=5,
             socket_connect_timeout=2,
-            retry=Retry(NoBackoff(), 1),  # pooled connections are stale after a Redis restart
-            retry_on_error=[redis.exceptions.ConnectionError],
+            **restart_retry(aio=True),
         )
         for engine in self.engines.values():
             if hasattr(engine, "start"):

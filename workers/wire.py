@@ -38,6 +38,20 @@ def redis_where(url: str) -> str:
     return f"{place}/{kw.get('db', 0)}"
 
 
+def restart_retry(aio: bool = False) -> dict[str, Any]:
+    """Redis client options for one immediate retry, on a fresh connection, of a command that
+    failed on its connection: pooled connections are stale after a Redis restart, and a Redis
+    that is down still fails at once (no backoff). ``aio``: for a ``redis.asyncio`` client, whose
+    ``Retry`` is its own (given the sync one, it retries nothing: it does not await the command)."""
+    import redis.asyncio.retry
+    import redis.exceptions
+    import redis.retry
+    from redis.backoff import NoBackoff
+
+    retry = (redis.asyncio.retry.Retry if aio else redis.retry.Retry)(NoBackoff(), 1)
+    return {"retry": retry, "retry_on_error": [redis.exceptions.ConnectionError]}
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "mmserve"
