@@ -5,9 +5,9 @@ and a chain run again skips the stages already done."""
 
 from __future__ import annotations
 
-import functools
 import json
 import pickle
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,14 +76,15 @@ class StageStore:
     frames, and a ``meta`` hash (options, status, per-stage attempts and timings). Keys expire
     after ``ttl_s``."""
 
-    def __init__(self, redis_url: str | None, prefix: str = "mmserve", ttl_s: int = 86_400) -> None:
-        """``redis_url`` None: an in-process store (local dispatch without Redis)."""
-        if redis_url is None:
-            self.r: Any = MemoryKV()
+    def __init__(self, redis_url: str | None, prefix: str = "mmserve", ttl_s: int = 86_400, client: Any = None) -> None:
+        """``redis_url`` None: an in-process store (local dispatch without Redis). ``client``: a
+        Redis client to use rather than one of its own (``shared_store``'s)."""
+        if client is not None:
+            self.r: Any = client
+        elif redis_url is None:
+            self.r = MemoryKV()
         else:
-            import redis
-
-            self.r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10)
+            self.r = redis_client(redis_url)
         self.prefix, self.ttl = prefix, ttl_s
 
     def _key(self, chain_id: str, what: str) -> str:
@@ -250,11 +251,31 @@ class StageStore:
         self.r.delete(*keys)
 
 
-@functools.cache
+def redis_client(redis_url: str) -> Any:
+    """A Redis client (its own connection pool) for a stage store."""
+    import redis
+
+    from workers.wire import restart_retry
+
+    return redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=10, **restart_retry())
+
+
+_SHARED: dict[tuple[str, str], StageStore] = {}
+_CLIENTS: dict[str, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 def shared_store(redis_url: str, prefix: str) -> StageStore:
-    """The stage store on ``redis_url`` of this process (one Redis connection pool, thread-safe),
-    shared by every job and stage task it runs."""
-    return StageStore(redis_url, prefix)
+    """The stage store of ``prefix`` on ``redis_url`` in this process, shared by every job and
+    stage task it runs; every prefix's on one client of that Redis (one connection pool). A
+    redis-py client is thread-safe, and its pool makes new connections in a forked child (it
+    checks the pid), so the one made before a fork serves the child too."""
+    with _SHARED_LOCK:  # (a check-then-make: two threads must not each make one)
+        if (store := _SHARED.get((redis_url, prefix))) is None:
+            if (client := _CLIENTS.get(redis_url)) is None:
+                client = _CLIENTS[redis_url] = redis_client(redis_url)
+            store = _SHARED[(redis_url, prefix)] = StageStore(redis_url, prefix, client=client)
+        return store
 
 
 class MemoryKV:

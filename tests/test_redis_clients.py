@@ -1,13 +1,57 @@
-"""The cluster's Redis clients: the worker's and the stage store's ride through a Redis restart
-(``workers.wire.restart_retry``; a private ``redis-server``, stopped and restarted here)."""
+"""The cluster's Redis clients: the stage store's is one per Redis per process, whatever the prefix
+and however many threads ask at once (``pipelines.stage_store.shared_store``; the real Redis, db
+14), and the worker's and the stage store's ride through a Redis restart (``workers.wire.
+restart_retry``; a private ``redis-server``, stopped and restarted here)."""
 
 from __future__ import annotations
 
 import shutil
+import threading
+import time
+import uuid
+from typing import Any
 
 import pytest
 
 from pipelines.stage_store import shared_store
+
+REDIS_URL = "redis://127.0.0.1:6379/14"
+
+
+def test_the_stage_store_has_one_client_per_redis_in_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same store for the same prefix, the same client (one connection pool) for every prefix
+    on one Redis, another for another Redis; threads asking at once for a store not made yet
+    all get the one store (a check-then-make under no lock made one each)."""
+    import redis
+
+    store = shared_store(REDIS_URL, "t-clients-a")
+    assert shared_store(REDIS_URL, "t-clients-a") is store
+    assert shared_store(REDIS_URL, "t-clients-b").r is store.r
+    assert shared_store("redis://127.0.0.1:6379/15", "t-clients-a").r is not store.r
+
+    made: list[str] = []
+    real = redis.Redis.from_url
+
+    def slow(url: str, **kw: Any) -> Any:  # (making a client takes a moment: threads overlap)
+        made.append(url)
+        time.sleep(0.1)
+        return real(url, **kw)
+
+    monkeypatch.setattr(redis.Redis, "from_url", slow)
+    prefix, got = f"t-clients-{uuid.uuid4().hex[:8]}", []
+    start = threading.Barrier(8)
+
+    def ask() -> None:
+        start.wait()
+        got.append(shared_store(REDIS_URL, prefix))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(s is got[0] for s in got) and got[0].r is store.r
+    assert made == []  # (the Redis's client was made already)
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
