@@ -185,14 +185,19 @@ def pick_engine(
     raise model_not_found(model, list(matching))
 
 
+def too_busy(message: str, retry_after_s: float) -> APIError:
+    """The 429 of a refusal under load: come back in ``Retry-After`` (whole seconds, at least 1)."""
+    retry = max(1, math.ceil(retry_after_s))
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+
+
 def from_engine_error(exc: BaseException, param: str | None = None) -> APIError | None:
     """Map an engine admission error (or a ``ValueError`` about the input) to an ``APIError``;
     ``None`` for anything else (a bug, which should surface as a 500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        retry = max(1, math.ceil(exc.retry_after_s))
-        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+        return too_busy(str(exc), exc.retry_after_s)
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param=param, code="context_length_exceeded")
     if isinstance(exc, EngineDeadError):
@@ -230,6 +235,29 @@ def known_error(exc: BaseException) -> APIError | None:
 def is_input_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the input's fault (a retry would fail the same way)."""
     return failure_error(exc)["type"] == "invalid_request_error"
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The seconds a refusal under load asks to wait (the routes' 429 with ``Retry-After``: an
+    engine's full queue or bound, ``known_error``); None for anything else, a 429 without it too
+    (``request_too_large``: waiting would not help)."""
+    mapped = known_error(exc)
+    if mapped is None or mapped.status_code != 429 or "Retry-After" not in (mapped.headers or {}):
+        return None
+    try:
+        return float((mapped.headers or {})["Retry-After"])
+    except ValueError:  # (not ours: an HTTP date)
+        return None
+
+
+def reported_error(failure: dict[str, Any]) -> APIError | None:
+    """The route's answer to a failure reported as an error object (``failure_error``'s, e.g. a
+    Celery chain's stage): the input's fault (400) or a refusal under load (429); None for
+    anything else (the caller's own failure, not the route's)."""
+    status = {"invalid_request_error": 400, "rate_limit_error": 429}.get(failure.get("type", ""))
+    if status is None:
+        return None
+    return APIError(status, failure["message"], param=failure.get("param"), code=failure.get("code"))
 
 
 def as_api_error(exc: BaseException, param: str | None = None) -> BaseException:

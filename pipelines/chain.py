@@ -4,15 +4,17 @@ Each stage is a small processor pipeline run depth-first over the previous stage
 its output frames, timing and attempt count are persisted in a ``StageStore`` (Redis, shared by
 the gateway and the workers) before the next stage starts. So a failed stage is retried alone
 (earlier outputs are read back, never recomputed), and running a chain again skips the stages
-already done. ``run_local`` runs the stages in-process (local dispatch); ``celery_chain`` builds a
-Celery chain with each stage task on its modality's queue (``pipelines.tasks``) so each stage
-scales with its own workers.
+already done; a stage a busy engine refused waits for capacity instead (``after_failure``).
+``run_local`` runs the stages in-process (local dispatch); ``celery_chain`` builds a Celery chain
+with each stage task on its modality's queue (``pipelines.tasks``) so each stage scales with its
+own workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
@@ -20,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gateway.errors import APIError, failure_error, is_input_error
+from gateway.errors import APIError, failure_error, is_input_error, retry_after, too_busy
 from modalities.audio import ASR_RATE
 from pipelines.conversation import Conversation
 from pipelines.frames import AudioFrame, End, Frame, LLMDone, Transcript, TTSAudio, UserAudio
@@ -87,6 +89,9 @@ def stage_pipeline(name: str, services: Services, opts: ChainOptions) -> Pipelin
 
 logger = logging.getLogger("mmserve.pipelines")
 LIVE_CHECK_S = 0.25  # how often a running stage looks whether its chain still wants it
+RETRY_S = 0.2  # a failed attempt is tried again after this
+MAX_WAIT_S = 30.0  # the longest single wait for a busy engine, whatever its Retry-After
+WAIT_JITTER = 0.5  # a wait is its Retry-After times 1 to 1 + this: a burst refused at once comes back spread
 T = TypeVar("T")
 
 
@@ -141,8 +146,53 @@ async def run_stage(
     if (done := next((f for f in out if isinstance(f, LLMDone) and f.error), None)) is not None:
         if done.error_type == "invalid_request_error":  # refused for its input (a prompt too long)
             raise APIError(400, done.error or "", code=done.error_code)  # (not retried)
+        if done.retry_after_s is not None:  # refused under load (a full queue): the stage waits
+            raise too_busy(done.error or "", done.retry_after_s)
         raise StageFailed(done.error or "")  # the engine failed the reply: retry, then fail the chain
     store.finish(chain_id, stage, out, time.perf_counter() - t0, dispatch)
+
+
+class StillBusy(APIError):
+    """A stage refused by a busy engine once its chain has waited ``max_wait_s`` for capacity:
+    the chain fails with the route's 429."""
+
+
+def after_failure(store: StageStore, chain_id: str, stage: str, exc: Exception, dispatch: int | None = None) -> float:
+    """The seconds until ``stage`` is tried again after its attempt failed with ``exc``.
+
+    A busy engine's refusal (a 429 with Retry-After) is a wait, not a failed attempt: what it
+    asked (jittered, at most ``MAX_WAIT_S``), recorded in the store (``StageStore.wait``) while
+    the chain has waited less than its ``max_wait_s`` in all; then ``StillBusy``. Another failure
+    is tried again after ``RETRY_S`` while attempts are left, unless it was the input's. Else the
+    chain is failed (unless it ended or was sent again meanwhile) and the error raised."""
+    opts = store.options(chain_id)
+    error: Exception = exc
+    if (asked := retry_after(exc)) is not None and store.live(chain_id, dispatch):
+        meta = store.meta(chain_id)
+        left = opts.max_wait_s - sum(v["waited_s"] for v in store.stages_view(meta, opts).values())
+        if left > 0:
+            seconds = min(asked * random.uniform(1, 1 + WAIT_JITTER), MAX_WAIT_S, left)
+            store.wait(chain_id, stage, seconds)
+            logger.info(
+                "chain %s: a busy engine refused its %s stage; trying again in %.1f s", chain_id, stage, seconds
+            )
+            return seconds
+        error = StillBusy(
+            429, f"{exc} (the chain waited {opts.max_wait_s:g} s for capacity)", code="rate_limit_exceeded"
+        )
+    elif store.attempts(chain_id, stage) < opts.max_attempts and not is_input_error(exc):
+        return RETRY_S
+    if store.live(chain_id, dispatch):
+        store.set_status(chain_id, "failed", f"{stage}: {error}", failure_error(error))
+    raise error
+
+
+async def pause(seconds: float, check: Callable[[], None]) -> None:
+    """Sleep ``seconds``, calling ``check()`` (which raises to stop) every ``LIVE_CHECK_S``."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        check()
+        await asyncio.sleep(min(left, LIVE_CHECK_S))
 
 
 async def run_local(
@@ -152,9 +202,10 @@ async def run_local(
     check: Callable[[], None] = lambda: None,
     progress: Progress = no_progress,
 ) -> dict[str, Any]:
-    """Every stage in-process, each retried up to ``max_attempts``; returns ``result(...)``.
-    ``check()`` runs before each attempt (it raises to stop, e.g. ``JobContext.check_cancelled``);
-    ``progress`` gets the stages done and their timings before each stage and at the end."""
+    """Every stage in-process, each tried again as ``after_failure`` says; returns ``result(...)``.
+    ``check()`` runs before each attempt and while one waits (it raises to stop, e.g.
+    ``JobContext.check_cancelled``); ``progress`` gets the stages done and their timings before
+    each stage, after each failed attempt (a wait for capacity shows) and at the end."""
     opts = store.options(chain_id)
     stages = opts.stages()
 
@@ -163,15 +214,15 @@ async def run_local(
 
     for done, spec in enumerate(stages):
         report(done)
-        for attempt in range(1, opts.max_attempts + 1):
+        while True:
             check()
             try:
                 await run_stage(store, chain_id, spec.name, services)
                 break
             except Exception as exc:
-                if attempt == opts.max_attempts or is_input_error(exc):  # (the input's: it would fail again)
-                    store.set_status(chain_id, "failed", f"{spec.name}: {exc}", failure_error(exc))
-                    raise
+                delay = after_failure(store, chain_id, spec.name, exc)
+            report(done)
+            await pause(delay, check)
     report(len(stages))
     store.set_status(chain_id, "succeeded")
     return result(store, chain_id)

@@ -10,7 +10,9 @@ follower sends the chain again, as a new dispatch whose number makes the earlier
 - a stage is under way on a worker whose heartbeat is gone (the lost attempt counts: one past
   ``max_attempts`` fails the chain naming the worker), or
 - nothing of the current dispatch is under way and the next stage's queue has been empty for
-  ``STALL_S`` (a task lost between two stages).
+  ``STALL_S`` (a task lost between two stages; a stage waiting for a busy engine's capacity is
+  under way until ``STALL_S`` after it was due to be tried again: its retried task is held by a
+  worker until then, not on the queue).
 
 A retried job takes the chain over (``follower`` in the hash names the attempt following it): it
 sends the chain again unless a stage is under way on a live worker. An attempt that finds itself
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.errors import APIError
+from gateway.errors import reported_error
 from pipelines.chain import celery_chain
 from pipelines.stage_store import ChainOptions, Progress, StageStore, no_progress
 
@@ -90,14 +92,17 @@ class Superseded(RuntimeError):
 def running(meta: dict[bytes, bytes]) -> tuple[str, str] | None:
     """``(stage, worker)`` of the stage of the current dispatch under way, from the chain's
     ``meta`` hash (None: none is)."""
-    status = meta.get(b"status", b"").decode()
-    if not status.startswith("running:"):
-        return None
-    stage = status.removeprefix("running:")
-    where, sent = meta.get(f"{stage}.where".encode()), meta.get(f"{stage}.dispatch".encode())
-    if where is None or f"{stage}.finished".encode() in meta or (sent is not None and sent != meta.get(b"dispatch")):
-        return None
-    return stage, where.decode()
+    stage = StageStore.under_way(meta, "running")
+    where = meta.get(f"{stage}.where".encode()) if stage is not None else None
+    return None if stage is None or where is None else (stage, where.decode())
+
+
+def waiting(meta: dict[bytes, bytes]) -> bool:
+    """Whether the current dispatch's stage waits for a busy engine's capacity (its task is to be
+    tried again), from the chain's ``meta`` hash: until ``STALL_S`` after it was due."""
+    stage = StageStore.under_way(meta, "waiting")
+    due = meta.get(f"{stage}.due".encode()) if stage is not None else None
+    return due is not None and time.time() < float(due) + STALL_S  # (the worker's clock: wall time)
 
 
 @dataclass
@@ -149,8 +154,8 @@ class ChainFollower:
             raise
         if status != b"succeeded":
             failure = await asyncio.to_thread(self.store.failure, self.chain_id)
-            if failure is not None and failure["type"] == "invalid_request_error":  # as a local chain reports it
-                raise APIError(400, failure["message"], param=failure["param"], code=failure["code"])
+            if failure is not None and (error := reported_error(failure)) is not None:  # as a local chain reports it
+                raise error
             state = await asyncio.to_thread(self.store.status, self.chain_id)
             raise RuntimeError(f"pipeline failed: {state and state['error']}")
         self._report(await redis.hgetall(key))
@@ -190,7 +195,12 @@ class ChainFollower:
         """Send the chain again if its stage's worker was lost, or its next stage's task."""
         if lost := await self._lost(meta):
             await self._send_again(meta, *lost)
-        elif running(meta) is None and time.monotonic() - since > STALL_S and not await self._queued(meta):
+        elif (
+            running(meta) is None
+            and time.monotonic() - since > STALL_S
+            and not waiting(meta)
+            and not await self._queued(meta)
+        ):
             logger.warning(
                 "chain %s: no stage under way or queued for %.0f s; sending it again", self.chain_id, STALL_S
             )

@@ -273,7 +273,9 @@ class ToolCall(ReplyFrame):
 class LLMDone(ReplyFrame):
     """The reply's full text; ``cancelled`` when an interrupt cut it short; ``error`` when the
     engine refused or failed the request (the reply is over, as failed), with OpenAI's error
-    ``error_type`` and ``error_code`` for it (``context_length_exceeded``: a refusal)."""
+    ``error_type`` and ``error_code`` for it (``context_length_exceeded``: a refusal), and
+    ``retry_after_s`` when it refused it under load (a full queue: the routes' 429 with
+    ``Retry-After``)."""
 
     text: str
     cancelled: bool = False
@@ -284,6 +286,7 @@ class LLMDone(ReplyFrame):
     error: str | None = None
     error_type: str = "server_error"
     error_code: str | None = None
+    retry_after_s: float | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.offload import OFF_LOOP_CHARS, run_sized
-from gateway.errors import failure_error
+from gateway.errors import failure_error, retry_after
 from modalities.llm.tools import ToolCallStream, declared
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
@@ -187,6 +187,7 @@ class LLM(Processor):
         )
         final = None
         failed: dict[str, Any] | None = None  # the error object of a failed reply
+        wait: float | None = None  # (refused under load: how long the engine asked to wait)
         whole = False  # it ran to its end
         ids: list[int] = []
         spec = None
@@ -224,6 +225,7 @@ class LLM(Processor):
             whole = True
         except Exception as exc:  # noqa: BLE001 - refused (prompt too long, queue full) or failed: the reply fails
             failed = failure_error(exc)  # (an APIError: a lost worker's 503 under celery dispatch)
+            wait = retry_after(exc)
         finally:
             if spec is not None and whole:
                 spec.outputs.cancel()  # (its first sentence's synthesis is the TTS stage's to take)
@@ -240,6 +242,7 @@ class LLM(Processor):
             error=failed["message"] if failed else None,
             error_type=failed["type"] if failed else "server_error",
             error_code=failed["code"] if failed else None,
+            retry_after_s=wait,
         )
 
     def _calls(

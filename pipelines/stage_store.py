@@ -36,7 +36,9 @@ STAGES = (
 @dataclass
 class ChainOptions:
     """What to run: ``respond`` adds the LLM stage, ``speak`` the TTS stage. ``fail_once`` names
-    stages whose first attempt raises (fault injection for tests and drills)."""
+    stages whose first attempt raises (fault injection for tests and drills). A stage is tried
+    ``max_attempts`` times; an attempt a busy engine refused (a 429) is not one, it waits, up to
+    ``max_wait_s`` for all the chain's stages together (``pipelines.chain.after_failure``)."""
 
     respond: bool = True
     speak: bool = True
@@ -50,6 +52,7 @@ class ChainOptions:
     tts: str | None = None
     fail_once: list[str] = field(default_factory=list)
     max_attempts: int = 3
+    max_wait_s: float = 600.0
 
     def stages(self) -> list[StageSpec]:
         names = ["vad", "asr"] + (["llm"] if self.respond else []) + (["tts"] if self.respond and self.speak else [])
@@ -156,6 +159,18 @@ class StageStore:
             p.execute()
         return True
 
+    def wait(self, chain_id: str, stage: str, seconds: float) -> None:
+        """``stage``'s attempt was refused by a busy engine and is tried again in ``seconds``: it
+        does not count as an attempt; the chain shows ``waiting:<stage>`` until then
+        (``under_way``) and ``<stage>.waited`` adds up its waits."""
+        meta = self._key(chain_id, "meta")
+        with self.r.pipeline() as p:  # (one transaction: never a wait shown with its attempt counted)
+            p.hset(meta, mapping={"status": f"waiting:{stage}", f"{stage}.due": time.time() + seconds})
+            p.hincrby(meta, f"{stage}.attempts", -1)
+            p.hincrbyfloat(meta, f"{stage}.waited", seconds)
+            p.expire(meta, self.ttl, nx=True)
+            p.execute()
+
     def redispatch(self, chain_id: str) -> int:
         """Make the chain's tasks sent so far stale (``live`` says no to them); returns the number
         the tasks sent next must carry. (One atomic command: no state in between.)"""
@@ -206,9 +221,23 @@ class StageStore:
         return next((s for s in opts.stages() if f"{s.name}.finished".encode() not in meta), None)
 
     @staticmethod
+    def under_way(meta: dict[bytes, bytes], state: str) -> str | None:
+        """The stage of the current dispatch whose status is ``<state>:<stage>`` (``running``,
+        ``waiting``: for capacity), from the chain's ``meta`` hash; None if there is none."""
+        status = meta.get(b"status", b"").decode()
+        if not status.startswith(f"{state}:"):
+            return None
+        stage = status.removeprefix(f"{state}:")
+        sent = meta.get(f"{stage}.dispatch".encode())  # (None: a local chain's)
+        if f"{stage}.finished".encode() in meta or (sent is not None and sent != meta.get(b"dispatch")):
+            return None
+        return stage
+
+    @staticmethod
     def stages_view(meta: dict[bytes, bytes], opts: ChainOptions) -> dict[str, dict[str, Any]]:
-        """``{name: {modality, attempts, seconds, worker}}`` of the chain's stages, from its
-        ``meta`` hash (``seconds``: of the attempt that finished; None until one has)."""
+        """``{name: {modality, attempts, seconds, worker, waited_s}}`` of the chain's stages, from
+        its ``meta`` hash (``seconds``: of the attempt that finished, None until one has;
+        ``waited_s``: for a busy engine's capacity)."""
         stages = {}
         for s in opts.stages():
             seconds, where = meta.get(f"{s.name}.seconds".encode()), meta.get(f"{s.name}.where".encode())
@@ -217,15 +246,20 @@ class StageStore:
                 "attempts": int(meta.get(f"{s.name}.attempts".encode(), 0)),
                 "seconds": float(seconds) if seconds is not None else None,
                 "worker": where.decode() if where else None,
+                "waited_s": round(float(meta.get(f"{s.name}.waited".encode(), 0)), 3),
             }
         return stages
 
     @classmethod
     def progress_detail(cls, meta: dict[bytes, bytes], opts: ChainOptions) -> dict[str, Any]:
         """A job's progress ``detail``: ``{"stage": the first stage not finished (None once all
-        are), "stages": stages_view}``."""
+        are), "stages": stages_view}``, and ``waiting_for_capacity`` (the modality) while that
+        stage waits to be tried again after a busy engine refused it."""
         stage = cls.next_stage(meta, opts)
-        return {"stage": stage.name if stage else None, "stages": cls.stages_view(meta, opts)}
+        detail: dict[str, Any] = {"stage": stage.name if stage else None, "stages": cls.stages_view(meta, opts)}
+        if stage is not None and cls.under_way(meta, "waiting") == stage.name:
+            detail["waiting_for_capacity"] = stage.modality
+        return detail
 
     def meta(self, chain_id: str) -> dict[bytes, bytes]:
         return self.r.hgetall(self._key(chain_id, "meta"))
@@ -322,6 +356,11 @@ class MemoryKV:
         h = self.data.setdefault(key, {})
         h[field] = str(int(h.get(field, b"0")) + amount).encode()
         return int(h[field])
+
+    def hincrbyfloat(self, key: str, field: str, amount: float) -> float:
+        h = self.data.setdefault(key, {})
+        h[field] = repr(float(h.get(field, b"0")) + amount).encode()
+        return float(h[field])
 
     def delete(self, *keys: str) -> None:
         for k in keys:

@@ -4,7 +4,10 @@
 The stage runs on the worker's engine loop with the worker's engines (``workers.runtime``); its
 input and output live in the ``StageStore`` on the worker's Redis. A failed attempt is retried
 (``max_attempts`` of the chain's options) before the chain goes on; earlier stages are never
-re-run because their outputs are already stored. A chain sent again (``pipelines.follower``: its
+re-run because their outputs are already stored. An attempt a busy engine refused (a 429) is
+retried after the wait it asked for instead, without counting as an attempt
+(``pipelines.chain.after_failure``): the task is sent again with that countdown, so it holds no
+thread of the worker while it waits. A chain sent again (``pipelines.follower``: its
 stage's worker was lost) makes the tasks of the earlier sending no-ops (``StageStore.live``),
 also the one Redis gives back once its visibility timeout has passed.
 """
@@ -37,8 +40,7 @@ def _services(rt: Any, stage: str) -> Any:
 def run_stage_task(
     self: Any, chain_id: str, stage: str, prefix: str, last: bool = False, dispatch: int | None = None
 ) -> dict[str, Any] | None:
-    from gateway.errors import failure_error, is_input_error
-    from pipelines.chain import result, run_stage
+    from pipelines.chain import after_failure, result, run_stage
     from pipelines.stage_store import shared_store
     from workers import runtime
 
@@ -48,15 +50,11 @@ def run_stage_task(
     store = shared_store(rt.redis_url, prefix)
     if not store.live(chain_id, dispatch):  # ended, or sent again after a lost worker: a no-op
         return None
-    opts = store.options(chain_id)
     try:
         rt.run_task(run_stage(store, chain_id, stage, _services(rt, stage), rt.worker_id, dispatch))
     except Exception as exc:
-        if store.attempts(chain_id, stage) < opts.max_attempts and not is_input_error(exc):
-            raise self.retry(exc=exc, countdown=0.2) from exc
-        if store.live(chain_id, dispatch):
-            store.set_status(chain_id, "failed", f"{stage}: {exc}", failure_error(exc))
-        raise
+        delay = after_failure(store, chain_id, stage, exc, dispatch)  # (raises when the chain fails)
+        raise self.retry(exc=exc, countdown=delay) from exc
     if not last or not store.live(chain_id, dispatch):
         return None
     store.set_status(chain_id, "succeeded")

@@ -1011,6 +1011,71 @@ def test_a_chain_stage_refused_for_its_input_is_not_retried() -> None:
         assert str(error) in str(failed.value) and store.status("c")["status"] == "failed"
 
 
+class BusyLLM:
+    """An LLM engine whose queue is full for its first ``refusals`` requests (``QueueFullError``:
+    the routes' 429 with Retry-After), then replies ``reply``."""
+
+    modality = "llm"
+    max_model_len = 4096
+    tokenizer = type("Tok", (), {"apply_chat_template": lambda _, m, **__: [1, 2, 3]})()
+
+    def __init__(self, refusals: int, reply: str = "Paris.") -> None:
+        self.refusals, self.reply = refusals, reply
+
+    async def generate(self, *args: object, **kw: object) -> AsyncIterator[object]:
+        from types import SimpleNamespace
+
+        from engine.errors import QueueFullError
+
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise QueueFullError(9)
+        out = SimpleNamespace(delta_text=self.reply, token_ids=[1], finish_reason="stop")
+        yield SimpleNamespace(outputs=[out], finished=True, num_cached_tokens=0)
+
+
+def chain_at_llm(store: Any, chain_id: str, **opts: Any) -> None:
+    """A chain (no TTS) in ``store`` whose VAD and ASR stages are done: its LLM stage is next."""
+    from pipelines.stage_store import ChainOptions
+
+    store.create(chain_id, np.zeros(1600, np.float32), ChainOptions(speak=False, **opts))
+    store.finish(chain_id, "vad", [UserAudio(np.zeros(1600, np.float32), 16_000, 0, 100, item_id="u")], 0.0)
+    store.finish(chain_id, "asr", [Transcript("What is the capital of France?", item_id="u")], 0.0)
+
+
+def test_a_chain_stage_a_busy_engine_refuses_waits_for_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Local dispatch.) An LLM stage refused by a full engine queue (the route's 429) waits and
+    is tried again without using up an attempt: refused more times than ``max_attempts``, it
+    succeeds at its first counted attempt, and progress shows ``waiting_for_capacity`` meanwhile.
+    Refused for longer than the chain's ``max_wait_s``, it fails the chain with the route's 429."""
+    import pipelines.chain as chain
+    from gateway.errors import APIError
+    from pipelines.services import Services
+    from pipelines.stage_store import StageStore
+
+    monkeypatch.setattr(chain, "MAX_WAIT_S", 0.02)  # (the engine asks for 1 s: the cap shortens it)
+    store = StageStore(None)
+    chain_at_llm(store, "c", max_attempts=2)
+    details: list[dict[str, Any]] = []
+    out = asyncio.run(
+        chain.run_local(store, "c", Services(llm=BusyLLM(5)), progress=lambda *_, detail: details.append(detail))
+    )
+    assert out["reply"] == "Paris." and store.status("c")["status"] == "succeeded"
+    llm = store.status("c")["stages"]["llm"]
+    assert llm["attempts"] == 1 and 0.05 < llm["waited_s"] < 0.2, llm
+    waits = [d for d in details if d.get("waiting_for_capacity")]
+    assert len(waits) == 5 and all(d["waiting_for_capacity"] == "llm" and d["stage"] == "llm" for d in waits)
+    assert "waiting_for_capacity" not in details[-1]
+
+    store = StageStore(None)
+    chain_at_llm(store, "d", max_attempts=2, max_wait_s=0.1)
+    with pytest.raises(APIError) as failed:
+        asyncio.run(chain.run_local(store, "d", Services(llm=BusyLLM(1000))))
+    assert failed.value.status_code == 429 and "waited 0.1 s for capacity" in failed.value.message
+    assert store.status("d")["status"] == "failed" and store.status("d")["stages"]["llm"]["attempts"] == 1
+    assert store.failure("d")["type"] == "rate_limit_error" and store.failure("d")["code"] == "rate_limit_exceeded"
+
+
 def test_a_running_stage_stops_once_its_chain_ends_or_is_sent_again() -> None:
     """``while_live``: a stage's work runs to its result while its chain wants it; once the chain
     is cancelled (its job was) or sent again under another dispatch, the work is cancelled within

@@ -281,6 +281,79 @@ def test_progress_tells_the_stages_and_a_stage_no_live_worker_serves(h: Harness)
     assert all(a != b for a, b in zip(reports, reports[1:], strict=False))  # (changes only)
 
 
+def play_stage_tasks(h: Harness, engine: Any, monkeypatch: pytest.MonkeyPatch) -> Play:
+    """A sending played by the real stage task (``pipelines.tasks``) on an LLM worker whose
+    engines are ``{"busy": engine}``: the chain's LLM stage (the one not done) runs, and a task
+    that asks to be retried runs again once its countdown has passed, as Celery would."""
+    from types import SimpleNamespace
+
+    from celery import Task
+    from celery.exceptions import Retry
+
+    import workers.runtime
+    from pipelines.tasks import run_stage_task
+    from workers.wire import Keys
+
+    rt = SimpleNamespace(redis_url=REDIS_URL, worker_id="llm-1", engines={"busy": engine}, run_task=asyncio.run)
+    monkeypatch.setattr(workers.runtime, "current", lambda: rt)
+    monkeypatch.setattr(Task, "retry", lambda self, exc, countdown: Retry(exc=exc, when=countdown))
+
+    def beat() -> None:
+        h.sync.set(Keys(h.prefix).worker("llm-1"), json.dumps({"modality": "llm"}), px=5000)
+
+    def play(chain_id: str, dispatch: int) -> None:
+        beat()
+        while True:
+            try:
+                run_stage_task.run(chain_id, "llm", h.prefix, last=True, dispatch=dispatch)
+                return
+            except Retry as retry:
+                beat()
+                time.sleep(float(retry.when))
+            except Exception:  # noqa: BLE001 - the chain failed: the follower reports it
+                return
+
+    return play
+
+
+def test_a_stage_a_busy_engine_refuses_waits_for_capacity(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Celery dispatch.) The stage task of an LLM stage refused by a full engine queue (the
+    route's 429) is retried after a countdown, without using up an attempt: refused more times
+    than ``max_attempts``, the chain succeeds. While it waits (longer than ``STALL_S``: its task
+    is held by a worker, not queued) the follower does not send the chain again, and progress
+    shows ``waiting_for_capacity``. Refused past its ``max_wait_s``, the chain fails its job with
+    the route's 429."""
+    import pipelines.chain as chain
+    import pipelines.follower as follower
+    from gateway.errors import APIError
+    from tests.test_pipeline_core import BusyLLM, chain_at_llm
+
+    monkeypatch.setattr(follower, "STALL_S", 0.3)
+    monkeypatch.setattr(chain, "MAX_WAIT_S", 0.5)  # (the engine asks for 1 s: the cap shortens it)
+    h.plays["busy"] = play_stage_tasks(h, BusyLLM(3), monkeypatch)
+    chain_at_llm(h.store, "busy", max_attempts=2)
+    details: list[dict[str, Any]] = []
+    opts = h.store.options("busy")
+    asyncio.run(h.follow("busy", opts, progress=lambda *_, detail: details.append(detail)))
+    assert h.sent == [("busy", 1)]  # (never taken for stalled)
+    llm = h.store.status("busy")["stages"]["llm"]
+    assert llm["attempts"] == 1 and llm["worker"] == "llm-1" and 1.4 < llm["waited_s"] <= 1.5, llm
+    assert any(d.get("waiting_for_capacity") == "llm" for d in details)
+    assert "waiting_for_capacity" not in details[-1]
+
+    h.plays["full"] = play_stage_tasks(h, BusyLLM(1000), monkeypatch)
+    chain_at_llm(h.store, "full", max_attempts=2, max_wait_s=0.6)
+    with pytest.raises(APIError) as failed:
+        asyncio.run(h.follow("full", h.store.options("full")))
+    error = failed.value.to_dict()["error"]
+    assert failed.value.status_code == 429 and (error["type"], error["code"]) == (
+        "rate_limit_error",
+        "rate_limit_exceeded",
+    )
+    assert error["message"].startswith("the server is busy") and "waited 0.6 s for capacity" in error["message"]
+    assert h.store.status("full")["stages"]["llm"]["attempts"] == 1
+
+
 def test_a_stale_attempt_runs_nothing_and_keeps_nothing() -> None:
     """A task of a chain sent again (or of an ended chain) is a no-op: no attempt counted; one that
     goes stale while it runs stores no output; an attempt counts before its engines are looked
