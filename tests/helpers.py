@@ -41,6 +41,15 @@ def serve_app(app: Any) -> Iterator[str]:
         sock.close()
 
 
+def serving(*modalities: str) -> dict[str, Any]:
+    """Stand-ins for engines that only tell their modality: a ``JobService`` given them accepts
+    those modalities' job kinds (it refuses a kind whose modality it serves no engine of), for
+    jobs that need no engine here (the test kinds, of ``embed``; a job run by Celery workers)."""
+    from types import SimpleNamespace
+
+    return {f"{m}-stub": SimpleNamespace(modality=m) for m in modalities}
+
+
 def redis_reachable(url: str) -> bool:
     """Whether the Redis server at ``url`` answers a ping (tests needing it skip otherwise)."""
     try:

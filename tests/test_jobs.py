@@ -20,7 +20,7 @@ import websockets.sync.client
 from modalities.embed.engine import EmbeddingEngine
 from modalities.embed.model import DEFAULT_EMBED
 from tests import test_jobs_kinds as kinds
-from tests.helpers import serve_app
+from tests.helpers import serve_app, serving
 
 API_KEY = "jobs-key"
 BOB_KEY = "bob-key"
@@ -195,7 +195,7 @@ def test_errors_are_retried_when_the_kind_asks() -> None:
     from workers.jobs.runner import JobsConfig, JobService
 
     app = create_app({}, routers=[router])
-    app.state.jobs = JobService(JobsConfig(max_attempts=3), {})
+    app.state.jobs = JobService(JobsConfig(max_attempts=3), serving("embed"))
     with serve_app(app) as url:
         ok = httpx.post(f"{url}/v1/jobs", json={"kind": "test.flaky", "params": {"fail_attempts": 2}}).json()
         done = wait(url, ok["id"])
@@ -216,29 +216,29 @@ def test_errors_are_retried_when_the_kind_asks() -> None:
 
 
 def check_unserved_kinds_are_400(cfg: Any) -> None:
-    """A gateway serving only an ASR model, its jobs under ``cfg``: a batch of every endpoint and
-    a job of an ``embed`` kind are 400s naming the field that chose them, and nothing is queued
-    (the check lives in ``JobService.submit``, whatever the runner)."""
-    from types import SimpleNamespace
-
+    """A gateway serving only an ASR model, and one serving no model at all (``--only diffusion``
+    without ``--image`` or ``--video``; it queued every kind), their jobs under ``cfg``: a batch
+    of every endpoint and a job of an ``embed`` kind are 400s naming the field that chose them,
+    and nothing is queued (the check lives in ``JobService.submit``, whatever the runner)."""
     from gateway.app import create_app
     from workers.jobs.batch import ENDPOINTS
     from workers.jobs.plugin import router
     from workers.jobs.runner import JobService
 
-    app = create_app({}, routers=[router])
-    app.state.jobs = JobService(cfg, {"asr-stub": SimpleNamespace(modality="asr")})
-    with serve_app(app) as url:
-        for endpoint, modality in ENDPOINTS.items():
-            line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": {"input": "x"}}
-            files = {"file": ("in.jsonl", json.dumps(line).encode(), "application/jsonl")}
-            up = httpx.post(f"{url}/v1/files", files=files, data={"purpose": "batch"}, timeout=30).json()
-            body = {"input_file_id": up["id"], "endpoint": endpoint, "completion_window": "24h"}
-            err = error(httpx.post(f"{url}/v1/batches", json=body, timeout=30), 400)
-            assert err["param"] == "endpoint" and f"needs a model of modality {modality!r}" in err["message"], err
-        err = error(httpx.post(f"{url}/v1/jobs", json={"kind": "test.steps"}, timeout=30), 400)
-        assert err["param"] == "kind" and "needs a model of modality 'embed'" in err["message"], err
-        assert httpx.get(f"{url}/v1/batches", timeout=30).json()["data"] == []
+    for engines in (serving("asr"), {}):
+        app = create_app({}, routers=[router])
+        app.state.jobs = JobService(cfg, engines)
+        with serve_app(app) as url:
+            for endpoint, modality in ENDPOINTS.items():
+                line = {"custom_id": "a", "method": "POST", "url": endpoint, "body": {"input": "x"}}
+                files = {"file": ("in.jsonl", json.dumps(line).encode(), "application/jsonl")}
+                up = httpx.post(f"{url}/v1/files", files=files, data={"purpose": "batch"}, timeout=30).json()
+                body = {"input_file_id": up["id"], "endpoint": endpoint, "completion_window": "24h"}
+                err = error(httpx.post(f"{url}/v1/batches", json=body, timeout=30), 400)
+                assert err["param"] == "endpoint" and f"needs a model of modality {modality!r}" in err["message"], err
+            err = error(httpx.post(f"{url}/v1/jobs", json={"kind": "test.steps"}, timeout=30), 400)
+            assert err["param"] == "kind" and "needs a model of modality 'embed'" in err["message"], err
+            assert httpx.get(f"{url}/v1/batches", timeout=30).json()["data"] == []
 
 
 def test_kinds_whose_modality_is_not_served_are_400(tmp_path: Path) -> None:
@@ -498,7 +498,7 @@ def test_too_many_waiting_jobs_is_429() -> None:
     from workers.jobs.runner import JobsConfig, JobService
 
     app = create_app({}, routers=[router])
-    app.state.jobs = JobService(JobsConfig(max_queued=1), {})
+    app.state.jobs = JobService(JobsConfig(max_queued=1), serving("embed"))
     body = {"kind": "test.sync_steps", "params": {"steps": 1000, "delay": 0.01}}  # 2 run at once
     with serve_app(app) as url:
         ids = [httpx.post(f"{url}/v1/jobs", json=body).json()["id"] for _ in range(2)]
@@ -517,7 +517,7 @@ def test_unreachable_job_store_is_503() -> None:
     from workers.jobs.runner import JobsConfig, JobService
 
     app = create_app({}, routers=[router])
-    app.state.jobs = JobService(JobsConfig(dispatch="celery", redis_url="redis://127.0.0.1:1/0"), {})
+    app.state.jobs = JobService(JobsConfig(dispatch="celery", redis_url="redis://127.0.0.1:1/0"), serving("embed"))
     with serve_app(app) as url:
         t0 = time.monotonic()
         error(httpx.post(f"{url}/v1/jobs", json={"kind": "test.steps"}), 503)

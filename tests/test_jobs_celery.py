@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import redis_reachable, serve_app
+from tests.helpers import redis_reachable, serve_app, serving
 from tests.test_jobs import error, get, post, sse, wait
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
@@ -111,7 +111,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c.start_worker()
     c.start_worker()
     app = create_app({}, api_key="jobs-key", routers=[jobs_router])
-    app.state.jobs = JobService(jobs_config(prefix, c.results), app.state.engines)
+    app.state.jobs = JobService(jobs_config(prefix, c.results), serving("embed"))  # (the workers' modality)
     try:
         c.wait_workers(2)
         with serve_app(app) as base:
@@ -210,7 +210,7 @@ def test_lost_message_is_sent_again(cluster: Cluster) -> None:
     from workers.jobs.runner import JobService
 
     async def submit_and_lose_the_message() -> str:
-        svc = JobService(jobs_config(cluster.prefix, cluster.results), {})
+        svc = JobService(jobs_config(cluster.prefix, cluster.results), serving("embed"))
 
         async def lost(rec: Any) -> None:
             return None
@@ -255,7 +255,7 @@ def test_killed_worker_job_is_retried_then_failed(cluster: Cluster) -> None:
     from workers.jobs.runner import JobService
 
     async def submit() -> str:
-        svc = JobService(jobs_config(cluster.prefix, cluster.results, max_attempts=1), {})
+        svc = JobService(jobs_config(cluster.prefix, cluster.results, max_attempts=1), serving("embed"))
         rec, _ = await svc.submit("test.steps", {"steps": 3000, "delay": 0.01})
         await svc.shutdown()
         return rec["id"]

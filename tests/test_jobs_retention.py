@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests import test_jobs_kinds  # noqa: F401 - registers the test job kinds
-from tests.helpers import redis_reachable, serve_app
+from tests.helpers import redis_reachable, serve_app, serving
 
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
 TTL_S = 3600.0
@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     )
     root = tmp_path_factory.mktemp("results")
     cfg = JobsConfig(store={"type": "local", "root": str(root)}, result_ttl_s=TTL_S)
-    app.state.jobs = JobService(cfg, app.state.engines)
+    app.state.jobs = JobService(cfg, serving("embed"))
     with serve_app(app) as url:
         yield url, root
 
@@ -203,7 +203,9 @@ def test_sweep_deletes_only_what_outlived_the_ttl(tmp_path: Path) -> None:
     from workers.jobs.store import UPLOADS
 
     async def scenario() -> None:
-        svc = JobService(JobsConfig(store={"type": "local", "root": str(tmp_path)}, result_ttl_s=TTL_S), {})
+        svc = JobService(
+            JobsConfig(store={"type": "local", "root": str(tmp_path)}, result_ttl_s=TTL_S), serving("embed")
+        )
         store, backend = svc.store, svc.backend
         old, in_use = "file-" + "a" * 24, "file-" + "b" * 24
         for fid in (old, in_use):

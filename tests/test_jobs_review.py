@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import websockets.sync.client
 from fastapi import APIRouter, Request
 
 import tests.test_jobs_kinds  # noqa: F401 - registers the test.steps kind
-from tests.helpers import redis_reachable, serve_app
+from tests.helpers import redis_reachable, serve_app, serving
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 KEYS = {"alice": "alice-key", "bob": "bob-key"}
@@ -98,11 +97,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, _Eve
     # An ASR model by name only: audio.transcription resolves its model at submit; the jobs here
     # fail before they decode. An embedding one too: batches of /v1/embeddings and the embed test
     # kinds are accepted only where that modality is served.
-    stubs = {
-        "whisper-stub": types.SimpleNamespace(modality="asr"),
-        "embed-stub": types.SimpleNamespace(modality="embed"),
-    }
-    app = create_app(stubs, keys=keys, routers=[jobs_router, extra])
+    app = create_app(serving("asr", "embed"), keys=keys, routers=[jobs_router, extra])
     root = tmp_path_factory.mktemp("results")
     app.state.jobs = JobService(JobsConfig(store={"type": "local", "root": str(root)}), app.state.engines)
     watch = _EventsWatch(app.state.jobs.backend)

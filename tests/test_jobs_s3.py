@@ -19,7 +19,7 @@ pytest.importorskip("boto3", reason="boto3 is the optional S3 dependency (pip in
 pytest.importorskip("moto.server", reason="moto[server] provides the local S3-compatible server")
 
 from tests import test_jobs_kinds  # noqa: E402,F401 - registers the test job kinds
-from tests.helpers import serve_app  # noqa: E402
+from tests.helpers import serve_app, serving  # noqa: E402
 from tests.test_jobs import wait  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def test_job_results_in_the_bucket_fetched_by_url(s3_endpoint: str, bucket: str)
 
     app = create_app({}, routers=[router])
     store = {"type": "s3", "bucket": bucket, "prefix": "results/", "endpoint_url": s3_endpoint}
-    app.state.jobs = JobService(JobsConfig(store=store), app.state.engines)
+    app.state.jobs = JobService(JobsConfig(store=store), serving("embed"))
     with serve_app(app) as base:
         job = httpx.post(f"{base}/v1/jobs", json={"kind": "test.steps", "params": {"steps": 2}}).json()
         done = wait(base, job["id"])

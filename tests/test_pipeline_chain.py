@@ -24,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.helpers import serve_app
+from tests.helpers import serve_app, serving
 
 REDIS_URL = "redis://127.0.0.1:6379/14"
 QUESTION = "What is the capital of France?"
@@ -162,7 +162,7 @@ def cluster(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         queue_prefix=prefix,
         store={"type": "local", "root": str(tmp_path_factory.mktemp("results"))},
     )
-    app.state.jobs = JobService(cfg, app.state.engines)
+    app.state.jobs = JobService(cfg, serving("asr"))  # (the ASR workers run the jobs)
     try:
         with serve_app(app) as base:
             yield {"prefix": prefix, "base": base}

@@ -387,7 +387,7 @@ def test_deleting_a_job_deletes_its_chain(h: Harness, tmp_path: Any) -> None:
 
     import pipelines.plugin  # noqa: F401 - registers audio.pipeline
     from gateway.app import create_app
-    from tests.helpers import serve_app
+    from tests.helpers import serve_app, serving
     from workers.jobs.plugin import router
     from workers.jobs.runner import JobsConfig, JobService
 
@@ -399,7 +399,7 @@ def test_deleting_a_job_deletes_its_chain(h: Harness, tmp_path: Any) -> None:
         store={"type": "local", "root": str(tmp_path)},
     )
     app = create_app({}, routers=[router])
-    app.state.jobs = JobService(cfg, {})
+    app.state.jobs = JobService(cfg, serving("asr"))
     with serve_app(app) as url, httpx.Client(base_url=url, timeout=30) as http:
         files = {"file": ("q.wav", bytes(3200), "audio/wav")}
         fid = http.post("/v1/files", files=files, data={"purpose": "user_data"}).json()["id"]

@@ -124,8 +124,9 @@ class IdempotencyConflict(Exception):
 
 
 class KindNotServed(LookupError):
-    """A job kind whose modality this server serves no engine of (``--only`` left it out): its
-    job would wait on its queue for a worker no gateway call goes to (celery) or fail (local)."""
+    """A job kind whose modality this server serves no engine of (``--only`` left it out, or no
+    model of it was given or found): its job would wait on its queue for a worker no gateway call
+    goes to (celery) or fail (local)."""
 
     def __init__(self, modality: str) -> None:
         super().__init__(modality)
@@ -186,9 +187,8 @@ class JobService:
     ) -> tuple[Record, bool]:
         """Queue a job for ``owner`` (the tenant; idempotency keys are per owner). Raises ``KeyError``
         (unknown kind), ``KindNotServed`` (the kind's modality has no engine here; a service with
-        no engines at all, which only queues jobs, leaves that to the workers), ``ValueError``
-        (bad params), ``IdempotencyConflict``, ``QueueFullError`` (too many jobs waiting),
-        ``ConnectionError``. ``charge(unit, amount)`` (``gateway.ratelimit.charge``
+        none at all serves no kind), ``ValueError`` (bad params), ``IdempotencyConflict``,
+        ``QueueFullError`` (too many jobs waiting), ``ConnectionError``. ``charge(unit, amount)`` (``gateway.ratelimit.charge``
         bound to the request) takes the kind's ``cost`` once the params are valid; it is refunded
         when the job is not queued (errors, idempotent replays). ``file_size(file_id)`` checks the
         valid params' ``file_id`` (raising for a file the caller may not read) and returns its size,
@@ -197,7 +197,7 @@ class JobService:
         kind = get_job_kind(kind_name)
         if kind is None:
             raise KeyError(kind_name)
-        if self.modalities and kind.modality not in self.modalities:
+        if kind.modality not in self.modalities:
             raise KindNotServed(kind.modality)
         if kind.validate is not None:
             takes_aliases = "aliases" in inspect.signature(kind.validate).parameters  # model-name resolvers
