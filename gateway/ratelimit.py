@@ -149,8 +149,13 @@ class RedisRateLimiter:
         if self._script is None:
             import redis.asyncio as aioredis
 
+            from workers.wire import restart_retry
+
             self._client = aioredis.Redis.from_url(
-                self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
+                self.url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                **restart_retry(aio=True),
             )
             self._script = self._client.register_script(_LUA)
         return self._script

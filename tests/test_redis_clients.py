@@ -55,11 +55,14 @@ def test_the_stage_store_has_one_client_per_redis_in_a_process(monkeypatch: pyte
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-def test_the_workers_redis_clients_ride_through_a_redis_restart() -> None:
+def test_the_redis_clients_ride_through_a_redis_restart() -> None:
     """After Redis restarts, the first command of the worker runtime's async client (heartbeats,
-    call streams) and of the stage store succeeds, on a fresh connection: its pooled ones are
-    stale. (The runtime's client was given the sync ``Retry``, which an async client runs without
-    retrying: that first command failed.)"""
+    call streams), of the stage store, of the job store and of the rate limiter succeeds, on a
+    fresh connection: its pooled ones are stale. (The runtime's client was given the sync
+    ``Retry``, which an async client runs without retrying, and the job store's and the rate
+    limiter's none: that first command failed, a 503 from the limiter.)"""
+    from gateway.ratelimit import RedisRateLimiter
+    from workers.jobs.redis_backend import RedisBackend
     from workers.local_cluster import RedisServer
     from workers.runtime import WorkerRuntime
 
@@ -70,12 +73,20 @@ def test_the_workers_redis_clients_ride_through_a_redis_restart() -> None:
     try:
         assert rt.redis is not None
         store = shared_store(server.url(), "t-restart")
+        jobs = RedisBackend(server.url(), prefix="t-restart:jobs")
+        limiter = RedisRateLimiter(server.url(), prefix="t-restart:rl:")
         rt.run(rt.redis.set("t-restart:k", "1"))
         store.r.set("t-restart:k", "1")
+        rt.run(jobs.put_meta("k", {"v": 1}))
+        assert rt.run(limiter.take("tenant", 5, 10)) == 0.0
         server.stop()
         server.start()
         assert rt.run(rt.redis.get("t-restart:k")) is None  # (a fresh Redis: no persistence)
         assert store.r.get("t-restart:k") is None
+        assert rt.run(jobs.get_meta("k")) is None
+        assert rt.run(limiter.take("tenant", 5, 10)) == 0.0  # (a fresh bucket)
+        rt.run(jobs.r.aclose())
+        rt.run(limiter.aclose())
     finally:
         rt.stop()
         server.stop()

@@ -21,7 +21,11 @@ class RedisBackend:
     def __init__(self, redis_url: str, prefix: str = "mmserve:jobs", ttl_s: float = 86400) -> None:
         import redis.asyncio as aioredis
 
-        self.r = aioredis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        from workers.wire import restart_retry
+
+        self.r = aioredis.Redis.from_url(
+            redis_url, socket_timeout=5, socket_connect_timeout=2, **restart_retry(aio=True)
+        )
         self.prefix = prefix
         self.ttl_s = max(1, int(ttl_s))
 
