@@ -7,6 +7,14 @@ from dataclasses import dataclass
 DEFAULT_MAX_WAITING = 1024  # requests waiting to run past which add_request refuses (``--max-waiting``)
 
 
+def default_batched_tokens(device: str) -> int:
+    """A step's token budget where none is given. On a GPU a 2048-token step takes tens of ms. On
+    a few CPU cores a step is compute-bound from a few dozen tokens and 2048 prefill tokens take
+    5-10 s, while every running stream, and an abort (a barge-in), waits for the step under way;
+    256 keeps a step under ~1 s and prefills as fast (docs/BENCHMARKS.md)."""
+    return 256 if str(device).startswith("cpu") else 2048
+
+
 def check_device(device: str) -> None:
     """Raise ``ValueError`` unless ``device`` is a CPU or a CUDA GPU this machine has."""
     import torch
@@ -30,7 +38,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 2 << 30  # KV budget; blocks are preallocated from it
     num_kv_blocks: int | None = None  # overrides the budget (tests force preemption with it)
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # tokens per step; None: ``default_batched_tokens(device)``
     max_model_len: int | None = None  # defaults to the model's context length
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -58,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be 'auto', 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = default_batched_tokens(self.device)
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.foreground_wait_s < 0:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -263,6 +264,38 @@ def test_the_serve_flag_picks_the_scheduling_policy() -> None:
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
     assert engine_config(args, "m").scheduling_policy == "priority"
     assert engine_config(build_parser().parse_args(["serve"]), "m").scheduling_policy == "fcfs"
+
+
+def test_a_cpu_step_holds_at_most_256_tokens_unless_told(loaded) -> None:
+    """On a CPU a step's token budget defaults to 256 (``default_batched_tokens``: a 2048-token
+    prefill step there stalls every stream and abort for seconds), so a long prompt is prefilled
+    in chunks of 256 beside the running decodes; ``--max-num-batched-tokens`` overrides it, and a
+    GPU keeps 2048."""
+    from engine.config import default_batched_tokens
+    from gateway.cli import build_parser
+    from modalities.llm.plugin import engine_config
+
+    def budget(*flags: str) -> int | None:
+        return engine_config(build_parser().parse_args(["serve", *flags]), "m").max_num_batched_tokens
+
+    assert budget() == 256 and budget("--max-num-batched-tokens", "1024") == 1024
+    assert default_batched_tokens("cuda:0") == 2048
+    llm = LLMEngine(EngineConfig(model=str(loaded.path), max_model_len=1024), loaded=load_model(str(loaded.path)))
+    steps: list[int] = []
+    schedule = llm.scheduler.schedule
+
+    def recorded() -> Any:
+        out = schedule()
+        steps.append(out.num_batched_tokens)
+        return out
+
+    llm.scheduler.schedule = recorded  # type: ignore[method-assign]
+    llm.add_request("decode", list(range(100, 110)), SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.step()
+    llm.add_request("long", list(range(100, 700)), SamplingParams(max_tokens=1, ignore_eos=True))
+    while "long" in llm.requests:
+        llm.step()
+    assert steps == [10, 256, 256, 91], steps  # (the decode's token and 255, 255, 90 of the prompt)
 
 
 def test_the_serve_flag_bounds_the_waiting_queue() -> None:

@@ -41,7 +41,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "the Hermes <tool_call> format, which function calling needs)",
     )
     g.add_argument("--max-num-seqs", type=at_least(int, 1), default=None)
-    g.add_argument("--max-num-batched-tokens", type=at_least(int, 1), default=None)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=at_least(int, 1),
+        default=None,
+        help="tokens per engine step, prefill chunks and decodes together (default 256 on CPU, where a step of "
+        "2048 prefill tokens stalls every stream and abort for seconds; 2048 on GPU)",
+    )
     g.add_argument(
         "--max-waiting",
         type=count_or_unbounded,
