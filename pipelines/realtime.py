@@ -68,6 +68,7 @@ from pipelines.realtime_events import (
 )
 from pipelines.realtime_idle import IdleTimeout
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, truncation
+from pipelines.realtime_replies import ReplyEvents
 from pipelines.realtime_response import response_request
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
@@ -109,9 +110,10 @@ def _says_beta(ws: WebSocket) -> bool:
     return header or "openai-beta.realtime-v1" in ws.scope.get("subprotocols", [])
 
 
-class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
+class RealtimeSession(IdleTimeout, ReplyEvents, transcribing.TranscriptionEvents):
     """One session: its client events become frames for the voice pipeline (``ServerEvents``
-    turns the pipeline's output back into events; ``IdleTimeout`` adds the idle timeout)."""
+    and ``ReplyEvents`` turn the pipeline's output back into events; ``IdleTimeout`` adds the
+    idle timeout)."""
 
     def __init__(self, ws: WebSocket, services: Services, model: str, transcription: bool = False) -> None:
         self.ws, self.services = ws, services
