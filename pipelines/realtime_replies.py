@@ -21,6 +21,7 @@ from pipelines.frames import (
     Frame,
     Interrupt,
     LLMDone,
+    LLMReserved,
     LLMStarted,
     ReplyFrame,
     ResponseRequest,
@@ -82,6 +83,8 @@ class ReplyEvents(ServerEvents):
             await super()._on_frame(frame)
         elif r is None or frame.response_id != r.id or r.done:
             return  # a frame of a cancelled reply
+        elif isinstance(frame, LLMReserved):
+            r.settle = frame.settle
         elif isinstance(frame, TextDelta):
             await self._open(r)
             r.text += frame.text
@@ -259,6 +262,8 @@ class ReplyEvents(ServerEvents):
 
     async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
         """``response.done``, then ``rate_limits.updated`` (where OpenAI's server sends it too)."""
+        if r.settle is not None:  # charged what it reports it used (the reply stage settles it too: the first counts)
+            await r.settle(r.usage.get("total_tokens", 0))
         events = [{"type": "response.done", "response": response_event(r, status, output, reason)}]
         if limits := rate_limits(self.services.llm, r.usage.get("total_tokens", 0)):
             events.append({"type": "rate_limits.updated", "rate_limits": limits})

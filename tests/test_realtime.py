@@ -1178,6 +1178,77 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
         run(go(url.replace("http://", "ws://") + "/v1/realtime"))
 
 
+@contextlib.contextmanager
+def limited_llm(tiny_model_dir: Any, llm_tokens: float) -> Iterator[tuple[str, Any, Requests]]:
+    """A server of the tiny LLM (chat completions and ``/v1/realtime``) whose tenant (key
+    ``k-small``) has ``llm_tokens`` a minute: ``(base URL, app, the engine's requests)``. Every
+    reply runs to its max tokens, so that what it uses is what it reserved."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from gateway.app import create_app
+    from gateway.auth import KeyStore, hash_key
+    from modalities.llm.api import router as llm_router
+    from pipelines.plugin import router
+
+    keys = KeyStore()
+    keys.add_tenant("small", [hash_key("k-small")], {"llm_tokens": llm_tokens})
+    llm = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir("llama"))))
+    requests = Requests(llm, ignore_eos=True)
+    llm.generate = requests.generate  # type: ignore[method-assign]
+    app = create_app({"tiny": llm}, routers=[router, llm_router], keys=keys)
+    with serve_app(app) as url:
+        yield url, app, requests
+
+
+KEYED = ["realtime", "openai-insecure-api-key.k-small"]  # (the key as a browser sends it)
+
+
+def test_replies_are_charged_to_the_tenant_as_chat_completions_are(tiny_model_dir: Any) -> None:
+    """A reply pays from the tenant's ``llm_tokens`` budget, the one chat completions pay from
+    (prompt + max tokens at its start, settled to its usage), so a tenant at its limit on
+    ``/v1/chat/completions`` is at it on ``/v1/realtime`` too. Over the limit the response fails
+    as OpenAI's does (an ``error`` ``rate_limit_exceeded``, then ``response.done`` "failed" with
+    it in ``status_details``), and the session and its conversation go on: a smaller reply fits
+    and answers the conversation as it was."""
+    limit = 1000.0
+
+    async def go(url: str, app: Any, requests: Requests) -> None:
+        headers = {"Authorization": "Bearer k-small"}
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+        start = time.monotonic()
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+            resp = await http.post("/v1/chat/completions", json=chat)
+        assert resp.status_code == 200, resp.text
+        spent = resp.json()["usage"]["total_tokens"]  # ~530 of the 1000
+        ws_url = url.replace("http://", "ws://") + "/v1/realtime"
+        async with websockets.connect(ws_url, subprotocols=KEYED, additional_headers=BETA) as ws:  # type: ignore[list-item]
+            c = Client(ws)
+            await manual_session(c)
+            await c.send("conversation.item.create", item=user_item("hello there"))
+            await c.until("conversation.item.created")
+            # ~30 + 900 (under the limit: not too large for it) > the ~470 left, and ~28 s of its refill
+            await c.send("response.create", event_id="ask_1", response={"max_response_output_tokens": 900})
+            err = await c.until("error")
+            assert (err["error"]["type"], err["error"]["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+            assert err["error"]["event_id"] == "ask_1" and "small" in err["error"]["message"]
+            failed = (await c.until("response.done"))["response"]
+            assert failed["status"] == "failed" and failed["status_details"]["error"] == {
+                "type": "rate_limit_error",
+                "code": "rate_limit_exceeded",
+            }
+            assert len(requests.calls) == 1  # (the chat's: the refused reply never reached the engine)
+            await c.send("response.create", response={"max_response_output_tokens": 16})  # fits
+            done = (await c.until("response.done"))["response"]
+            assert done["status"] == "incomplete" and "hello there" in requests.calls[-1]["prompt"]
+            used = done["usage"]["total_tokens"]
+        level = await app.state.ratelimiter.level("small:llm_tokens", limit)
+        refilled = (time.monotonic() - start) * limit / 60
+        assert limit - spent - used <= level <= limit - spent - used + refilled  # (the failed one took nothing)
+
+    with limited_llm(tiny_model_dir, limit) as (url, app, requests):
+        run(go(url, app, requests))
+
+
 class Requests:
     """Wraps the LLM engine's ``generate``: each request's id, prompt text and whether it finished."""
 
