@@ -83,8 +83,10 @@ class ReplyEvents(ServerEvents):
             await super()._on_frame(frame)
         elif r is None or frame.response_id != r.id or r.done:
             return  # a frame of a cancelled reply
-        elif isinstance(frame, LLMReserved):
+        elif isinstance(frame, LLMReserved):  # its start, as OpenAI's: the limits with its tokens reserved
             r.settle = frame.settle
+            if limits := await rate_limits(self.ws, self.services.llm, frame.tokens):
+                await self.send("rate_limits.updated", rate_limits=limits)
         elif isinstance(frame, TextDelta):
             await self._open(r)
             r.text += frame.text
@@ -261,11 +263,12 @@ class ReplyEvents(ServerEvents):
         await self._done(r, status, [*output, *r.calls], reason)
 
     async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
-        """``response.done``, then ``rate_limits.updated`` (where OpenAI's server sends it too)."""
+        """``response.done``, then ``rate_limits.updated`` with what the reply used (where
+        OpenAI's server sends one too: ``pipelines.realtime_limits``)."""
         if r.settle is not None:  # charged what it reports it used (the reply stage settles it too: the first counts)
             await r.settle(r.usage.get("total_tokens", 0))
         events = [{"type": "response.done", "response": response_event(r, status, output, reason)}]
-        if limits := rate_limits(self.services.llm, r.usage.get("total_tokens", 0)):
+        if limits := await rate_limits(self.ws, self.services.llm, r.usage.get("total_tokens", 0)):
             events.append({"type": "rate_limits.updated", "rate_limits": limits})
         await self.send_together(events)
         self._reply_ended(r, status)

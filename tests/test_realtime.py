@@ -210,13 +210,18 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             done = await c.until("response.done")
             limits = await c.until("rate_limits.updated")  # (right after it: sent together)
             await feeder
+            # one at its start too, with its prompt and max tokens reserved of the context window
+            started = next(e for e in c.events if e["type"] == "rate_limits.updated")
+            assert c.index("response.created") < c.index("rate_limits.updated") < c.index("response.audio.delta")
             assert_voice_turn(c, done)
             # The response shows the settings it ran with: the session's.
             keys = ("modalities", "voice", "output_audio_format", "temperature", "max_output_tokens")
             settings = [["text", "audio"], created["session"]["voice"], "pcm16", 0, 24]
             assert [done["response"][k] for k in keys] == settings
-            assert c.index("rate_limits.updated") == c.index("response.done") + 1
+            assert c.events[c.index("response.done") + 1] is limits
             window = server["llm"].max_model_len
+            prompt = done["response"]["usage"]["input_tokens"]
+            assert started["rate_limits"][1]["remaining"] == window - prompt - 24
             assert limits["rate_limits"][1] == {
                 "name": "tokens",
                 "limit": window,
@@ -1249,6 +1254,48 @@ def test_replies_are_charged_to_the_tenant_as_chat_completions_are(tiny_model_di
         run(go(url, app, requests))
 
 
+def test_rate_limits_report_the_tenants_budget_at_a_replys_start_and_end(tiny_model_dir: Any) -> None:
+    """With a tenant limited in ``llm_tokens``, ``rate_limits.updated`` reports its budget: at the
+    reply's start (after ``response.created``, before its first delta) with the reply's prompt and
+    max tokens reserved, and right after ``response.done`` with what it used (a cancelled reply
+    gives back the rest); ``requests`` stays the engine's waiting queue (tenants have no budget of
+    requests)."""
+    limit = 5000.0
+
+    async def go(url: str, llm: Any) -> None:
+        start = time.monotonic()
+        async with websockets.connect(url.replace("http://", "ws://") + "/v1/realtime", subprotocols=KEYED) as ws:  # type: ignore[list-item]
+            c = Client(ws)  # (GA: no beta header; the event's shape is the same)
+            await c.until("session.created")
+            await c.send("conversation.item.create", item=user_item("hello there"))
+            await c.send("response.create", response={"output_modalities": ["text"], "max_output_tokens": 1500})
+            reserved = await c.until("rate_limits.updated")
+            await c.until("response.output_text.delta")
+            await c.send("response.cancel")  # (1500 tokens take the tiny model seconds)
+            done = (await c.until("response.done"))["response"]
+            ended = await c.until("rate_limits.updated")
+        refilled = (time.monotonic() - start) * limit / 60
+        types = c.types()
+        assert (
+            types.index("response.created")
+            < types.index("rate_limits.updated")
+            < types.index("response.output_text.delta")
+        )
+        assert types[-2:] == ["response.done", "rate_limits.updated"]  # (the one at the end: right after it)
+        assert done["status"] == "cancelled"
+        requests, tokens = reserved["rate_limits"]
+        assert requests["name"] == "requests" and 0 < requests["remaining"] <= requests["limit"] == llm.max_waiting
+        prompt = done["usage"]["input_tokens"]
+        assert tokens["name"] == "tokens" and tokens["limit"] == limit
+        assert limit - prompt - 1500 <= tokens["remaining"] <= limit - prompt - 1500 + refilled
+        assert tokens["reset_seconds"] == pytest.approx((limit - tokens["remaining"]) * 60 / limit, abs=0.1)
+        tokens, used = ended["rate_limits"][1], done["usage"]["total_tokens"]
+        assert used < prompt + 1500 and limit - used - 1 <= tokens["remaining"] <= limit - used + refilled
+
+    with limited_llm(tiny_model_dir, limit) as (url, app, _):
+        run(go(url, next(iter(app.state.engines.values()))))
+
+
 class Requests:
     """Wraps the LLM engine's ``generate``: each request's id, prompt text and whether it finished."""
 
@@ -1588,11 +1635,11 @@ def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> No
     (its ``response.create``'s, else the session's; a reply cancelled before it started too), in
     each dialect's shape; each ``response.done`` is followed by ``rate_limits.updated`` (the
     engine's queue and context window); the response, rate-limit and error events parse as the
-    ``openai`` SDK's server events of the dialect. A GA session refuses the beta-only
-    ``transcription_session.update``."""
+    ``openai`` SDK's server events of the dialect. A reply's start (its tokens reserved) sends
+    one too. A GA session refuses the beta-only ``transcription_session.update``."""
     from pydantic import TypeAdapter
 
-    from pipelines.frames import LLMDone, LLMStarted, TTSDone
+    from pipelines.frames import LLMDone, LLMReserved, LLMStarted, TTSDone
     from pipelines.services import Services
 
     if ga:
@@ -1623,6 +1670,7 @@ def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> No
         await s._handle(json.dumps({"type": "response.create", "response": {**own, "temperature": 1.0}}))
         asked = s.inbox.get_nowait()
         await s._on_frame(LLMStarted("resp_1", item_id="item_1", request=asked.number, audio_format=asked.audio_format))
+        await s._on_frame(LLMReserved("resp_1", 10 + 256))
         await s._on_frame(LLMDone("resp_1", "Paris.", prompt_tokens=10, completion_tokens=2))
         await s._on_frame(TTSDone("resp_1"))
         await s._on_frame(LLMStarted("resp_2", item_id="item_2"))  # a turn's own reply: the session's
@@ -1644,6 +1692,8 @@ def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> No
     assert created == [theirs, sessions, sessions]
     limits = [sent[k + 1] for k in done]
     assert all(e["type"] == "rate_limits.updated" for e in limits), [e["type"] for e in sent]
+    at_start = [e for e in sent[: done[0]] if e["type"] == "rate_limits.updated"]
+    assert [e["rate_limits"][1]["remaining"] for e in at_start] == [2048 - 266]  # (its tokens reserved)
     requests, tokens = limits[0]["rate_limits"]
     assert requests == {"name": "requests", "limit": 64, "remaining": 61, "reset_seconds": 0.0}
     assert tokens == {"name": "tokens", "limit": 2048, "remaining": 2048 - 12, "reset_seconds": 0.0}
