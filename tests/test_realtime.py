@@ -1121,6 +1121,30 @@ def test_an_append_of_up_to_15_mib_fits_one_frame(server: dict[str, Any]) -> Non
     run(go())
 
 
+def test_an_append_over_the_frame_size_of_a_15_mib_one_is_refused_not_cut_off(server: dict[str, Any]) -> None:
+    """An append larger than the largest one (a 20 MiB recording: ~27 MiB of base64) is read and
+    refused with an ``error`` event, the session going on; only a frame over the transport's
+    bound (``WS_MAX_BYTES``, 32 MiB) closes the socket, with 1009 (message too big)."""
+    from pipelines.realtime_events import WS_MAX_BYTES
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
+            c = Client(ws)
+            await manual_session(c)
+            await c.send("input_audio_buffer.append", event_id="big", audio=base64.b64encode(bytes(20 << 20)).decode())
+            err = await c.until("error")
+            assert (err["error"]["type"], err["error"]["param"]) == ("invalid_request_error", "audio")
+            assert "too large" in err["error"]["message"] and err["error"]["event_id"] == "big"
+            await c.send("input_audio_buffer.clear")  # the session goes on
+            await c.until("input_audio_buffer.cleared")
+            await ws.send("x" * (WS_MAX_BYTES + 1))
+            with pytest.raises(websockets.exceptions.ConnectionClosed):
+                await c.until("never")
+            assert ws.close_code == 1009
+
+    run(go())
+
+
 def test_input_audio_buffer_is_capped_at_15_mib(server: dict[str, Any]) -> None:
     chunk = base64.b64encode(bytes(4 << 20)).decode()  # 4 MiB of pcm16 silence (~87 s)
 
