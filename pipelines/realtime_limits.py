@@ -4,7 +4,7 @@ OpenAI emits it "at the beginning of a Response": the tokens reserved for the re
 are taken then, and the figures, which reflect that reservation, are adjusted once it completes.
 So a session sends it twice per reply: once its tokens are reserved (``LLMReserved``: after
 ``response.created``, before its first delta; a reply refused before that sends none), and right
-after its ``response.done``, with what it used (where OpenAI's server sends one too).
+after its ``response.done``, adjusted to what it used (the client sees the adjustment then).
 
 - ``tokens``: with a tenant limited in ``llm_tokens`` (``gateway.ratelimit``), which pays for
   the replies, its budget: ``limit`` a minute, ``remaining`` what the bucket holds (the reply's

@@ -263,8 +263,8 @@ class ReplyEvents(ServerEvents):
         await self._done(r, status, [*output, *r.calls], reason)
 
     async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
-        """``response.done``, then ``rate_limits.updated`` with what the reply used (where
-        OpenAI's server sends one too: ``pipelines.realtime_limits``)."""
+        """``response.done``, then ``rate_limits.updated`` adjusted to what the reply used
+        (``pipelines.realtime_limits``)."""
         if r.settle is not None:  # charged what it reports it used (the reply stage settles it too: the first counts)
             await r.settle(r.usage.get("total_tokens", 0))
         events = [{"type": "response.done", "response": response_event(r, status, output, reason)}]
