@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from gateway.errors import APIError
 
@@ -232,7 +232,7 @@ class Bucket:
         return max(0.0, (self.limit_per_min - self.tokens) * 60.0 / self.limit_per_min)
 
 
-def _limited(request: Request, unit: str) -> tuple[RateLimiter, str, float] | None:
+def _limited(request: HTTPConnection, unit: str) -> tuple[RateLimiter, str, float] | None:
     """``(limiter, key, limit per minute)`` of the request's tenant for ``unit``; None when the
     tenant has no limit for it (or the app no limiter)."""
     if unit not in UNITS:
@@ -245,9 +245,10 @@ def _limited(request: Request, unit: str) -> tuple[RateLimiter, str, float] | No
     return limiter, f"{tenant.name}:{unit}", limit
 
 
-async def charge(request: Request, unit: str, amount: float) -> Charge:
-    """Take ``amount`` of ``unit`` from the budget of the request's tenant (``request.state.tenant``)
-    or raise ``APIError(429)`` with ``Retry-After``. Free when the tenant has no limit for ``unit``."""
+async def charge(request: HTTPConnection, unit: str, amount: float) -> Charge:
+    """Take ``amount`` of ``unit`` from the budget of the request's tenant (``request.state.tenant``;
+    a WebSocket's too) or raise ``APIError(429)`` with ``Retry-After``. Free when the tenant has no
+    limit for ``unit``."""
     limited = _limited(request, unit)
     if limited is None or amount <= 0:
         return Charge(None, "", amount, 0.0, settled=True)
@@ -273,7 +274,7 @@ async def charge(request: Request, unit: str, amount: float) -> Charge:
     return Charge(limiter, key, amount, limit)
 
 
-async def bucket(request: Request, unit: str) -> Bucket | None:
+async def bucket(request: HTTPConnection, unit: str) -> Bucket | None:
     """The budget ``charge`` takes ``unit`` from for the request's tenant, as it stands now (None:
     the tenant has no limit for ``unit``). ``APIError(503)`` when the backend is unreachable."""
     limited = _limited(request, unit)

@@ -332,7 +332,7 @@ class RealtimeSession(IdleTimeout, ReplyEvents, transcribing.TranscriptionEvents
         ``APIError`` 429 over it): the input audio's ``audio_seconds``, the replies' ``llm_tokens``."""
         from gateway.ratelimit import charge
 
-        return await charge(self.ws, unit, amount)  # type: ignore[arg-type]  # a WebSocket has the same state
+        return await charge(self.ws, unit, amount)
 
     async def _charge_audio(self, seconds: float) -> Charge:
         """The tenant's ``audio_seconds`` budget pays for every second of input audio; over the

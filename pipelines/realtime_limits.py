@@ -45,7 +45,7 @@ async def rate_limits(ws: WebSocket, llm: Any, used_tokens: int) -> list[dict[st
     if isinstance(queue, int) and queue < sys.maxsize and callable(getattr(llm, "stats", None)):
         limits.append(_limit("requests", queue, queue - int(llm.stats().get("num_waiting", 0))))
     try:
-        budget = await bucket(ws, "llm_tokens")  # type: ignore[arg-type]  # a WebSocket has the same state
+        budget = await bucket(ws, "llm_tokens")
     except APIError as exc:  # (the limiter unreachable: the figures are left out, the session goes on)
         logger.warning("rate_limits.updated without the tenant's tokens: %s", exc.message)
         return limits
