@@ -27,6 +27,9 @@ than a whole minute's budget can never pass and gets 429 with ``code="request_to
 and no ``Retry-After``. A tenant without a limit for the unit is not limited (``charge`` is then
 free: no backend call). When the backend is unreachable (Redis down) the answer is 503.
 
+``bucket(request, unit)`` reads the tenant's budget as it stands, taking nothing (a Realtime
+session reports it in ``rate_limits.updated``).
+
 A bucket holds at most one minute's budget and refills continuously; ``settle``/``refund`` may
 push it below zero (usage beyond the estimate is owed, later requests wait for it).
 
@@ -44,7 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fastapi import Request
+from starlette.requests import HTTPConnection
 
 from gateway.errors import APIError
 
@@ -64,6 +67,10 @@ class RateLimiter(Protocol):
 
     async def adjust(self, key: str, amount: float, limit_per_min: float) -> None:
         """Charge ``amount`` more unconditionally (negative: refund), capped at a full bucket."""
+        ...
+
+    async def level(self, key: str, limit_per_min: float) -> float:
+        """What the bucket holds now (below 0: usage owed), changing nothing."""
         ...
 
     async def aclose(self) -> None: ...
@@ -102,13 +109,17 @@ class MemoryRateLimiter:
             tokens = self._level(key, limit_per_min, now)
             self._buckets[key] = (min(limit_per_min, tokens - amount), now)
 
+    async def level(self, key: str, limit_per_min: float) -> float:
+        with self._lock:
+            return self._level(key, limit_per_min, time.monotonic())
+
     async def aclose(self) -> None:
         pass
 
 
-# KEYS[1]: the bucket (a hash: tokens, ts). ARGV: capacity, amount, mode ("take" | "adjust").
-# Time comes from Redis, so gateways with skewed clocks agree. Returns {taken, wait_s}; numbers
-# travel as strings because Redis truncates Lua numbers to integers.
+# KEYS[1]: the bucket (a hash: tokens, ts). ARGV: capacity, amount, mode ("take" | "adjust" |
+# "level": read only). Time comes from Redis, so gateways with skewed clocks agree. Returns
+# {taken, wait_s, tokens}; numbers travel as strings because Redis truncates Lua numbers to integers.
 _LUA = """
 local cap = tonumber(ARGV[1])
 local amount = tonumber(ARGV[2])
@@ -120,6 +131,7 @@ local tokens = tonumber(b[1])
 local ts = tonumber(b[2])
 if tokens == nil then tokens = cap; ts = now end
 tokens = math.min(cap, tokens + math.max(0, now - ts) * rate)
+if ARGV[3] == 'level' then return {1, '0', tostring(tokens)} end
 local taken = 1
 local wait = 0
 if ARGV[3] == 'take' then
@@ -129,7 +141,7 @@ else
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((cap - tokens) / rate * 1000) + 1000)
-return {taken, tostring(wait)}
+return {taken, tostring(wait), tostring(tokens)}
 """
 
 
@@ -171,11 +183,14 @@ class RedisRateLimiter:
     async def take(self, key: str, amount: float, limit_per_min: float) -> float:
         if amount > limit_per_min:
             return math.inf
-        taken, wait = await self._call(key, amount, limit_per_min, "take")
+        taken, wait, _ = await self._call(key, amount, limit_per_min, "take")
         return 0.0 if int(taken) else float(wait)
 
     async def adjust(self, key: str, amount: float, limit_per_min: float) -> None:
         await self._call(key, amount, limit_per_min, "adjust")
+
+    async def level(self, key: str, limit_per_min: float) -> float:
+        return float((await self._call(key, 0.0, limit_per_min, "level"))[2])
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -209,17 +224,41 @@ class Charge:
         await self.settle(0.0)
 
 
-async def charge(request: Request, unit: str, amount: float) -> Charge:
-    """Take ``amount`` of ``unit`` from the budget of the request's tenant (``request.state.tenant``)
-    or raise ``APIError(429)`` with ``Retry-After``. Free when the tenant has no limit for ``unit``."""
+@dataclass(frozen=True)
+class Bucket:
+    """One tenant's budget of one unit, as it stands."""
+
+    limit_per_min: float
+    tokens: float  # what it holds now (below 0: usage owed)
+
+    @property
+    def reset_seconds(self) -> float:
+        """Seconds until it is full again (it refills a whole minute's budget in a minute)."""
+        return max(0.0, (self.limit_per_min - self.tokens) * 60.0 / self.limit_per_min)
+
+
+def _limited(request: HTTPConnection, unit: str) -> tuple[RateLimiter, str, float] | None:
+    """``(limiter, key, limit per minute)`` of the request's tenant for ``unit``; None when the
+    tenant has no limit for it (or the app no limiter)."""
     if unit not in UNITS:
         raise ValueError(f"unknown rate-limit unit {unit!r}")  # a bug in the caller, not user input
     tenant = getattr(request.state, "tenant", None)
     limit = tenant.limits.get(unit) if tenant is not None else None
     limiter: RateLimiter | None = getattr(request.app.state, "ratelimiter", None)
-    if limit is None or limiter is None or amount <= 0:
+    if limit is None or limiter is None:
+        return None
+    return limiter, f"{tenant.name}:{unit}", limit
+
+
+async def charge(request: HTTPConnection, unit: str, amount: float) -> Charge:
+    """Take ``amount`` of ``unit`` from the budget of the request's tenant (``request.state.tenant``;
+    a WebSocket's too) or raise ``APIError(429)`` with ``Retry-After``. Free when the tenant has no
+    limit for ``unit``."""
+    limited = _limited(request, unit)
+    if limited is None or amount <= 0:
         return Charge(None, "", amount, 0.0, settled=True)
-    key = f"{tenant.name}:{unit}"
+    limiter, key, limit = limited
+    tenant = request.state.tenant
     wait = await limiter.take(key, amount, limit)
     if wait == math.inf:
         raise APIError(
@@ -238,6 +277,16 @@ async def charge(request: Request, unit: str, amount: float) -> Charge:
             headers={"Retry-After": str(retry)},
         )
     return Charge(limiter, key, amount, limit)
+
+
+async def bucket(request: HTTPConnection, unit: str) -> Bucket | None:
+    """The budget ``charge`` takes ``unit`` from for the request's tenant, as it stands now (None:
+    the tenant has no limit for ``unit``). ``APIError(503)`` when the backend is unreachable."""
+    limited = _limited(request, unit)
+    if limited is None:
+        return None
+    limiter, key, limit = limited
+    return Bucket(limit, await limiter.level(key, limit))
 
 
 def limiter_from_args(args: Any) -> RateLimiter:

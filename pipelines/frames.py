@@ -6,8 +6,8 @@ the queues: a concurrent pipeline hands them to the output at once, and an ``Int
 work in flight of every interruptible processor after the one that emitted it.
 
 Every frame is a picklable dataclass, so frames also travel between Celery stages (an
-``AudioFrame``'s ``refund`` excepted: only a live realtime session sets one, and its frames stay
-in its process).
+``AudioFrame``'s ``refund`` and an ``LLMReserved``'s ``settle`` excepted: only a live realtime
+session sets them, and its frames stay in its process).
 """
 
 from __future__ import annotations
@@ -229,6 +229,17 @@ class LLMStarted(ReplyFrame):
     calls: bool = False  # it may call functions (then its text may be none at all)
     request: int = 0  # the ``ResponseRequest.number`` it answers
     event_id: str | None = None  # the same
+
+
+@dataclass
+class LLMReserved(ReplyFrame):
+    """The reply's prompt is rendered and its ``tokens`` (prompt + ``max_tokens``) reserved, before
+    its first text: the tenant's ``llm_tokens`` budget took them (``LLMOptions.budget``), or, with
+    no budget, the context window holds them. ``settle``, if given, settles that charge to the
+    tokens the reply used (the first settle counts: the reply stage settles it too)."""
+
+    tokens: int = 0
+    settle: Callable[[float], Awaitable[None]] | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import re
@@ -68,6 +69,7 @@ from pipelines.realtime_events import (
 )
 from pipelines.realtime_idle import IdleTimeout
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, truncation
+from pipelines.realtime_replies import ReplyEvents
 from pipelines.realtime_response import response_request
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
@@ -109,9 +111,10 @@ def _says_beta(ws: WebSocket) -> bool:
     return header or "openai-beta.realtime-v1" in ws.scope.get("subprotocols", [])
 
 
-class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
+class RealtimeSession(IdleTimeout, ReplyEvents, transcribing.TranscriptionEvents):
     """One session: its client events become frames for the voice pipeline (``ServerEvents``
-    turns the pipeline's output back into events; ``IdleTimeout`` adds the idle timeout)."""
+    and ``ReplyEvents`` turn the pipeline's output back into events; ``IdleTimeout`` adds the
+    idle timeout)."""
 
     def __init__(self, ws: WebSocket, services: Services, model: str, transcription: bool = False) -> None:
         self.ws, self.services = ws, services
@@ -126,7 +129,8 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
         )
         self.conv = Conversation(self.config.instructions)
         self.vad_config = VADConfig()
-        self.llm_options = LLMOptions(priority=INTERACTIVE)  # a live turn: ahead of chat requests
+        # A live turn goes ahead of chat requests; the tenant pays for it as for a chat request.
+        self.llm_options = LLMOptions(priority=INTERACTIVE, budget=functools.partial(self._charge, "llm_tokens"))
         self.tts_options = TTSOptions(priority=INTERACTIVE)  # its first pieces go first
         self.asr_options = ASROptions(priority=INTERACTIVE)  # its encoder passes go first
         # Whether ``appended_ms`` is the buffer's fill: with manual turns since the buffer was
@@ -323,14 +327,20 @@ class RealtimeSession(IdleTimeout, transcribing.TranscriptionEvents):
             self.appended_ms += seconds * 1000
             await self.inbox.put(AudioFrame(samples, fmt.rate, charged.refund, event.get("event_id")))
 
+    async def _charge(self, unit: str, amount: float) -> Charge:
+        """``amount`` of ``unit`` from the budget of the session's tenant (``gateway.ratelimit.charge``:
+        ``APIError`` 429 over it): the input audio's ``audio_seconds``, the replies' ``llm_tokens``."""
+        from gateway.ratelimit import charge
+
+        return await charge(self.ws, unit, amount)
+
     async def _charge_audio(self, seconds: float) -> Charge:
         """The tenant's ``audio_seconds`` budget pays for every second of input audio; over the
         limit, this chunk is dropped with an error event (the session stays usable)."""
         from gateway.errors import APIError
-        from gateway.ratelimit import charge
 
         try:
-            return await charge(self.ws, "audio_seconds", seconds)  # type: ignore[arg-type]  # a WebSocket has the same state
+            return await self._charge("audio_seconds", seconds)
         except APIError as exc:
             retry = exc.headers.get("Retry-After") if exc.headers else None
             suffix = f" (retry after {retry}s)" if retry else ""

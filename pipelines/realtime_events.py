@@ -25,10 +25,12 @@ from pipelines.conversation import DEFAULT_INSTRUCTIONS
 from pipelines.realtime_audio import FORMATS, WireFormat
 from pipelines.turns import EAGERNESS
 
-MAX_APPEND_BYTES = 15 * (1 << 20)
-# The WebSocket frame size the server takes: the largest append, base64, with its event around
-# it (a larger append then gets the session's error event, not a closed socket).
-WS_MAX_BYTES = MAX_APPEND_BYTES * 4 // 3 + (1 << 20)
+MAX_APPEND_BYTES = 15 * (1 << 20)  # an append's audio, as OpenAI's cap (a larger one: an error event)
+# The WebSocket frame size the server reads (uvicorn's ``ws_max_size``): well over the largest
+# append (~20 MiB of base64 with its event), so that a larger append is read and refused with
+# the session's error event, not a closed socket; bounded, as an HTTP body is (``--max-body-mb``'s
+# default), so that a session holds at most this much: a larger frame closes the socket (1009).
+WS_MAX_BYTES = 32 << 20
 MAX_INSTRUCTIONS_CHARS = 16_384
 
 

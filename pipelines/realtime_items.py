@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,8 @@ class Reply:
     writing: tuple[dict[str, Any], dict[str, Any]] | None = None
     event_id: str | None = None  # the client's response.create that asked for it, if any
     error: dict[str, Any] | None = None  # why it failed (OpenAI's status_details.error)
+    # Settles the tenant's charge for it to the tokens it used (``LLMReserved``; None: not charged)
+    settle: Callable[[float], Awaitable[None]] | None = None
 
     def played_ms(self) -> float:
         """How much the client can have played: real-time clock since the first chunk, capped

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.offload import OFF_LOOP_CHARS, run_sized
 from gateway.errors import failure_error, retry_after
+from modalities.llm.serving import charge_amount
 from modalities.llm.tools import ToolCallStream, declared
 from modalities.tts.text import SentenceSplitter
 from pipelines.conversation import Conversation, Item
@@ -19,6 +20,7 @@ from pipelines.frames import (
     Frame,
     Interrupt,
     LLMDone,
+    LLMReserved,
     LLMStarted,
     ResponseRequest,
     SpeechResumed,
@@ -32,6 +34,10 @@ from pipelines.processor import Processor
 from pipelines.services import Services
 from pipelines.speculation import Buffered, LLMSpeculation, ReplyParams, SpeechPrefetch
 from pipelines.turns import TurnJudge
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+    from gateway.ratelimit import Charge
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -47,6 +53,10 @@ class LLMOptions:
     # semantic VAD: a pause whose transcript ends the user's message at least this likely ends
     # the turn (``pipelines.turns``; None: pauses are not judged)
     end_of_turn_p: float | None = None
+    # Who pays for a reply: takes its ``llm_tokens`` (prompt + max_tokens, as the chat routes
+    # charge) before it starts, or raises (``APIError`` 429: the reply fails); a realtime
+    # session's tenant. None: replies are free (a job's, charged at its submission).
+    budget: Callable[[int], Awaitable[Charge]] | None = None
 
 
 class LLM(Processor):
@@ -119,11 +129,13 @@ class LLM(Processor):
         max_tokens = max_tokens or self.options.max_tokens
         return conv.prompt_ids(engine.tokenizer, max_len - max_tokens if max_len else None, max_tokens)
 
-    def _generate(self, request_id: str, ids: list[int], params: ReplyParams | None = None) -> AsyncIterator[Any]:
+    def _sampling(self, p: ReplyParams) -> SamplingParams:
         from engine.sampling_params import SamplingParams
 
-        p = params or self._params()
-        sampling = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, grammar=p.grammar)
+        return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, grammar=p.grammar)
+
+    def _generate(self, request_id: str, ids: list[int], params: ReplyParams | None = None) -> AsyncIterator[Any]:
+        sampling = self._sampling(params or self._params())
         # Response ids count per session; the engine is shared by every session, so its request
         # id needs a process-unique suffix.
         request_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
@@ -190,6 +202,7 @@ class LLM(Processor):
         wait: float | None = None  # (refused under load: how long the engine asked to wait)
         whole = False  # it ran to its end
         ids: list[int] = []
+        charged: Charge | None = None
         spec = None
         if not req.out_of_band:
             spec, self.speculation = self.speculation, None
@@ -200,6 +213,10 @@ class LLM(Processor):
             ids = await run_sized(rendered.chars(), self._prompt, rendered, params.max_tokens)
             if not own:
                 conv.keep_from(rendered)
+            reserved = charge_amount(self.services.llm, [ids], self._sampling(params))
+            if self.options.budget is not None:  # (over it: the reply fails, the session goes on)
+                charged = await self.options.budget(reserved)
+            yield LLMReserved(response_id, reserved, None if charged is None else charged.settle)
             if spec is not None and not spec.matches(ids, params):
                 spec.cancel()
                 spec = None
@@ -231,6 +248,8 @@ class LLM(Processor):
                 spec.outputs.cancel()  # (its first sentence's synthesis is the TTS stage's to take)
             elif spec is not None:
                 spec.cancel()  # cut or failed: stop the generation and that synthesis too
+            if charged is not None:  # (cancelled too) the tokens it used; none if it never started, as the chat routes
+                await charged.settle(len(ids) + len(final.outputs[0].token_ids) if final is not None else 0)
         self.active = None
         yield LLMDone(
             response_id,

@@ -94,6 +94,50 @@ def test_redis_concurrent_takes_are_atomic(prefix: str) -> None:
     assert 100 <= admitted <= 110, admitted
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_bucket_is_read_as_it_stands_and_left_alone(backend: str, prefix: str) -> None:
+    """``level`` (what a Realtime session's ``rate_limits.updated`` reports) reads the bucket,
+    refilled to now, without taking from it: a full one for a new key, debt below 0."""
+
+    async def run() -> None:
+        rl = MemoryRateLimiter() if backend == "memory" else RedisRateLimiter(REDIS_URL, prefix=prefix, timeout_s=10)
+        try:
+            assert await rl.level("t:llm_tokens", 600) == 600  # (no bucket yet: a full one)
+            assert await rl.take("t:llm_tokens", 450, 600) == 0.0
+            assert 150 <= await rl.level("t:llm_tokens", 600) < 160  # refills 10/s
+            assert 150 <= await rl.level("t:llm_tokens", 600) < 160  # (reading took nothing)
+            await rl.adjust("t:llm_tokens", 400, 600)  # usage beyond the estimate: owed
+            assert -250 <= await rl.level("t:llm_tokens", 600) < -240
+        finally:
+            await rl.aclose()
+
+    asyncio.run(run())
+
+
+def test_bucket_is_the_tenants_budget_of_one_unit() -> None:
+    """``bucket``: the tenant's budget of a unit it is limited in (with the seconds until it is
+    full again); None for a unit it is not limited in, or no tenant."""
+    from types import SimpleNamespace
+
+    from gateway.ratelimit import bucket, charge
+
+    async def run() -> None:
+        tenant = SimpleNamespace(name="acme", limits={"llm_tokens": 600.0})
+        request: Any = SimpleNamespace(
+            state=SimpleNamespace(tenant=tenant),
+            app=SimpleNamespace(state=SimpleNamespace(ratelimiter=MemoryRateLimiter())),
+        )
+        await charge(request, "llm_tokens", 300)
+        level = await bucket(request, "llm_tokens")
+        assert level is not None and level.limit_per_min == 600 and 300 <= level.tokens < 310
+        assert 29 < level.reset_seconds <= 30  # 300 to refill at 10/s
+        assert await bucket(request, "audio_seconds") is None
+        request.state.tenant = None
+        assert await bucket(request, "llm_tokens") is None
+
+    asyncio.run(run())
+
+
 def test_redis_down_is_503() -> None:
     async def run() -> None:
         rl = RedisRateLimiter("redis://127.0.0.1:1/0", timeout_s=0.5)  # nothing listens on port 1

@@ -427,7 +427,7 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) ->
     from engine.errors import InvalidParamError, PromptTooLongError
     from gateway.errors import APIError
     from pipelines.conversation import Conversation
-    from pipelines.frames import LLMStarted, ResponseRequest
+    from pipelines.frames import LLMDone, LLMReserved, LLMStarted, ResponseRequest
     from pipelines.reply import LLM
     from pipelines.services import Services
 
@@ -449,8 +449,10 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) ->
 
     llm = LLM(Services(llm=Engine()), Conversation("sys"))
     out = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
-    assert isinstance(out[0], LLMStarted) and isinstance(out[1], LLMDone) and len(out) == 2
-    assert out[1].response_id == out[0].response_id
+    reserved = [] if failure == "too_long" else [LLMReserved]  # (refused as it is rendered: nothing reserved)
+    assert [type(f) for f in out] == [LLMStarted, *reserved, LLMDone]
+    done = out[-1]
+    assert done.response_id == out[0].response_id
     expected = {
         "too_long": ("maximum context length", "invalid_request_error", "context_length_exceeded"),
         "worker_lost": ("was lost mid-request", "service_unavailable", "worker_lost"),
@@ -458,7 +460,7 @@ def test_llm_refused_by_the_engine_ends_the_reply_with_an_error(failure: str) ->
         "value_bug": ("ValueError: not enough values", "server_error", None),
         "bad_param": ("temperature must be", "invalid_request_error", "invalid_value"),
     }[failure]
-    assert (out[1].error or "").find(expected[0]) >= 0 and (out[1].error_type, out[1].error_code) == expected[1:]
+    assert (done.error or "").find(expected[0]) >= 0 and (done.error_type, done.error_code) == expected[1:]
 
 
 def test_a_request_cancelled_on_its_way_gets_no_reply() -> None:
@@ -1414,6 +1416,54 @@ class _Scripted:
             yield SimpleNamespace(outputs=[out], finished=last, num_cached_tokens=0)
 
 
+def test_a_reply_is_charged_to_its_budget_and_settled_to_what_it_used() -> None:
+    """``LLMOptions.budget`` (a realtime session's tenant) pays a reply's prompt + ``max_tokens``
+    before the engine starts it (``LLMReserved`` says how many), settled to what it used: its
+    prompt and what it wrote; a reply the engine refused, nothing. A budget that refuses fails
+    the reply with its error before any engine request."""
+    from engine.errors import QueueFullError
+    from gateway.errors import APIError
+    from gateway.ratelimit import Charge, MemoryRateLimiter
+    from pipelines.conversation import Conversation
+    from pipelines.frames import LLMDone, LLMReserved, LLMStarted, ResponseRequest, TextDelta
+    from pipelines.reply import LLM, LLMOptions
+    from pipelines.services import Services
+
+    limiter, key, limit = MemoryRateLimiter(), "acme:llm_tokens", 600.0  # (refills 10/s)
+
+    async def budget(tokens: int) -> Charge:
+        if await limiter.take(key, tokens, limit):
+            raise APIError(429, "Rate limit reached for tenant 'acme'", code="rate_limit_exceeded")
+        return Charge(limiter, key, tokens, limit)
+
+    class Refusing(_Scripted):
+        async def generate(self, *_: object, **__: object) -> AsyncIterator[object]:
+            raise QueueFullError(1, 1)
+            yield  # an async generator, like AsyncEngine.generate
+
+    async def reply(engine: object, max_tokens: int = 64) -> list[Frame]:
+        llm = LLM(Services(llm=engine), Conversation("sys"), LLMOptions(max_tokens=max_tokens, budget=budget))
+        return await Pipeline([llm]).run_all([ResponseRequest()])
+
+    async def go() -> None:
+        out = await reply(_Scripted(["Paris", " is", " there."]))  # a prompt of 3 tokens, 3 written
+        assert [type(f) for f in out[:3]] == [LLMStarted, LLMReserved, TextDelta]
+        assert out[1].tokens == 3 + 64 and out[1].settle is not None
+        assert isinstance(out[-1], LLMDone) and out[-1].error is None
+        assert 600 - 6 <= await limiter.level(key, limit) < 600 - 6 + 1  # settled: 6 of 67
+        await out[1].settle(67)  # (the session's settle after the reply's own: the first one counts)
+        assert 600 - 6 <= await limiter.level(key, limit) < 600 - 6 + 1
+        refused = await reply(Refusing([]))
+        assert refused[-1].error_code == "rate_limit_exceeded"  # (the engine's full queue)
+        assert 600 - 6 <= await limiter.level(key, limit) < 600 - 6 + 1  # refunded
+        out = await reply(_Scripted(["Never."]), max_tokens=596)  # 599 > the 594 left: refused
+        assert [type(f) for f in out] == [LLMStarted, LLMDone]
+        assert (out[-1].error_type, out[-1].error_code) == ("rate_limit_error", "rate_limit_exceeded")
+        assert "acme" in (out[-1].error or "") and out[-1].completion_tokens == 0
+
+    asyncio.run(go())
+
+
 def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None:
     from pipelines.conversation import Conversation
     from pipelines.frames import LLMDone, ResponseRequest, TextDelta, ToolCall, ToolCallArguments, ToolCallStarted
@@ -1427,6 +1477,7 @@ def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None
     frames = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
     kinds = [(type(f).__name__, getattr(f, "text", getattr(f, "delta", getattr(f, "name", "")))) for f in frames]
     assert kinds[1:] == [
+        ("LLMReserved", ""),
         ("TextDelta", "Sure."),
         ("ToolCallStarted", "f"),
         ("ToolCallArguments", '{"a"'),
@@ -1452,7 +1503,7 @@ def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None
     # cut at max_tokens while a call is written: that call never becomes whole; the reply is cut
     llm = LLM(Services(llm=_Scripted(pieces[:3], "length")), Conversation("sys"), LLMOptions(tool_calls=frozenset("f")))
     frames = asyncio.run(Pipeline([llm]).run_all([ResponseRequest()]))
-    assert [type(f).__name__ for f in frames[2:]] == ["ToolCallStarted", "ToolCallArguments", "LLMDone"]
+    assert [type(f).__name__ for f in frames[3:]] == ["ToolCallStarted", "ToolCallArguments", "LLMDone"]
     assert frames[-1].cut
 
 

@@ -210,13 +210,18 @@ def test_voice_turn_then_warm_second_turn(server: dict[str, Any]) -> None:
             done = await c.until("response.done")
             limits = await c.until("rate_limits.updated")  # (right after it: sent together)
             await feeder
+            # one at its start too, with its prompt and max tokens reserved of the context window
+            started = next(e for e in c.events if e["type"] == "rate_limits.updated")
+            assert c.index("response.created") < c.index("rate_limits.updated") < c.index("response.audio.delta")
             assert_voice_turn(c, done)
             # The response shows the settings it ran with: the session's.
             keys = ("modalities", "voice", "output_audio_format", "temperature", "max_output_tokens")
             settings = [["text", "audio"], created["session"]["voice"], "pcm16", 0, 24]
             assert [done["response"][k] for k in keys] == settings
-            assert c.index("rate_limits.updated") == c.index("response.done") + 1
+            assert c.events[c.index("response.done") + 1] is limits
             window = server["llm"].max_model_len
+            prompt = done["response"]["usage"]["input_tokens"]
+            assert started["rate_limits"][1]["remaining"] == window - prompt - 24
             assert limits["rate_limits"][1] == {
                 "name": "tokens",
                 "limit": window,
@@ -1116,6 +1121,30 @@ def test_an_append_of_up_to_15_mib_fits_one_frame(server: dict[str, Any]) -> Non
     run(go())
 
 
+def test_an_append_over_the_frame_size_of_a_15_mib_one_is_refused_not_cut_off(server: dict[str, Any]) -> None:
+    """An append larger than the largest one (a 20 MiB recording: ~27 MiB of base64) is read and
+    refused with an ``error`` event, the session going on; only a frame over the transport's
+    bound (``WS_MAX_BYTES``, 32 MiB) closes the socket, with 1009 (message too big)."""
+    from pipelines.realtime_events import WS_MAX_BYTES
+
+    async def go() -> None:
+        async with websockets.connect(server["url"], max_size=None, additional_headers=BETA) as ws:
+            c = Client(ws)
+            await manual_session(c)
+            await c.send("input_audio_buffer.append", event_id="big", audio=base64.b64encode(bytes(20 << 20)).decode())
+            err = await c.until("error")
+            assert (err["error"]["type"], err["error"]["param"]) == ("invalid_request_error", "audio")
+            assert "too large" in err["error"]["message"] and err["error"]["event_id"] == "big"
+            await c.send("input_audio_buffer.clear")  # the session goes on
+            await c.until("input_audio_buffer.cleared")
+            await ws.send("x" * (WS_MAX_BYTES + 1))
+            with pytest.raises(websockets.exceptions.ConnectionClosed):
+                await c.until("never")
+            assert ws.close_code == 1009
+
+    run(go())
+
+
 def test_input_audio_buffer_is_capped_at_15_mib(server: dict[str, Any]) -> None:
     chunk = base64.b64encode(bytes(4 << 20)).decode()  # 4 MiB of pcm16 silence (~87 s)
 
@@ -1176,6 +1205,119 @@ def test_input_audio_is_charged_to_the_tenant(tiny_model_dir: Any) -> None:
 
     with serve_app(app) as url:
         run(go(url.replace("http://", "ws://") + "/v1/realtime"))
+
+
+@contextlib.contextmanager
+def limited_llm(tiny_model_dir: Any, llm_tokens: float) -> Iterator[tuple[str, Any, Requests]]:
+    """A server of the tiny LLM (chat completions and ``/v1/realtime``) whose tenant (key
+    ``k-small``) has ``llm_tokens`` a minute: ``(base URL, app, the engine's requests)``. Every
+    reply runs to its max tokens, so that what it uses is what it reserved."""
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from gateway.app import create_app
+    from gateway.auth import KeyStore, hash_key
+    from modalities.llm.api import router as llm_router
+    from pipelines.plugin import router
+
+    keys = KeyStore()
+    keys.add_tenant("small", [hash_key("k-small")], {"llm_tokens": llm_tokens})
+    llm = AsyncEngine.from_config(EngineConfig(model=str(tiny_model_dir("llama"))))
+    requests = Requests(llm, ignore_eos=True)
+    llm.generate = requests.generate  # type: ignore[method-assign]
+    app = create_app({"tiny": llm}, routers=[router, llm_router], keys=keys)
+    with serve_app(app) as url:
+        yield url, app, requests
+
+
+KEYED = ["realtime", "openai-insecure-api-key.k-small"]  # (the key as a browser sends it)
+
+
+def test_replies_are_charged_to_the_tenant_as_chat_completions_are(tiny_model_dir: Any) -> None:
+    """A reply pays from the tenant's ``llm_tokens`` budget, the one chat completions pay from
+    (prompt + max tokens at its start, settled to its usage), so a tenant at its limit on
+    ``/v1/chat/completions`` is at it on ``/v1/realtime`` too. Over the limit the response fails
+    as OpenAI's does (an ``error`` ``rate_limit_exceeded``, then ``response.done`` "failed" with
+    it in ``status_details``), and the session and its conversation go on: a smaller reply fits
+    and answers the conversation as it was."""
+    limit = 1000.0
+
+    async def go(url: str, app: Any, requests: Requests) -> None:
+        headers = {"Authorization": "Bearer k-small"}
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}
+        start = time.monotonic()
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+            resp = await http.post("/v1/chat/completions", json=chat)
+        assert resp.status_code == 200, resp.text
+        spent = resp.json()["usage"]["total_tokens"]  # ~530 of the 1000
+        ws_url = url.replace("http://", "ws://") + "/v1/realtime"
+        async with websockets.connect(ws_url, subprotocols=KEYED, additional_headers=BETA) as ws:  # type: ignore[list-item]
+            c = Client(ws)
+            await manual_session(c)
+            await c.send("conversation.item.create", item=user_item("hello there"))
+            await c.until("conversation.item.created")
+            # ~30 + 900 (under the limit: not too large for it) > the ~470 left, and ~28 s of its refill
+            await c.send("response.create", event_id="ask_1", response={"max_response_output_tokens": 900})
+            err = await c.until("error")
+            assert (err["error"]["type"], err["error"]["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+            assert err["error"]["event_id"] == "ask_1" and "small" in err["error"]["message"]
+            failed = (await c.until("response.done"))["response"]
+            assert failed["status"] == "failed" and failed["status_details"]["error"] == {
+                "type": "rate_limit_error",
+                "code": "rate_limit_exceeded",
+            }
+            assert len(requests.calls) == 1  # (the chat's: the refused reply never reached the engine)
+            await c.send("response.create", response={"max_response_output_tokens": 16})  # fits
+            done = (await c.until("response.done"))["response"]
+            assert done["status"] == "incomplete" and "hello there" in requests.calls[-1]["prompt"]
+            used = done["usage"]["total_tokens"]
+        level = await app.state.ratelimiter.level("small:llm_tokens", limit)
+        refilled = (time.monotonic() - start) * limit / 60
+        assert limit - spent - used <= level <= limit - spent - used + refilled  # (the failed one took nothing)
+
+    with limited_llm(tiny_model_dir, limit) as (url, app, requests):
+        run(go(url, app, requests))
+
+
+def test_rate_limits_report_the_tenants_budget_at_a_replys_start_and_end(tiny_model_dir: Any) -> None:
+    """With a tenant limited in ``llm_tokens``, ``rate_limits.updated`` reports its budget: at the
+    reply's start (after ``response.created``, before its first delta) with the reply's prompt and
+    max tokens reserved, and right after ``response.done`` with what it used (a cancelled reply
+    gives back the rest); ``requests`` stays the engine's waiting queue (tenants have no budget of
+    requests)."""
+    limit = 5000.0
+
+    async def go(url: str, llm: Any) -> None:
+        start = time.monotonic()
+        async with websockets.connect(url.replace("http://", "ws://") + "/v1/realtime", subprotocols=KEYED) as ws:  # type: ignore[list-item]
+            c = Client(ws)  # (GA: no beta header; the event's shape is the same)
+            await c.until("session.created")
+            await c.send("conversation.item.create", item=user_item("hello there"))
+            await c.send("response.create", response={"output_modalities": ["text"], "max_output_tokens": 1500})
+            reserved = await c.until("rate_limits.updated")
+            await c.until("response.output_text.delta")
+            await c.send("response.cancel")  # (1500 tokens take the tiny model seconds)
+            done = (await c.until("response.done"))["response"]
+            ended = await c.until("rate_limits.updated")
+        refilled = (time.monotonic() - start) * limit / 60
+        types = c.types()
+        assert (
+            types.index("response.created")
+            < types.index("rate_limits.updated")
+            < types.index("response.output_text.delta")
+        )
+        assert types[-2:] == ["response.done", "rate_limits.updated"]  # (the one at the end: right after it)
+        assert done["status"] == "cancelled"
+        requests, tokens = reserved["rate_limits"]
+        assert requests["name"] == "requests" and 0 < requests["remaining"] <= requests["limit"] == llm.max_waiting
+        prompt = done["usage"]["input_tokens"]
+        assert tokens["name"] == "tokens" and tokens["limit"] == limit
+        assert limit - prompt - 1500 <= tokens["remaining"] <= limit - prompt - 1500 + refilled
+        assert tokens["reset_seconds"] == pytest.approx((limit - tokens["remaining"]) * 60 / limit, abs=0.1)
+        tokens, used = ended["rate_limits"][1], done["usage"]["total_tokens"]
+        assert used < prompt + 1500 and limit - used - 1 <= tokens["remaining"] <= limit - used + refilled
+
+    with limited_llm(tiny_model_dir, limit) as (url, app, _):
+        run(go(url, next(iter(app.state.engines.values()))))
 
 
 class Requests:
@@ -1517,11 +1659,11 @@ def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> No
     (its ``response.create``'s, else the session's; a reply cancelled before it started too), in
     each dialect's shape; each ``response.done`` is followed by ``rate_limits.updated`` (the
     engine's queue and context window); the response, rate-limit and error events parse as the
-    ``openai`` SDK's server events of the dialect. A GA session refuses the beta-only
-    ``transcription_session.update``."""
+    ``openai`` SDK's server events of the dialect. A reply's start (its tokens reserved) sends
+    one too. A GA session refuses the beta-only ``transcription_session.update``."""
     from pydantic import TypeAdapter
 
-    from pipelines.frames import LLMDone, LLMStarted, TTSDone
+    from pipelines.frames import LLMDone, LLMReserved, LLMStarted, TTSDone
     from pipelines.services import Services
 
     if ga:
@@ -1552,6 +1694,7 @@ def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> No
         await s._handle(json.dumps({"type": "response.create", "response": {**own, "temperature": 1.0}}))
         asked = s.inbox.get_nowait()
         await s._on_frame(LLMStarted("resp_1", item_id="item_1", request=asked.number, audio_format=asked.audio_format))
+        await s._on_frame(LLMReserved("resp_1", 10 + 256))
         await s._on_frame(LLMDone("resp_1", "Paris.", prompt_tokens=10, completion_tokens=2))
         await s._on_frame(TTSDone("resp_1"))
         await s._on_frame(LLMStarted("resp_2", item_id="item_2"))  # a turn's own reply: the session's
@@ -1573,6 +1716,8 @@ def test_a_response_shows_its_settings_and_rate_limits_follow_it(ga: bool) -> No
     assert created == [theirs, sessions, sessions]
     limits = [sent[k + 1] for k in done]
     assert all(e["type"] == "rate_limits.updated" for e in limits), [e["type"] for e in sent]
+    at_start = [e for e in sent[: done[0]] if e["type"] == "rate_limits.updated"]
+    assert [e["rate_limits"][1]["remaining"] for e in at_start] == [2048 - 266]  # (its tokens reserved)
     requests, tokens = limits[0]["rate_limits"]
     assert requests == {"name": "requests", "limit": 64, "remaining": 61, "reset_seconds": 0.0}
     assert tokens == {"name": "tokens", "limit": 2048, "remaining": 2048 - 12, "reset_seconds": 0.0}

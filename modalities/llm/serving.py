@@ -190,7 +190,9 @@ def _check_context(engine: Any, prompts: list[list[int]], params: SamplingParams
             raise PromptTooLongError(len(ids), max(max_tokens, 1), limit)
 
 
-def _charge_amount(engine: Any, prompts: list[list[int]], params: SamplingParams) -> int:
+def charge_amount(engine: Any, prompts: list[list[int]], params: SamplingParams) -> int:
+    """The ``llm_tokens`` a request is charged at admission: each prompt + ``max_tokens`` × ``n``
+    (without ``max_tokens``, what the context window leaves it)."""
     limit = getattr(engine, "max_model_len", None) or 0
     total = 0
     for ids in prompts:
@@ -217,7 +219,7 @@ async def start_generation(
         _check_context(engine, prompts, params, param)
     except PromptTooLongError as exc:
         raise as_api_error(exc, param) from exc
-    tracker.charge = await charge(request, "llm_tokens", _charge_amount(engine, prompts, params))
+    tracker.charge = await charge(request, "llm_tokens", charge_amount(engine, prompts, params))
     sources: list[AsyncIterator[RequestOutput]] = []
     gen: MergedGeneration[RequestOutput] | None = None
     try:
