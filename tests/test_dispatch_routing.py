@@ -307,3 +307,43 @@ def test_the_sweeper_removes_only_what_dead_workers_left_and_only_after_the_grac
         client.delete(Keys(prefix).worker("live"), Keys(prefix).worker("back"), *every)
         client.hdel(UNACKED, *tags)
         client.zrem(UNACKED_INDEX, *tags)
+
+
+def test_a_worker_restarted_under_its_id_forgets_what_its_former_life_had_taken() -> None:
+    """A worker killed and started again under the same ``--worker-id`` before the sweeper's
+    grace: as its runtime starts, before its heartbeat is up, its former life's queue, bindings
+    and unacked calls go (Celery would put those calls back on its queue after the visibility
+    timeout and run them again, long after the gateway resubmitted them); other queues' unacked
+    calls (a chain stage on the modality queue: still wanted) stay. A worker of that id that is
+    alive (two workers given one id) loses nothing."""
+    import json
+
+    from workers.celery_app import modality_queue, queue_keys, worker_queue
+    from workers.runtime import WorkerRuntime
+    from workers.sweeper import UNACKED, UNACKED_INDEX
+    from workers.wire import Keys
+
+    url, prefix, client = _redis_db11("t-reborn")
+    own, shared, twin = worker_queue("w1", prefix), modality_queue("llm", prefix), worker_queue("w2", prefix)
+    tags = {f"{prefix}-t0": own, f"{prefix}-t1": own, f"{prefix}-t2": shared, f"{prefix}-t3": twin}
+    every = [*queue_keys(own), *queue_keys(twin)]
+    _fill(client, every)
+    for tag, q in tags.items():
+        client.hset(UNACKED, tag, json.dumps([{"body": "..."}, q, q]))
+        client.zadd(UNACKED_INDEX, {tag: 1.0})
+    client.set(Keys(prefix).worker("w2"), "{}", px=60_000)  # (w2 is alive elsewhere)
+    reborn = [WorkerRuntime(w, "llm", {}, url, prefix=prefix, heartbeat_s=60.0) for w in ("w1", "w2")]
+    try:
+        for rt in reborn:
+            rt.start()
+        assert client.exists(*queue_keys(own)) == 0
+        assert client.exists(*queue_keys(twin)) == len(queue_keys(twin))
+        left = {t.decode() for t in client.hkeys(UNACKED)} & set(tags)
+        assert left == {f"{prefix}-t2", f"{prefix}-t3"}
+        assert {t.decode() for t in client.zrange(UNACKED_INDEX, 0, -1)} & set(tags) == left
+    finally:
+        for rt in reborn:
+            rt.stop()
+        client.delete(*every, Keys(prefix).worker("w2"))
+        client.hdel(UNACKED, *tags)
+        client.zrem(UNACKED_INDEX, *tags)

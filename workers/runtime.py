@@ -25,8 +25,10 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from workers.celery_app import modality_queue, queue_keys, worker_queue
+from workers.sweeper import DeadQueues
 from workers.wire import END, ERROR, ITEM, START, STREAM_TTL_S, Call, Keys, dump, dump_error, restart_retry, slim
 
 logger = logging.getLogger("mmserve.worker")
@@ -110,6 +112,11 @@ class WorkerRuntime:
             socket_connect_timeout=2,
             **restart_retry(aio=True),
         )
+        # Before the heartbeat is up: what a former worker of this id left (it was killed) goes.
+        try:
+            await DeadQueues(self.redis, self.prefix).forget_former_life(self.worker_id)
+        except (redis.exceptions.RedisError, OSError) as exc:  # (the gateways' sweeper may still do it)
+            logger.warning("could not remove what a former worker %s left: %r", self.worker_id, exc)
         for engine in self.engines.values():
             if hasattr(engine, "start"):
                 await engine.start()

@@ -7,9 +7,10 @@ hash, the calls it had taken: after the visibility timeout Celery would put thos
 dead queue, where nobody consumes them. With workers that come and go, each death left keys for
 good. ``DeadQueues`` removes them once a worker's heartbeat has been gone for ``grace_s``: long
 past the point where every call on it went elsewhere, and long enough that a Redis restart
-(heartbeats gone for a period) touches nothing. Not covered: a worker restarted under the same
-``--worker-id`` within the grace keeps its former life's unacked calls (they come back on its
-queue after the visibility timeout, and run again).
+(heartbeats gone for a period) touches nothing. A worker restarted under the same
+``--worker-id`` within the grace removes them itself as it starts (``forget_former_life``),
+before its heartbeat is up: the calls its former life had taken would otherwise come back on its
+queue after the visibility timeout and run again, long after the gateway resubmitted them.
 """
 
 from __future__ import annotations
@@ -72,18 +73,30 @@ class DeadQueues:
         due = {worker_queue(w, self.prefix): w for w, since in self._dead_since.items() if now - since >= self.grace_s}
         if not due:
             return []
-        taken: dict[str, list[bytes]] = {q: [] for q in due}
-        async for tag, raw in self.redis.hscan_iter(UNACKED, count=500):  # (once for all the dead)
+        taken = await self._taken(list(due))
+        swept = [w for q, w in due.items() if await self._remove(w, q, taken[q])]
+        for w in due.values():
+            self._dead_since.pop(w, None)
+        return swept
+
+    async def forget_former_life(self, worker_id: str) -> bool:
+        """For a worker starting under ``worker_id``, before its heartbeat is up: remove what an
+        earlier worker of that id left (its queue, bindings and unacked calls), unless that one
+        is still alive (a heartbeat: two workers given one id; nothing is touched)."""
+        queue = worker_queue(worker_id, self.prefix)
+        return await self._remove(worker_id, queue, (await self._taken([queue]))[queue])
+
+    async def _taken(self, queues: list[str]) -> dict[str, list[bytes]]:
+        """The tags of the unacked calls routed to each of ``queues`` (one scan for them all)."""
+        taken: dict[str, list[bytes]] = {q: [] for q in queues}
+        async for tag, raw in self.redis.hscan_iter(UNACKED, count=500):
             try:
                 routing_key = json.loads(raw)[2]  # [message, exchange, routing key]
             except (ValueError, IndexError, TypeError):
                 continue
             if routing_key in taken:
                 taken[routing_key].append(tag)
-        swept = [w for q, w in due.items() if await self._remove(w, q, taken[q])]
-        for w in due.values():
-            self._dead_since.pop(w, None)
-        return swept
+        return taken
 
     async def _remove(self, worker_id: str, queue: str, tags: list[bytes]) -> bool:
         """Delete ``queue``'s keys and its ``tags`` in one transaction, unless the worker's
@@ -95,13 +108,14 @@ class DeadQueues:
                 if await pipe.exists(beat):
                     return False
                 pipe.multi()
+                pipe.delete(*queue_keys(queue))
                 if tags:
                     pipe.hdel(UNACKED, *tags).zrem(UNACKED_INDEX, *tags)
-                pipe.delete(*queue_keys(queue))
-                await pipe.execute()
+                removed = (await pipe.execute())[0]
             except redis.exceptions.WatchError:
                 return False
-        logger.warning(
-            "worker %s died without stopping: removed its queue and %d calls it had taken", worker_id, len(tags)
-        )
+        if removed or tags:  # (a worker that stopped cleanly left nothing)
+            logger.warning(
+                "worker %s died without stopping: removed its queue and %d calls it had taken", worker_id, len(tags)
+            )
         return True
