@@ -40,10 +40,12 @@ deployment shares one budget per tenant).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -214,14 +216,36 @@ class Charge:
             return
         self.settled = True
         if self.limiter is not None and actual != self.amount:
-            try:
-                await self.limiter.adjust(self.key, actual - self.amount, self.limit_per_min)
+            try:  # (shielded: a caller cancelled meanwhile, a closed session, must not lose it)
+                await asyncio.shield(self.limiter.adjust(self.key, actual - self.amount, self.limit_per_min))
             except Exception:  # noqa: BLE001 - bookkeeping after the fact must not fail the response
                 logger.warning("could not settle the rate-limit charge of %s", self.key, exc_info=True)
 
     async def refund(self) -> None:
         """Give the whole amount back (the request failed before doing its work)."""
         await self.settle(0.0)
+
+
+_REFUNDS: set[asyncio.Task[None]] = set()  # (running refunds: the loop keeps only weak references)
+
+
+async def shielded(taking: Awaitable[Charge]) -> Charge:
+    """``await taking`` (a ``charge``) so that a caller cancelled meanwhile (a reply cut by a
+    barge-in) does not leak it: the charge completes, and is refunded."""
+    task = asyncio.ensure_future(taking)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_refund_taken)
+        raise
+
+
+def _refund_taken(task: asyncio.Future[Charge]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    refund = asyncio.ensure_future(task.result().refund())
+    _REFUNDS.add(refund)
+    refund.add_done_callback(_REFUNDS.discard)
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,8 @@ class LLMReserved(ReplyFrame):
     """The reply's prompt is rendered and its ``tokens`` (prompt + ``max_tokens``) reserved, before
     its first text: the tenant's ``llm_tokens`` budget took them (``LLMOptions.budget``), or, with
     no budget, the context window holds them. ``settle``, if given, settles that charge to the
-    tokens the reply used (the first settle counts: the reply stage settles it too)."""
+    tokens the reply used: those given, or those the reply stage has generated if more (a cut
+    reply's text runs ahead of its audio); the first settle counts, the reply stage settles too."""
 
     tokens: int = 0
     settle: Callable[[float], Awaitable[None]] | None = None

@@ -265,7 +265,7 @@ class ReplyEvents(ServerEvents):
     async def _done(self, r: Reply, status: str, output: list[dict[str, Any]], reason: str | None = None) -> None:
         """``response.done``, then ``rate_limits.updated`` adjusted to what the reply used
         (``pipelines.realtime_limits``)."""
-        if r.settle is not None:  # charged what it reports it used (the reply stage settles it too: the first counts)
+        if r.settle is not None:  # what it reports it used, or what it generated if more (the first settle counts)
             await r.settle(r.usage.get("total_tokens", 0))
         events = [{"type": "response.done", "response": response_event(r, status, output, reason)}]
         if limits := await rate_limits(self.ws, self.services.llm, r.usage.get("total_tokens", 0)):

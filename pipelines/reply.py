@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.offload import OFF_LOOP_CHARS, run_sized
 from gateway.errors import failure_error, retry_after
+from gateway.ratelimit import Charge, shielded
 from modalities.llm.serving import charge_amount
 from modalities.llm.tools import ToolCallStream, declared
 from modalities.tts.text import SentenceSplitter
@@ -37,7 +38,6 @@ from pipelines.turns import TurnJudge
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
-    from gateway.ratelimit import Charge
 
 logger = logging.getLogger("mmserve.pipelines")
 
@@ -203,6 +203,14 @@ class LLM(Processor):
         whole = False  # it ran to its end
         ids: list[int] = []
         charged: Charge | None = None
+
+        def used() -> int:  # (the tokens generated so far: the session may have shown fewer, its audio behind)
+            return len(ids) + len(final.outputs[0].token_ids) if final is not None else 0
+
+        async def settle(reported: float) -> None:  # (the session's, at response.done: what it reported, at least)
+            assert charged is not None
+            await charged.settle(max(reported, used()))
+
         spec = None
         if not req.out_of_band:
             spec, self.speculation = self.speculation, None
@@ -215,8 +223,8 @@ class LLM(Processor):
                 conv.keep_from(rendered)
             reserved = charge_amount(self.services.llm, [ids], self._sampling(params))
             if self.options.budget is not None:  # (over it: the reply fails, the session goes on)
-                charged = await self.options.budget(reserved)
-            yield LLMReserved(response_id, reserved, None if charged is None else charged.settle)
+                charged = await shielded(self.options.budget(reserved))
+            yield LLMReserved(response_id, reserved, None if charged is None else settle)
             if spec is not None and not spec.matches(ids, params):
                 spec.cancel()
                 spec = None
@@ -249,7 +257,7 @@ class LLM(Processor):
             elif spec is not None:
                 spec.cancel()  # cut or failed: stop the generation and that synthesis too
             if charged is not None:  # (cancelled too) the tokens it used; none if it never started, as the chat routes
-                await charged.settle(len(ids) + len(final.outputs[0].token_ids) if final is not None else 0)
+                await charged.settle(used())
         self.active = None
         yield LLMDone(
             response_id,

@@ -1464,6 +1464,54 @@ def test_a_reply_is_charged_to_its_budget_and_settled_to_what_it_used() -> None:
     asyncio.run(go())
 
 
+def test_a_cut_replys_charge_counts_what_it_wrote_and_a_charge_cut_while_taken_is_given_back() -> None:
+    """A reply cut after writing 12 tokens, whose session has played only the first (its audio
+    behind the text) and settles first at ``response.done``, is charged the 12; a reply cancelled
+    while its budget is being taken (a barge-in during the Redis round trip) gets it back."""
+    from gateway.ratelimit import Charge, MemoryRateLimiter
+    from pipelines.conversation import Conversation
+    from pipelines.frames import LLMReserved, ResponseRequest, TextDelta
+    from pipelines.reply import LLM, LLMOptions
+    from pipelines.services import Services
+
+    limiter, limit = MemoryRateLimiter(), 600.0  # (refills 10 a second)
+    taking = asyncio.Event()
+
+    def llm(key: str, pause_s: float = 0.0) -> LLM:
+        async def budget(tokens: int) -> Charge:
+            await limiter.take(key, tokens, limit)
+            taking.set()
+            await asyncio.sleep(pause_s)  # (the rest of the round trip)
+            return Charge(limiter, key, tokens, limit)
+
+        engine = _Scripted([f" w{i}" for i in range(20)])
+        return LLM(Services(llm=engine), Conversation("sys"), LLMOptions(max_tokens=64, budget=budget))
+
+    async def go() -> None:
+        frames = llm("cut").process(ResponseRequest())
+        reserved = None
+        async for f in frames:
+            if isinstance(f, LLMReserved):
+                reserved = f
+            elif isinstance(f, TextDelta) and f.completion_tokens == 12:
+                break
+        assert reserved is not None and reserved.settle is not None
+        await reserved.settle(3 + 1)  # (the session: the prompt and the one token it played)
+        await frames.aclose()  # (the reply is cut)
+        assert 600 - 15 <= await limiter.level("cut", limit) < 600 - 15 + 3  # the prompt and the 12 written
+        taking.clear()
+        cut = asyncio.ensure_future(Pipeline([llm("taking", 0.2)]).run_all([ResponseRequest()]))
+        await taking.wait()
+        assert await limiter.level("taking", limit) < 600 - 60  # (taken: 3 + 64)
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        await asyncio.sleep(0.4)
+        assert await limiter.level("taking", limit) == 600  # given back
+
+    asyncio.run(go())
+
+
 def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None:
     from pipelines.conversation import Conversation
     from pipelines.frames import LLMDone, ResponseRequest, TextDelta, ToolCall, ToolCallArguments, ToolCallStarted
