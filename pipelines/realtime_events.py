@@ -29,7 +29,7 @@ MAX_APPEND_BYTES = 15 * (1 << 20)  # an append's audio, as OpenAI's cap (a large
 # The WebSocket frame size the server reads (uvicorn's ``ws_max_size``): well over the largest
 # append (~20 MiB of base64 with its event), so that a larger append is read and refused with
 # the session's error event, not a closed socket; bounded, as an HTTP body is (``--max-body-mb``'s
-# default), so that a session holds at most this much: a larger frame closes the socket (1009).
+# default), so that a frame costs at most this much to read: a larger one closes the socket (1009).
 WS_MAX_BYTES = 32 << 20
 MAX_INSTRUCTIONS_CHARS = 16_384
 

@@ -38,20 +38,21 @@ def test_the_stage_store_has_one_client_per_redis_in_a_process(monkeypatch: pyte
         return real(url, **kw)
 
     monkeypatch.setattr(redis.Redis, "from_url", slow)
-    prefix, got = f"t-clients-{uuid.uuid4().hex[:8]}", []
+    # A Redis URL no client was made for yet (a password of its own: the client never connects here).
+    fresh, got = f"redis://:{uuid.uuid4().hex}@127.0.0.1:6379/14", []
     start = threading.Barrier(8)
 
     def ask() -> None:
         start.wait()
-        got.append(shared_store(REDIS_URL, prefix))
+        got.append(shared_store(fresh, "t-clients-a"))
 
     threads = [threading.Thread(target=ask) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(got) == 8 and all(s is got[0] for s in got) and got[0].r is store.r
-    assert made == []  # (the Redis's client was made already)
+    assert len(got) == 8 and all(s is got[0] for s in got) and got[0].r is not store.r
+    assert made == [fresh]  # (one client made, while the other threads waited for it)
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")

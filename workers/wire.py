@@ -42,7 +42,9 @@ def restart_retry(aio: bool = False) -> dict[str, Any]:
     """Redis client options for one immediate retry, on a fresh connection, of a command that
     failed on its connection: pooled connections are stale after a Redis restart, and a Redis
     that is down still fails at once (no backoff). ``aio``: for a ``redis.asyncio`` client, whose
-    ``Retry`` is its own (given the sync one, it retries nothing: it does not await the command)."""
+    ``Retry`` is its own (given the sync one, it retries nothing: it does not await the command).
+    A connection lost after Redis ran a command but before its reply runs it twice (a rate-limit
+    take, a job's idempotency key): rarer than a restart, and the retry is what a restart needs."""
     import redis.asyncio.retry
     import redis.exceptions
     import redis.retry
