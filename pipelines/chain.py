@@ -133,7 +133,8 @@ async def run_stage(
     bounded by ``max_attempts`` too (one that fails on its input is not retried)."""
     if store.output(chain_id, stage) is not None or not store.live(chain_id, dispatch):
         return
-    attempt = store.begin(chain_id, stage, where, dispatch)
+    if not (attempt := store.begin(chain_id, stage, where, dispatch)):
+        return  # (it ended, or was sent again, just now)
     opts = store.options(chain_id)
     if stage in opts.fail_once and attempt == 1:
         raise StageFailed(f"injected failure of stage {stage!r} (attempt 1)")
@@ -172,7 +173,8 @@ def after_failure(store: StageStore, chain_id: str, stage: str, exc: Exception, 
         left = opts.max_wait_s - sum(v["waited_s"] for v in store.stages_view(meta, opts).values())
         if left > 0:
             seconds = min(asked * random.uniform(1, 1 + WAIT_JITTER), MAX_WAIT_S, left)
-            store.wait(chain_id, stage, seconds)
+            if not store.wait(chain_id, stage, seconds, dispatch):
+                raise exc  # (it ended, or was sent again, just now: not this task's to go on with)
             logger.info(
                 "chain %s: a busy engine refused its %s stage; trying again in %.1f s", chain_id, stage, seconds
             )

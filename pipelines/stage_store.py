@@ -9,10 +9,12 @@ import json
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import redis.exceptions
 
 from modalities.audio import ASR_RATE
 from pipelines.frames import AudioFrame, Frame
@@ -134,42 +136,62 @@ class StageStore:
 
     def begin(self, chain_id: str, stage: str, where: str, dispatch: int | None = None) -> int:
         """Count an attempt on worker ``where`` (sent as ``dispatch``); returns its number
-        (1-based)."""
-        meta = self._key(chain_id, "meta")
+        (1-based), or 0 when the chain ended or was sent again (nothing is written)."""
         mapping = {"status": f"running:{stage}", f"{stage}.started": time.time(), f"{stage}.where": where}
-        self.r.hset(meta, mapping={**mapping, **({} if dispatch is None else {f"{stage}.dispatch": dispatch})})
-        # (counted after it shows as running: a follower reading in between must not see a new
-        # attempt of a stage that is not under way, and call its modality unserved)
-        attempt = int(self.r.hincrby(meta, f"{stage}.attempts", 1))
-        self._expiring(meta)
-        return attempt
+        mapping |= {} if dispatch is None else {f"{stage}.dispatch": dispatch}
+
+        def write(p: Any, meta: str) -> None:  # (shown as running and counted at once)
+            p.hset(meta, mapping=mapping)
+            p.hincrby(meta, f"{stage}.attempts", 1)
+
+        done = self._while_live(chain_id, dispatch, write)
+        return 0 if done is None else int(done[1])
 
     def finish(
         self, chain_id: str, stage: str, frames: list[Frame], seconds: float, dispatch: int | None = None
     ) -> bool:
         """Store ``stage``'s output, unless its ``dispatch`` went stale while it ran (a worker
         taken for lost that was not: the attempt sent since is the one kept); whether it did."""
-        if not self.live(chain_id, dispatch):
-            return False
-        meta = self._key(chain_id, "meta")
-        with self.r.pipeline() as p:
-            p.set(self._key(chain_id, f"out:{stage}"), pickle.dumps(frames), ex=self.ttl)
-            p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
-            p.expire(meta, self.ttl, nx=True)
-            p.execute()
-        return True
+        data = pickle.dumps(frames)
 
-    def wait(self, chain_id: str, stage: str, seconds: float) -> None:
+        def write(p: Any, meta: str) -> None:
+            p.set(self._key(chain_id, f"out:{stage}"), data, ex=self.ttl)
+            p.hset(meta, mapping={f"{stage}.seconds": seconds, f"{stage}.finished": time.time()})
+
+        return self._while_live(chain_id, dispatch, write) is not None
+
+    def wait(self, chain_id: str, stage: str, seconds: float, dispatch: int | None = None) -> bool:
         """``stage``'s attempt was refused by a busy engine and is tried again in ``seconds``: it
         does not count as an attempt; the chain shows ``waiting:<stage>`` until then
-        (``under_way``) and ``<stage>.waited`` adds up its waits."""
-        meta = self._key(chain_id, "meta")
-        with self.r.pipeline() as p:  # (one transaction: never a wait shown with its attempt counted)
+        (``under_way``) and ``<stage>.waited`` adds up its waits. False when the chain ended or
+        was sent again (nothing is written: a cancelled chain is not shown waiting)."""
+
+        def write(p: Any, meta: str) -> None:  # (never a wait shown with its attempt counted)
             p.hset(meta, mapping={"status": f"waiting:{stage}", f"{stage}.due": time.time() + seconds})
             p.hincrby(meta, f"{stage}.attempts", -1)
             p.hincrbyfloat(meta, f"{stage}.waited", seconds)
-            p.expire(meta, self.ttl, nx=True)
-            p.execute()
+
+        return self._while_live(chain_id, dispatch, write) is not None
+
+    def _while_live(self, chain_id: str, dispatch: int | None, write: Callable[[Any, str], None]) -> list[Any] | None:
+        """Run ``write(pipeline, meta key)`` as one transaction if the chain is ``live`` for
+        ``dispatch`` until it commits (a cancel or a new sending in between makes it look again);
+        its results, or None when the chain is not live. (A check then a write let a chain
+        cancelled in between show as running or waiting again, and its next stage run.)"""
+        meta = self._key(chain_id, "meta")
+        with self.r.pipeline() as p:
+            while True:
+                try:
+                    p.watch(meta)
+                    if not _live(*p.hmget(meta, ["status", "dispatch"]), dispatch):
+                        p.unwatch()
+                        return None
+                    p.multi()
+                    write(p, meta)
+                    p.expire(meta, self.ttl, nx=True)
+                    return list(p.execute())
+                except redis.exceptions.WatchError:
+                    continue
 
     def redispatch(self, chain_id: str) -> int:
         """Make the chain's tasks sent so far stale (``live`` says no to them); returns the number
@@ -182,10 +204,7 @@ class StageStore:
     def live(self, chain_id: str, dispatch: int | None) -> bool:
         """Whether a task of the chain sent as ``dispatch`` (None: any) should run: the chain has
         not ended and was not sent again since."""
-        status, current = self.r.hmget(self._key(chain_id, "meta"), ["status", "dispatch"])
-        if status in (None, b"succeeded", b"failed", b"cancelled"):
-            return False
-        return dispatch is None or int(current or 0) == dispatch
+        return _live(*self.r.hmget(self._key(chain_id, "meta"), ["status", "dispatch"]), dispatch)
 
     def set_status(
         self, chain_id: str, status: str, error: str | None = None, failure: dict[str, Any] | None = None
@@ -299,6 +318,13 @@ _CLIENTS: dict[str, Any] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def _live(status: bytes | None, current: bytes | None, dispatch: int | None) -> bool:
+    """``StageStore.live`` of a chain's ``status`` and ``dispatch`` fields."""
+    if status in (None, b"succeeded", b"failed", b"cancelled"):
+        return False
+    return dispatch is None or int(current or 0) == dispatch
+
+
 def shared_store(redis_url: str, prefix: str) -> StageStore:
     """The stage store of ``prefix`` on ``redis_url`` in this process, shared by every job and
     stage task it runs; every prefix's on one client of that Redis (one connection pool). A
@@ -318,17 +344,8 @@ class MemoryKV:
     def __init__(self) -> None:
         self.data: dict[str, Any] = {}
 
-    def pipeline(self) -> MemoryKV:
-        return self
-
-    def __enter__(self) -> MemoryKV:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def execute(self) -> None:
-        return None
+    def pipeline(self) -> MemoryPipeline:
+        return MemoryPipeline(self)
 
     def set(self, key: str, value: bytes, ex: int | None = None) -> None:
         self.data[key] = value
@@ -365,3 +382,39 @@ class MemoryKV:
     def delete(self, *keys: str) -> None:
         for k in keys:
             self.data.pop(k, None)
+
+
+class MemoryPipeline:
+    """A redis-py pipeline on ``MemoryKV``: commands run at once, except those after ``multi()``,
+    which run at ``execute()`` and give it their results (a transaction's). Nothing else writes
+    in between (local chains run on one thread), so ``watch`` has nothing to watch."""
+
+    def __init__(self, kv: MemoryKV) -> None:
+        self.kv = kv
+        self.queued: list[Callable[[], Any]] | None = None
+
+    def __enter__(self) -> MemoryPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def watch(self, *keys: str) -> None:
+        return None
+
+    def unwatch(self) -> None:
+        return None
+
+    def multi(self) -> None:
+        self.queued = []
+
+    def execute(self) -> list[Any]:
+        queued, self.queued = self.queued or [], None
+        return [command() for command in queued]
+
+    def __getattr__(self, name: str) -> Any:
+        command = getattr(self.kv, name)
+        if self.queued is None:
+            return command
+        queued = self.queued
+        return lambda *args, **kw: queued.append(lambda: command(*args, **kw))

@@ -1117,6 +1117,55 @@ def test_a_running_stage_stops_once_its_chain_ends_or_is_sent_again() -> None:
     assert len(stopped) == 2 and stopped[-1] <= returned
 
 
+def test_a_chain_that_ended_is_not_shown_running_or_waiting_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``begin``, ``wait`` and ``finish`` write only while the chain is live for their dispatch,
+    in one transaction with that check: on a cancelled chain (and one sent again) they write
+    nothing, so it is not shown running or waiting again and its next stage does not run. On
+    the real Redis (db 14) a cancel landing between the check and the write (another client,
+    in the transaction's window) makes it look again. (A check then a write showed a chain
+    cancelled in between as ``waiting:llm``, and the delayed retry ran its LLM and TTS.)"""
+    import uuid
+
+    import numpy as np
+    import redis as redis_lib
+
+    from pipelines.stage_store import ChainOptions, StageStore
+
+    stores = [StageStore(None)]
+    try:
+        redis_lib.Redis.from_url("redis://127.0.0.1:6379/14", socket_connect_timeout=1).ping()
+        stores.append(StageStore("redis://127.0.0.1:6379/14", f"t-live-{uuid.uuid4().hex[:8]}", ttl_s=60))
+    except redis_lib.exceptions.RedisError:
+        pass
+    for store in stores:
+        store.create("c", np.zeros(160, np.float32), ChainOptions())
+        assert store.begin("c", "vad", "w1", 0) == 1 and store.wait("c", "vad", 1.0, 0)
+        assert store.meta("c")[b"status"] == b"waiting:vad"
+        assert store.begin("c", "vad", "w1", 1) == 0  # (a stale dispatch)
+        store.set_status("c", "cancelled")
+        assert store.begin("c", "vad", "w1", 0) == 0 and not store.wait("c", "vad", 1.0, 0)
+        assert not store.finish("c", "vad", [], 0.1, 0)
+        meta = store.meta("c")
+        assert meta[b"status"] == b"cancelled" and meta[b"vad.attempts"] == b"0" and b"vad.finished" not in meta
+    if len(stores) == 2:  # a cancel inside the transaction's window: its write does not land
+        store = stores[1]
+        store.create("d", np.zeros(160, np.float32), ChainOptions())
+        other = redis_lib.Redis.from_url("redis://127.0.0.1:6379/14")
+        watch = redis_lib.client.Pipeline.watch
+        cancelled: list[bool] = []
+
+        def watch_then_cancel(self: Any, *keys: str) -> Any:
+            out = watch(self, *keys)
+            if not cancelled:  # (once: the transaction then looks again, and finds it cancelled)
+                cancelled.append(other.hget(keys[0], "status") == b"queued")
+                other.hset(keys[0], "status", "cancelled")
+            return out
+
+        monkeypatch.setattr(redis_lib.client.Pipeline, "watch", watch_then_cancel)
+        assert not store.wait("d", "vad", 1.0, 0)
+        assert cancelled == [True] and store.meta("d")[b"status"] == b"cancelled"
+
+
 def test_vad_segmenter_reports_speech_resuming_after_a_pause() -> None:
     from pipelines.vad import VADConfig, VADSegmenter
 

@@ -411,7 +411,9 @@ def test_deleting_a_job_deletes_its_chain(h: Harness, tmp_path: Any) -> None:
         assert http.delete(f"/v1/jobs/{job['id']}").status_code == 200
         assert http.get(f"/v1/jobs/{job['id']}").status_code == 404
     assert list(h.sync.scan_iter(f"{h.prefix}:chain:*")) == []
-    # A stage still under way when the job was deleted writes its chain's meta anew: it expires too.
-    assert h.store.begin(job["id"], "asr", "w1") == 1
+    # A stage sent before the job was deleted starts nothing (its chain is not live: nothing is
+    # written); one under way that fails then writes its chain's meta anew: it expires too.
+    assert h.store.begin(job["id"], "asr", "w1") == 0
+    assert list(h.sync.scan_iter(f"{h.prefix}:chain:*")) == []
     h.store.set_status(job["id"], "failed", "asr: gone")
     assert 0 < h.sync.ttl(h.store.meta_key(job["id"])) <= h.store.ttl
