@@ -55,22 +55,14 @@ from pipelines.frames import (
     ResponseRequest,
 )
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import (
-    EventError,
-    SessionConfig,
-    check_language,
-    check_voice,
-    decode_append,
-    item_id_of,
-    parse_event,
-    reply_tokens,
-    shown_tools,
-    tools_grammar,
-)
+from pipelines.realtime_config import SessionConfig
+from pipelines.realtime_events import EventError, decode_append, item_id_of, parse_event
+from pipelines.realtime_fields import check_language, check_voice, reply_tokens
 from pipelines.realtime_idle import IdleTimeout
 from pipelines.realtime_items import client_item, content_part, function_item_event, item_event, truncation
 from pipelines.realtime_replies import ReplyEvents
 from pipelines.realtime_response import response_request
+from pipelines.realtime_tools import shown_tools, tools_grammar
 from pipelines.reply import LLMOptions
 from pipelines.services import Services
 from pipelines.speech import ASROptions, TTSOptions
