@@ -19,7 +19,8 @@ import re
 from typing import Any
 
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import EventError, ga_wire_format, unknown_parameter, wants_audio
+from pipelines.realtime_events import EventError, unknown_parameter
+from pipelines.realtime_fields import ga_wire_format, wants_audio
 
 RENAMED = {
     "response.text.delta": "response.output_text.delta",

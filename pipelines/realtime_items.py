@@ -12,7 +12,8 @@ from typing import Any
 
 from pipelines.conversation import Conversation, Item, Spoken
 from pipelines.frames import ResponseRequest
-from pipelines.realtime_events import EventError, SessionConfig, item_id_of
+from pipelines.realtime_config import SessionConfig
+from pipelines.realtime_events import EventError, item_id_of
 
 
 def message_text(item: Any, where: str = "item") -> tuple[str, str]:

@@ -28,7 +28,7 @@ from pipelines.frames import (
     TimedOut,
     TurnReset,
 )
-from pipelines.realtime_events import SessionConfig
+from pipelines.realtime_config import SessionConfig
 from pipelines.realtime_items import (
     Reply,
     content_part,

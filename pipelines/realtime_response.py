@@ -10,23 +10,21 @@ from typing import Any
 from pipelines.conversation import Conversation
 from pipelines.frames import ResponseRequest
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import (
-    EventError,
-    SessionConfig,
+from pipelines.realtime_config import SessionConfig
+from pipelines.realtime_events import EventError, unknown_parameter
+from pipelines.realtime_fields import (
     check_instructions,
     check_max_tokens,
     check_temperature,
     check_voice,
     ga_wire_format,
     reply_tokens,
-    shown_tools,
-    tools_grammar,
-    unknown_parameter,
     wants_audio,
     wire_format,
 )
 from pipelines.realtime_ga import MOVED, RESPONSE_AUDIO, ga_audio
 from pipelines.realtime_items import response_items
+from pipelines.realtime_tools import shown_tools, tools_grammar
 from pipelines.services import Services
 
 

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from pipelines import realtime_ga
 from pipelines.realtime_audio import FORMATS
-from pipelines.realtime_events import EventError, SessionConfig, check_language, check_noise_reduction, ga_wire_format
+from pipelines.realtime_config import SessionConfig
+from pipelines.realtime_events import EventError
+from pipelines.realtime_fields import check_language, check_noise_reduction, ga_wire_format
 from pipelines.services import Services
 
 # The beta session fields a transcription session has (``transcription_session.update``).

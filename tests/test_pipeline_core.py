@@ -1605,7 +1605,8 @@ def test_a_replys_calls_stream_one_after_the_other_and_end_its_message() -> None
 
 
 def test_realtime_ga_session_patch_and_event_translation() -> None:
-    from pipelines.realtime_events import EventError, SessionConfig
+    from pipelines.realtime_config import SessionConfig
+    from pipelines.realtime_events import EventError
     from pipelines.realtime_ga import ga_error, ga_param, is_ga, session_object, session_patch, translate
 
     assert is_ga({"type": "realtime"}) and not is_ga({"modalities": ["text"]})

@@ -2574,13 +2574,13 @@ def test_idle_timeout_waits_after_an_unanswered_turn_and_takes_a_new_value_at_on
     (shorter: sooner; null: never), and one that turns the timeout on after a reply starts the
     wait from that reply's end; speech the VAD hears when the wait's commit reaches it keeps the
     input uncommitted, and a clear that ends a turn the VAD had started leaves the session idle."""
-    from pipelines import realtime_events
+    from pipelines import realtime_config
     from pipelines.frames import AudioFrame, Heard, SpeechStarted, SpeechStopped
     from pipelines.realtime_items import Reply
     from pipelines.services import Services
     from pipelines.speech import VAD
 
-    monkeypatch.setattr(realtime_events, "IDLE_TIMEOUT_MS", (10, 30000))
+    monkeypatch.setattr(realtime_config, "IDLE_TIMEOUT_MS", (10, 30000))
     sent: list[dict[str, Any]] = []
 
     def timeouts() -> int:
